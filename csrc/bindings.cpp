@@ -1,0 +1,84 @@
+// dsio._C: the private native module. Ints, pointers and fds in; counts and
+// -errno out. Every call that can block releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <sys/utsname.h>
+
+#include <cstring>
+
+#include "engine.hpp"
+#include "memory.hpp"
+
+namespace py = pybind11;
+using namespace dsio;
+
+namespace {
+
+py::dict op_stats(const OpStats& s) {
+  py::dict d;
+  d["ops"] = s.ops.load();
+  d["bytes"] = s.bytes.load();
+  d["errors"] = s.errors.load();
+  d["latency_ns"] = s.latency_ns.load();
+  py::list h;
+  for (const auto& b : s.hist) h.append(b.load());
+  d["latency_hist"] = h;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "dsio native core (private): io_uring / Linux AIO / posix engine and aligned memory";
+  m.attr("HIST_BUCKETS") = kHistBuckets;
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<const std::string&, uint64_t, unsigned, unsigned, bool, bool>(), py::arg("backend"),
+           py::arg("block_size"), py::arg("queue_depth"), py::arg("parallelism"), py::arg("single_submit"),
+           py::arg("overlap_events"))
+      .def("submit", &Engine::submit, py::arg("op"), py::arg("fd"), py::arg("buf"), py::arg("nbytes"),
+           py::arg("offset"), py::arg("tag"))
+      .def("reap", &Engine::reap)
+      .def("wait", &Engine::wait, py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
+      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
+      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("eventfd", &Engine::eventfd)
+      .def_property_readonly("backend", &Engine::backend)
+      .def_property_readonly("in_flight", &Engine::in_flight)
+      .def("statistics", [](const Engine& e) {
+        py::dict d;
+        d["read"] = op_stats(e.stats[0]);
+        d["write"] = op_stats(e.stats[1]);
+        d["fsync"] = op_stats(e.stats[2]);
+        d["submitted"] = e.submitted_.load();
+        d["completed"] = e.finished_.load();
+        d["pieces"] = e.pieces_.load();
+        d["short"] = e.short_.load();
+        d["submit_syscalls"] = e.submit_syscalls();
+        d["wait_syscalls"] = e.wait_syscalls();
+        return d;
+      });
+
+  py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
+      .def(py::init<size_t, bool>(), py::arg("nbytes"), py::arg("lock") = true)
+      .def_property_readonly("ptr", [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def_property_readonly("nbytes", &AlignedBuffer::size)
+      .def_property_readonly("locked", &AlignedBuffer::locked)
+      .def_property_readonly("lock_errno", &AlignedBuffer::lock_errno)
+      .def_buffer([](AlignedBuffer& b) -> py::buffer_info {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.size())}, {1});
+      });
+
+  m.def("memcpy", [](uintptr_t dst, uintptr_t src, size_t n) {
+    py::gil_scoped_release nogil;
+    std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+  }, py::arg("dst"), py::arg("src"), py::arg("nbytes"));
+  m.def("probe_io_uring", &probe_io_uring, "0 if io_uring works here, else -errno");
+  m.def("probe_aio", &probe_aio, "0 if Linux AIO works here, else -errno");
+  m.def("kernel_release", [] {
+    utsname u;
+    uname(&u);
+    return std::string(u.release);
+  });
+}

@@ -1,0 +1,298 @@
+#include "engine.hpp"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <stdexcept>
+#include <system_error>
+
+namespace dsio {
+namespace {
+
+uint64_t now_ns() {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
+}
+
+int bucket_for(uint64_t ns) {
+  uint64_t us = ns / 1000;
+  int b = 0;
+  while (b < kHistBuckets - 1 && (uint64_t{1} << b) <= us) ++b;
+  return b;
+}
+
+}  // namespace
+
+Engine::Engine(const std::string& backend, uint64_t block_size, unsigned queue_depth, unsigned parallelism,
+               bool single_submit, bool overlap_events)
+    : backend_name_(backend),
+      block_size_(block_size),
+      queue_depth_(queue_depth),
+      single_submit_(single_submit),
+      overlap_events_(overlap_events) {
+  if (block_size == 0 || queue_depth == 0 || parallelism == 0)
+    throw std::invalid_argument("block_size, queue_depth and parallelism must be positive");
+  // Backends are created here, in the caller's thread, so a refusal surfaces as an exception.
+  for (unsigned i = 0; i < parallelism; ++i) {
+    auto w = std::make_unique<Worker>();
+    if (backend == "io_uring")
+      w->backend.reset(make_io_uring(queue_depth));
+    else if (backend == "aio")
+      w->backend.reset(make_aio(queue_depth));
+    else if (backend == "posix")
+      w->backend.reset(make_posix());
+    else
+      throw std::invalid_argument("unknown backend: " + backend);
+    w->slots.resize(queue_depth);
+    for (unsigned s = 0; s < queue_depth; ++s) w->free.push_back(queue_depth - 1 - s);
+    workers_.push_back(std::move(w));
+  }
+  efd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (efd_ < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
+  for (auto& w : workers_) {
+    Worker* wp = w.get();
+    wp->thread = std::thread([this, wp] { run(*wp); });
+  }
+}
+
+Engine::~Engine() { close(); }
+
+void Engine::close() {
+  shutdown();
+  if (efd_ >= 0) ::close(efd_);
+  efd_ = -1;
+}
+
+void Engine::submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offset, uint64_t tag) {
+  if (op < 0 || op > 2) throw std::invalid_argument("op must be 0 (read), 1 (write) or 2 (fsync)");
+  auto* r = new Request();
+  r->tag = tag;
+  r->op = static_cast<Op>(op);
+  r->fd = fd;
+  r->buf = reinterpret_cast<char*>(buf);
+  r->nbytes = r->op == Op::Fsync ? 0 : nbytes;
+  r->offset = offset;
+  r->t_start_ns = now_ns();
+  submitted_.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> g(qmu_);
+    if (stopping_) {
+      submitted_.fetch_sub(1);
+      delete r;
+      throw std::runtime_error("engine is shut down");
+    }
+    queue_.push_back(r);
+  }
+  qcv_.notify_one();
+}
+
+// Takes the next piece off the head request. Requests that already failed, or
+// that are fully carved, leave the queue and drop their carving reference.
+bool Engine::carve(Slot& s) {
+  while (!queue_.empty()) {
+    Request* r = queue_.front();
+    bool failed = r->err.load(std::memory_order_relaxed) != 0 || r->short_io.load(std::memory_order_relaxed);
+    if (r->op == Op::Fsync && !failed) {
+      queue_.pop_front();
+      s = Slot{r, nullptr, 0, r->offset};
+      return true;  // the fsync piece inherits the carving reference
+    }
+    if (failed || r->cursor >= r->nbytes) {
+      queue_.pop_front();
+      if (r->outstanding.fetch_sub(1) == 1) finish(r);
+      continue;
+    }
+    uint64_t len = std::min(block_size_, r->nbytes - r->cursor);
+    s = Slot{r, r->buf + r->cursor, len, r->offset + static_cast<int64_t>(r->cursor)};
+    r->cursor += len;
+    r->outstanding.fetch_add(1);
+    if (r->cursor >= r->nbytes) {
+      queue_.pop_front();
+      r->outstanding.fetch_sub(1);  // cannot reach zero: this piece is outstanding
+    }
+    return true;
+  }
+  return false;
+}
+
+void Engine::run(Worker& w) {
+  Backend& be = *w.backend;
+  unsigned inflight = 0;
+  std::vector<Completion> done;
+  std::vector<uint32_t> rejected;
+  std::vector<uint32_t> resubmit;
+  for (;;) {
+    bool more = false;
+    // 1. Take new pieces, sleeping only when nothing is in flight.
+    {
+      std::unique_lock<std::mutex> lk(qmu_);
+      if (inflight == 0 && resubmit.empty()) {
+        qcv_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) break;  // stopping and drained
+      }
+      bool may_take = overlap_events_ || inflight == 0;
+      while (may_take && !w.free.empty() && inflight < queue_depth_) {
+        uint32_t slot = w.free.back();
+        if (!carve(w.slots[slot])) break;
+        w.free.pop_back();
+        const Slot& s = w.slots[slot];
+        be.prepare(slot, s.req->op, s.req->fd, s.buf, s.len, s.off);
+        ++inflight;
+        pieces_.fetch_add(1, std::memory_order_relaxed);
+      }
+      more = !queue_.empty();
+    }
+    if (more) qcv_.notify_one();  // more work than this worker can hold: wake a sibling
+    for (uint32_t slot : resubmit) {
+      const Slot& s = w.slots[slot];
+      be.prepare(slot, s.req->op, s.req->fd, s.buf, s.len, s.off);
+    }
+    resubmit.clear();
+    // 2. Submit.
+    rejected.clear();
+    int rc = be.submit(single_submit_, rejected);
+    for (uint32_t slot : rejected) done.push_back(Completion{slot, rc < 0 ? rc : -EIO});
+    // 3. Reap: one completion is enough with overlap, all of them in lock-step mode.
+    if (inflight > done.size()) {
+      unsigned need = overlap_events_ ? (done.empty() ? 1u : 0u) : inflight - static_cast<unsigned>(done.size());
+      int r = be.reap(need, done);
+      if (r < 0 && done.empty()) {
+        // The backend itself failed: fail everything this worker holds.
+        for (uint32_t s = 0; s < w.slots.size(); ++s) {
+          bool is_free = false;
+          for (uint32_t f : w.free) is_free |= (f == s);
+          if (!is_free) done.push_back(Completion{s, r});
+        }
+      }
+    } else {
+      be.reap(0, done);
+    }
+    // 4. Account completions; short transfers continue where they stopped.
+    for (const Completion& c : done) {
+      Slot& s = w.slots[c.slot];
+      if (c.result > 0 && static_cast<uint64_t>(c.result) < s.len && !s.req->err.load()) {
+        s.buf += c.result;
+        s.off += c.result;
+        s.len -= static_cast<uint64_t>(c.result);
+        s.req->done.fetch_add(static_cast<uint64_t>(c.result), std::memory_order_relaxed);
+        resubmit.push_back(c.slot);
+        continue;
+      }
+      piece_done(s.req, c.result, s);
+      w.free.push_back(c.slot);
+      --inflight;
+    }
+    done.clear();
+  }
+}
+
+void Engine::piece_done(Request* r, int64_t res, const Slot& s) {
+  if (res < 0) {
+    int expected = 0;
+    if (r->err.compare_exchange_strong(expected, static_cast<int>(-res))) r->err_offset.store(s.off);
+  } else if (r->op != Op::Fsync && static_cast<uint64_t>(res) < s.len) {
+    // Zero bytes: end of file on a read, or a write the kernel refused to extend.
+    bool expected = false;
+    if (r->short_io.compare_exchange_strong(expected, true)) r->err_offset.store(s.off + res);
+    r->done.fetch_add(static_cast<uint64_t>(res), std::memory_order_relaxed);
+  } else {
+    r->done.fetch_add(static_cast<uint64_t>(res), std::memory_order_relaxed);
+  }
+  if (r->outstanding.fetch_sub(1) == 1) finish(r);
+}
+
+void Engine::finish(Request* r) {
+  int err = r->err.load();
+  int idx = static_cast<int>(r->op);
+  OpStats& st = stats[idx];
+  uint64_t lat = now_ns() - r->t_start_ns;
+  int64_t result;
+  if (err != 0) {
+    result = -err;
+    st.errors.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    result = static_cast<int64_t>(r->done.load());
+    if (r->short_io.load()) {
+      short_.fetch_add(1, std::memory_order_relaxed);
+      st.errors.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  st.ops.fetch_add(1, std::memory_order_relaxed);
+  st.bytes.fetch_add(r->done.load(), std::memory_order_relaxed);
+  st.latency_ns.fetch_add(lat, std::memory_order_relaxed);
+  st.hist[bucket_for(lat)].fetch_add(1, std::memory_order_relaxed);
+  bool was_empty;
+  {
+    std::lock_guard<std::mutex> g(cmu_);
+    was_empty = completed_.empty();
+    completed_.emplace_back(r->tag, result, err != 0 || r->short_io.load() ? r->err_offset.load() : -1);
+  }
+  delete r;
+  finished_.fetch_add(1);
+  if (was_empty) {
+    uint64_t one = 1;
+    ssize_t w;
+    do w = ::write(efd_, &one, sizeof(one));
+    while (w < 0 && errno == EINTR);
+  }
+}
+
+std::vector<Result> Engine::reap() {
+  uint64_t count;
+  ssize_t r;
+  do r = ::read(efd_, &count, sizeof(count));
+  while (r < 0 && errno == EINTR);
+  std::vector<Result> out;
+  std::lock_guard<std::mutex> g(cmu_);
+  out.swap(completed_);
+  return out;
+}
+
+bool Engine::wait(int timeout_ms) {
+  {
+    std::lock_guard<std::mutex> g(cmu_);
+    if (!completed_.empty()) return true;
+  }
+  pollfd p{efd_, POLLIN, 0};
+  int r;
+  do r = ::poll(&p, 1, timeout_ms);
+  while (r < 0 && errno == EINTR);
+  return r > 0;
+}
+
+void Engine::shutdown() {
+  {
+    std::lock_guard<std::mutex> g(qmu_);
+    if (joined_) return;
+    stopping_ = true;
+  }
+  qcv_.notify_all();
+  for (auto& w : workers_)
+    if (w->thread.joinable()) w->thread.join();
+  std::lock_guard<std::mutex> g(qmu_);
+  joined_ = true;
+  for (auto& w : workers_) {
+    retired_submit_ += w->backend->submit_syscalls.load();
+    retired_wait_ += w->backend->wait_syscalls.load();
+  }
+  workers_.clear();  // releases rings and AIO contexts
+}
+
+uint64_t Engine::submit_syscalls() const {
+  std::lock_guard<std::mutex> g(qmu_);
+  uint64_t n = retired_submit_;
+  for (auto& w : workers_) n += w->backend->submit_syscalls;
+  return n;
+}
+uint64_t Engine::wait_syscalls() const {
+  std::lock_guard<std::mutex> g(qmu_);
+  uint64_t n = retired_wait_;
+  for (auto& w : workers_) n += w->backend->wait_syscalls;
+  return n;
+}
+
+}  // namespace dsio

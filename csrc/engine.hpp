@@ -1,0 +1,122 @@
+// The I/O engine: requests in, completions out through one eventfd.
+//
+// A request (op, fd, buffer, nbytes, offset, tag) is carved into block_size
+// pieces on demand by intra_op_parallelism worker threads. Each worker owns one
+// Backend (an io_uring ring, an AIO context, or plain syscalls) and keeps up to
+// queue_depth pieces in flight. When the last piece of a request completes the
+// worker appends (tag, result, error_offset) to the completed list and writes
+// the eventfd; the event loop's reader calls reap().
+//
+// single_submit:  true  -> one submit syscall per piece (io_uring_enter or io_submit of 1);
+//                 false -> every piece a worker has ready goes in one syscall.
+// overlap_events: true  -> sliding window: as soon as any piece completes, the
+//                          worker refills its queue (submission overlaps completion);
+//                 false -> lock-step batches: submit up to queue_depth pieces,
+//                          wait for all of them, then submit the next batch
+//                          (DeepSpeed's non-overlapped mode).
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "backend.hpp"
+
+namespace dsio {
+
+constexpr int kHistBuckets = 32;  // bucket i: latency < 2^i microseconds (last: everything above)
+
+struct OpStats {
+  std::atomic<uint64_t> ops{0}, bytes{0}, errors{0}, latency_ns{0};
+  std::array<std::atomic<uint64_t>, kHistBuckets> hist{};
+};
+
+struct Request {
+  uint64_t tag;
+  Op op;
+  int fd;
+  char* buf;
+  uint64_t nbytes;
+  int64_t offset;
+  uint64_t cursor = 0;                 // next byte to carve (guarded by the queue mutex)
+  std::atomic<int64_t> outstanding{1};  // carved pieces not yet done, +1 until fully carved
+  std::atomic<uint64_t> done{0};
+  std::atomic<int> err{0};              // first errno, 0 if none
+  std::atomic<bool> short_io{false};
+  std::atomic<int64_t> err_offset{-1};
+  uint64_t t_start_ns;
+};
+
+using Result = std::tuple<uint64_t, int64_t, int64_t>;  // tag, bytes or -errno, failing file offset
+
+class Engine {
+ public:
+  Engine(const std::string& backend, uint64_t block_size, unsigned queue_depth, unsigned parallelism,
+         bool single_submit, bool overlap_events);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  void submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offset, uint64_t tag);
+  std::vector<Result> reap();
+  // Blocks (GIL released by the binding) until the eventfd is readable or timeout_ms passes (-1: forever).
+  bool wait(int timeout_ms);
+  // Lets every queued and in-flight request finish, then joins the workers. Idempotent.
+  void shutdown();
+  // shutdown() and close the eventfd (after the caller removed it from its event loop).
+  void close();
+  int eventfd() const { return efd_; }
+  const std::string& backend() const { return backend_name_; }
+  uint64_t in_flight() const { return submitted_.load() - finished_.load(); }
+
+  OpStats stats[3];
+  std::atomic<uint64_t> submitted_{0}, finished_{0}, pieces_{0}, short_{0};
+  uint64_t submit_syscalls() const;
+  uint64_t wait_syscalls() const;
+
+ private:
+  struct Slot {
+    Request* req;
+    char* buf;
+    uint64_t len;
+    int64_t off;
+  };
+  struct Worker {
+    std::unique_ptr<Backend> backend;
+    std::thread thread;
+    std::vector<Slot> slots;
+    std::vector<uint32_t> free;
+  };
+  void run(Worker& w);
+  bool carve(Slot& s);  // queue mutex held
+  void piece_done(Request* r, int64_t res, const Slot& s);
+  void finish(Request* r);
+
+  std::string backend_name_;
+  uint64_t block_size_;
+  unsigned queue_depth_;
+  bool single_submit_, overlap_events_;
+  int efd_ = -1;
+
+  mutable std::mutex qmu_;
+  std::condition_variable qcv_;
+  std::deque<Request*> queue_;
+  bool stopping_ = false;
+  bool joined_ = false;
+  uint64_t retired_submit_ = 0, retired_wait_ = 0;
+
+  std::mutex cmu_;
+  std::vector<Result> completed_;
+
+  std::vector<std::unique_ptr<Worker>> workers_;
+};
+
+}  // namespace dsio

@@ -1,0 +1,60 @@
+"""dsio: asyncio-native tensor I/O (io_uring, Linux AIO, cuFile), async checkpoints.
+
+    async with dsio.AsyncIOHandle(dsio.IOConfig(queue_depth=32)) as h:
+        await h.pwrite(tensor, "/data/t.bin")
+        await h.pread(tensor, "/data/t.bin")
+"""
+
+from ._backends import BackendStatus, backend_status
+from ._stats import LATENCY_BUCKET_BOUNDS_S, EngineStatistics, HandleStatistics, OpStatistics
+from .config import ALIGNMENT, IOConfig
+from .errors import (
+    AlignmentError,
+    BackendUnavailableError,
+    CheckpointNotFoundError,
+    ChecksumError,
+    ClosedError,
+    ConfigError,
+    DsioError,
+    IOFailedError,
+    PoolBusyError,
+    ShortIOError,
+    TensorLayoutError,
+    UnsupportedStateError,
+    WrongLoopError,
+)
+from .file import AsyncFile
+from .handle import AsyncIOHandle
+from .pool import Lease, PinnedPool, PoolStatistics
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALIGNMENT",
+    "LATENCY_BUCKET_BOUNDS_S",
+    "AlignmentError",
+    "AsyncFile",
+    "AsyncIOHandle",
+    "BackendStatus",
+    "BackendUnavailableError",
+    "CheckpointNotFoundError",
+    "ChecksumError",
+    "ClosedError",
+    "ConfigError",
+    "DsioError",
+    "EngineStatistics",
+    "HandleStatistics",
+    "IOConfig",
+    "IOFailedError",
+    "Lease",
+    "OpStatistics",
+    "PinnedPool",
+    "PoolBusyError",
+    "PoolStatistics",
+    "ShortIOError",
+    "TensorLayoutError",
+    "UnsupportedStateError",
+    "WrongLoopError",
+    "backend_status",
+    "__version__",
+]

@@ -1,0 +1,98 @@
+"""Probe the kernel backends at run time and open an engine, falling back loudly.
+
+Order for ``backend="auto"``: io_uring, then Linux AIO, then posix worker threads.
+Each fallback is logged once per process with the reason. ``DSIO_DISABLE_BACKENDS``
+(comma separated) hides backends, so the fallback itself can be exercised.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from dataclasses import dataclass
+
+from .config import IOConfig
+from .errors import BackendUnavailableError
+
+__all__ = ["BackendStatus", "backend_status", "load_native", "open_engine", "warn_once"]
+
+log = logging.getLogger("dsio")
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` as a warning the first time ``key`` is seen in this process."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+def load_native():
+    try:
+        from . import _C
+    except ImportError as e:  # pragma: no cover - only a broken install gets here
+        raise BackendUnavailableError(
+            f"dsio's native core (dsio._C) is not built: {e}. Install with `pip install .` (needs gcc)."
+        ) from e
+    return _C
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStatus:
+    name: str
+    available: bool
+    reason: str
+    """Why it is unavailable (empty when available)."""
+
+
+def _disabled() -> set[str]:
+    return {b.strip() for b in os.environ.get("DSIO_DISABLE_BACKENDS", "").split(",") if b.strip()}
+
+
+def backend_status() -> list[BackendStatus]:
+    """Availability of each kernel backend on this machine, with the reason when unavailable."""
+    C = load_native()
+    out = []
+    for name, probe in (("io_uring", C.probe_io_uring), ("aio", C.probe_aio), ("posix", lambda: 0)):
+        if name in _disabled():
+            out.append(BackendStatus(name, False, "disabled by DSIO_DISABLE_BACKENDS"))
+            continue
+        rc = probe()
+        if rc == 0:
+            out.append(BackendStatus(name, True, ""))
+        else:
+            why = os.strerror(-rc)
+            if -rc == errno.ENOSYS:
+                why += " (kernel built without it)"
+            elif -rc == errno.EPERM:
+                why += " (blocked: seccomp, container policy or kernel.io_uring_disabled)"
+            out.append(BackendStatus(name, False, why))
+    return out
+
+
+def open_engine(cfg: IOConfig):
+    """Create a ``_C.Engine`` for ``cfg``; ``auto`` falls back in order, an explicit backend must work."""
+    C = load_native()
+    names = ["io_uring", "aio", "posix"] if cfg.backend == "auto" else [cfg.backend]
+    reasons = []
+    for name in names:
+        if name in _disabled():
+            reasons.append(f"{name}: disabled by DSIO_DISABLE_BACKENDS")
+            continue
+        try:
+            engine = C.Engine(
+                name,
+                cfg.block_size,
+                cfg.queue_depth,
+                cfg.intra_op_parallelism,
+                cfg.single_submit,
+                cfg.overlap_events,
+            )
+        except (RuntimeError, OSError) as e:
+            reasons.append(f"{name}: {e}")
+            continue
+        if reasons:
+            warn_once("fallback:" + name, f"dsio: using the {name} backend ({'; '.join(reasons)})")
+        return engine
+    raise BackendUnavailableError("no I/O backend could start: " + "; ".join(reasons))

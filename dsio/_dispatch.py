@@ -1,0 +1,133 @@
+"""Bridge from the native engine's eventfd to asyncio futures.
+
+One ``Dispatcher`` per handle. ``submit()`` hands a request to the engine and
+returns a future; the event loop watches the engine's eventfd with
+``add_reader`` and the callback reaps finished requests and resolves their
+futures. Resources tied to a request (file references, staging buffers, the
+tensor whose memory the kernel touches) are released only when the kernel is
+done with it, even if the awaiting coroutine was cancelled long before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from .errors import ClosedError, IOFailedError, ShortIOError, WrongLoopError
+
+__all__ = ["READ", "WRITE", "FSYNC", "Dispatcher"]
+
+READ, WRITE, FSYNC = 0, 1, 2
+
+
+class _Entry:
+    __slots__ = ("future", "nbytes", "path", "offset", "finalize", "keep")
+
+    def __init__(self, future, nbytes, path, offset, finalize, keep):
+        self.future = future
+        self.nbytes = nbytes
+        self.path = path
+        self.offset = offset
+        self.finalize = finalize
+        self.keep = keep
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    # A failed request whose awaiter was cancelled: mark the exception as seen.
+    if not fut.cancelled():
+        fut.exception()
+
+
+class Dispatcher:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._efd: int = engine.eventfd
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._entries: dict[int, _Entry] = {}
+        self._tags = itertools.count(1)
+        self.closed = False
+
+    # -- binding ---------------------------------------------------------------------------
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, binding to it on first use; another loop is an error."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            raise WrongLoopError("dsio handles are used from a running asyncio event loop") from None
+        if self._loop is None:
+            running.add_reader(self._efd, self._on_readable)
+            self._loop = running
+        elif running is not self._loop:
+            raise WrongLoopError(
+                "this dsio handle is bound to the event loop it first ran on; create one handle per loop"
+            )
+        return running
+
+    # -- requests --------------------------------------------------------------------------
+    def submit(
+        self,
+        op: int,
+        fd: int,
+        ptr: int,
+        nbytes: int,
+        offset: int,
+        *,
+        path: str | None,
+        finalize: Callable[[int], None] | None = None,
+        keep: Any = None,
+    ) -> asyncio.Future:
+        """Start one request. ``finalize(result)`` runs when the kernel is done, before the future
+        resolves, whether or not anyone still awaits it; ``keep`` is held alive until then."""
+        if self.closed:
+            raise ClosedError("the handle is closed")
+        loop = self.loop()
+        fut = loop.create_future()
+        tag = next(self._tags)
+        self._entries[tag] = _Entry(fut, nbytes, path, offset, finalize, keep)
+        try:
+            self.engine.submit(op, fd, ptr, nbytes, offset, tag)
+        except BaseException:
+            del self._entries[tag]
+            raise
+        return fut
+
+    @property
+    def pending(self) -> int:
+        return len(self._entries)
+
+    def futures(self) -> list[asyncio.Future]:
+        return [e.future for e in self._entries.values()]
+
+    def _on_readable(self) -> None:
+        self._complete(self.engine.reap())
+
+    def _complete(self, results) -> None:
+        for tag, res, err_off in results:
+            entry = self._entries.pop(tag)
+            if entry.finalize is not None:
+                entry.finalize(res)
+            fut = entry.future
+            if fut.done() or fut.get_loop().is_closed():
+                continue  # nobody awaits it any more; the kernel is done, resources are free
+            if res < 0:
+                fut.set_exception(IOFailedError(-res, entry.path, err_off))
+                fut.add_done_callback(_retrieve)
+            elif res != entry.nbytes:
+                fut.set_exception(ShortIOError(entry.path, err_off, res, entry.nbytes))
+                fut.add_done_callback(_retrieve)
+            else:
+                fut.set_result(res)
+
+    # -- shutdown --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Refuse new requests, let the kernel finish every request in flight, resolve them all."""
+        if self.closed:
+            return
+        self.closed = True
+        self.engine.shutdown()  # blocks, GIL released, until workers drained and joined
+        results = self.engine.reap()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._efd)
+        self._complete(results)

@@ -1,0 +1,85 @@
+"""Frozen statistics snapshots of the engine and handles (read by dsio.metrics at scrape time)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .pool import PoolStatistics
+
+__all__ = ["EngineStatistics", "HandleStatistics", "OpStatistics", "LATENCY_BUCKET_BOUNDS_S"]
+
+#: Upper bound (seconds) of each latency bucket the engine keeps: bucket i counts requests that
+#: took less than 2**i microseconds; the last bucket counts everything slower.
+LATENCY_BUCKET_BOUNDS_S: tuple[float, ...] = tuple((2**i) * 1e-6 for i in range(31)) + (float("inf"),)
+
+
+@dataclass(frozen=True, slots=True)
+class OpStatistics:
+    ops: int
+    """Requests finished (successful or not)."""
+    bytes: int
+    errors: int
+    latency_seconds_total: float
+    latency_buckets: tuple[int, ...]
+    """Non-cumulative counts per bucket of ``LATENCY_BUCKET_BOUNDS_S``."""
+
+    @classmethod
+    def _from(cls, d: dict) -> OpStatistics:
+        return cls(d["ops"], d["bytes"], d["errors"], d["latency_ns"] / 1e9, tuple(d["latency_hist"]))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    backend: str
+    read: OpStatistics
+    write: OpStatistics
+    fsync: OpStatistics
+    in_flight: int
+    """Requests submitted and not yet finished."""
+    submitted: int
+    completed: int
+    pieces: int
+    """block_size pieces handed to the kernel."""
+    short: int
+    """Requests that ended short (end of file, or a write the kernel would not finish)."""
+    submit_syscalls: int
+    wait_syscalls: int
+
+    @classmethod
+    def _from(cls, backend: str, d: dict) -> EngineStatistics:
+        return cls(
+            backend=backend,
+            read=OpStatistics._from(d["read"]),
+            write=OpStatistics._from(d["write"]),
+            fsync=OpStatistics._from(d["fsync"]),
+            in_flight=d["submitted"] - d["completed"],
+            submitted=d["submitted"],
+            completed=d["completed"],
+            pieces=d["pieces"],
+            short=d["short"],
+            submit_syscalls=d["submit_syscalls"],
+            wait_syscalls=d["wait_syscalls"],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class HandleStatistics:
+    backend: str
+    reads: int
+    """pread calls finished (successful or not)."""
+    writes: int
+    read_bytes: int
+    """Bytes of successful preads."""
+    written_bytes: int
+    errors: int
+    """Calls that raised an I/O error."""
+    in_flight: int
+    """Calls started and not yet finished."""
+    direct_bytes: int
+    """Bytes moved by O_DIRECT straight from or into caller memory."""
+    staged_bytes: int
+    """Bytes staged through the pinned pool (caller memory not 4096-aligned)."""
+    buffered_bytes: int
+    """Bytes through the page cache (unaligned heads and tails, or no O_DIRECT here)."""
+    engine: EngineStatistics
+    pool: PoolStatistics

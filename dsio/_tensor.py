@@ -1,0 +1,25 @@
+"""A tensor as raw bytes: (address, nbytes), with clear errors for what cannot be one."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import TensorLayoutError
+
+__all__ = ["as_bytes"]
+
+
+def as_bytes(tensor: object, *, what: str = "tensor") -> tuple[int, int]:
+    """Return ``(data_ptr, nbytes)`` of a contiguous dense tensor (CPU or CUDA)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TensorLayoutError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout is not torch.strided:
+        raise TensorLayoutError(f"{what} must be a dense (strided) tensor, got layout {tensor.layout}")
+    if tensor.device.type == "meta":
+        raise TensorLayoutError(f"{what} is on the meta device and has no data")
+    if not tensor.is_contiguous():
+        raise TensorLayoutError(
+            f"{what} is not contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()}); "
+            "pass tensor.contiguous() so the bytes on disk have a defined order"
+        )
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size()

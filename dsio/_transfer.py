@@ -1,0 +1,220 @@
+"""How one tensor transfer is cut up and sent: the policy half of the data path.
+
+A transfer of ``nbytes`` at file offset ``offset`` on an O_DIRECT file becomes
+
+    head  [offset, align_up(offset))            buffered fd (unaligned file offset)
+    body  [align_up(offset), align_down(end))   O_DIRECT, straight from the tensor when its memory
+                                                is 4096-aligned, else staged chunk by chunk through
+                                                PinnedPool buffers, pipelined with the disk
+    tail  [align_down(end), end)                buffered fd (unaligned length)
+
+so any size, any address and any offset work and files end exactly at ``end``. Where the
+filesystem refuses O_DIRECT the whole transfer is one buffered request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from collections.abc import Callable
+
+from ._backends import load_native, warn_once
+from ._dispatch import FSYNC, READ, WRITE, Dispatcher
+from .config import ALIGNMENT
+from .errors import ClosedError, ShortIOError
+from .pool import Lease, PinnedPool
+
+__all__ = ["FileRef", "TransferCounters", "fsync", "transfer"]
+
+_C = load_native()
+
+
+class FileRef:
+    """The fds of one open file, shared by the requests using it; closed when the last one is done.
+
+    The engine carves pieces lazily, so an fd must outlive every request that names it: closing
+    it early could let a later ``open()`` reuse the number and receive someone else's data.
+    """
+
+    def __init__(self, path: str, flags: int, *, o_direct: bool, mode: int = 0o644) -> None:
+        self.path = os.fspath(path)
+        self.direct = False
+        self._access = flags & os.O_ACCMODE
+        fd = -1
+        if o_direct:
+            try:
+                fd = os.open(self.path, flags | os.O_DIRECT | os.O_CLOEXEC, mode)
+                self.direct = True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                dev = os.path.dirname(os.path.abspath(self.path))
+                warn_once("odirect:" + dev, f"dsio: O_DIRECT not supported under {dev}; using buffered I/O")
+        if fd < 0:
+            fd = os.open(self.path, flags | os.O_CLOEXEC, mode)
+        self.fd = fd
+        self._buffered = -1 if self.direct else fd
+        self._refs = 1
+
+    def buffered_fd(self) -> int:
+        """An fd without O_DIRECT on the same inode (opened once, through /proc, rename-proof)."""
+        if self._buffered < 0:
+            self._buffered = os.open(f"/proc/self/fd/{self.fd}", self._access | os.O_CLOEXEC)
+        return self._buffered
+
+    def acquire(self) -> FileRef:
+        if self._refs <= 0:
+            raise ClosedError(f"file {self.path} is closed")
+        self._refs += 1
+        return self
+
+    def release(self) -> None:
+        self._refs -= 1
+        if self._refs == 0:
+            if self._buffered >= 0 and self._buffered != self.fd:
+                os.close(self._buffered)
+            os.close(self.fd)
+            self.fd = self._buffered = -1
+
+    @property
+    def open(self) -> bool:
+        return self._refs > 0
+
+
+class TransferCounters:
+    """Bytes by route, for statistics(): direct from caller memory, staged, buffered."""
+
+    __slots__ = ("direct", "staged", "buffered")
+
+    def __init__(self) -> None:
+        self.direct = self.staged = self.buffered = 0
+
+
+def _align_up(n: int) -> int:
+    return (n + ALIGNMENT - 1) & ~(ALIGNMENT - 1)
+
+
+def _align_down(n: int) -> int:
+    return n & ~(ALIGNMENT - 1)
+
+
+def _release_ref(ref: FileRef) -> Callable[[int], None]:
+    return lambda _res: ref.release()
+
+
+async def transfer(
+    disp: Dispatcher,
+    pool: PinnedPool,
+    ref: FileRef,
+    op: int,
+    ptr: int,
+    nbytes: int,
+    offset: int,
+    keep: object,
+    counters: TransferCounters,
+) -> None:
+    """Move ``nbytes`` between memory at ``ptr`` and ``ref`` at ``offset``; raise if any part fails.
+
+    Returns only when every request of the transfer has finished (or raised), so nothing of it
+    is still in flight afterwards unless the caller was cancelled.
+    """
+    path = ref.path
+    futs: list[asyncio.Future] = []
+    failed: list[asyncio.Future] = []
+
+    def note(f: asyncio.Future) -> None:
+        if not f.cancelled() and f.exception() is not None:
+            failed.append(f)
+
+    def submit(fd: int, p: int, n: int, off: int, finalize: Callable[[int], None]) -> None:
+        def fin(res: int, _f=finalize) -> None:
+            try:
+                _f(res)
+            finally:
+                ref.release()
+
+        ref.acquire()
+        try:
+            f = disp.submit(op, fd, p, n, off, path=path, finalize=fin, keep=keep)
+        except BaseException:
+            fin(-errno.ECANCELED)  # never reached the engine: give back the ref and any lease now
+            raise
+        f.add_done_callback(note)
+        futs.append(f)
+
+    def nothing(_res: int) -> None:
+        return None
+
+    end = offset + nbytes
+    if not ref.direct:
+        submit(ref.fd, ptr, nbytes, offset, nothing)
+        counters.buffered += nbytes
+    else:
+        body_start = min(_align_up(offset), end)
+        body_end = max(_align_down(end), body_start)
+        if body_start > offset:
+            submit(ref.buffered_fd(), ptr, body_start - offset, offset, nothing)
+        if end > body_end:
+            submit(ref.buffered_fd(), ptr + (body_end - offset), end - body_end, body_end, nothing)
+        counters.buffered += nbytes - (body_end - body_start)
+        body_ptr = ptr + (body_start - offset)
+        body_len = body_end - body_start
+        if body_len and body_ptr % ALIGNMENT == 0:
+            submit(ref.fd, body_ptr, body_len, body_start, nothing)
+            counters.direct += body_len
+        elif body_len:
+            await _staged(submit, pool, op, ref.fd, body_ptr, body_len, body_start, failed)
+            counters.staged += body_len
+    if futs:
+        await asyncio.wait(futs)
+    for f in futs:
+        exc = f.exception()
+        if exc is not None:
+            raise exc
+
+
+async def _staged(submit, pool: PinnedPool, op: int, fd: int, ptr: int, n: int, off: int, failed: list) -> None:
+    """Pipeline: each chunk takes a pool buffer (waiting when none is free), so staging the next
+    chunk overlaps the disk I/O of the previous ones. Stops early once any request failed."""
+    chunk = pool.buffer_bytes
+    pos = 0
+    while pos < n and not failed:
+        size = min(chunk, n - pos)
+        lease = await pool.acquire()
+        if op == WRITE:
+            _C.memcpy(lease.ptr, ptr + pos, size)
+            submit(fd, lease.ptr, size, off + pos, _releaser(lease))
+        else:
+            submit(fd, lease.ptr, size, off + pos, _copier(lease, ptr + pos, size))
+        pos += size
+
+
+def _releaser(lease: Lease) -> Callable[[int], None]:
+    return lambda _res: lease.release()
+
+
+def _copier(lease: Lease, dst: int, size: int) -> Callable[[int], None]:
+    def fin(res: int) -> None:
+        try:
+            if res == size:
+                _C.memcpy(dst, lease.ptr, size)
+        finally:
+            lease.release()
+
+    return fin
+
+
+async def fsync(disp: Dispatcher, ref: FileRef) -> None:
+    ref.acquire()
+    await disp.submit(FSYNC, ref.fd, 0, 0, 0, path=ref.path, finalize=_release_ref(ref))
+
+
+def check_readable(ref: FileRef, nbytes: int, offset: int) -> None:
+    """A file too short for the read is an error before any I/O."""
+    size = os.fstat(ref.fd).st_size
+    if size < offset + nbytes:
+        raise ShortIOError(ref.path, size, max(0, size - offset), nbytes)
+
+
+__all__ += ["READ", "WRITE", "check_readable"]

@@ -1,0 +1,107 @@
+"""Exceptions raised by dsio, each documented with when it is raised.
+
+Tests and callers match on these types, never on message text.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+__all__ = [
+    "AlignmentError",
+    "BackendUnavailableError",
+    "ChecksumError",
+    "CheckpointNotFoundError",
+    "ClosedError",
+    "ConfigError",
+    "DsioError",
+    "IOFailedError",
+    "PoolBusyError",
+    "ShortIOError",
+    "TensorLayoutError",
+    "UnsupportedStateError",
+    "WrongLoopError",
+]
+
+
+class DsioError(Exception):
+    """Base class of every error dsio raises on purpose."""
+
+
+class ConfigError(DsioError, ValueError):
+    """A configuration value is invalid; the message names the field and what it accepts."""
+
+
+class BackendUnavailableError(DsioError, RuntimeError):
+    """An explicitly requested backend (io_uring, aio, cufile...) cannot run on this machine."""
+
+
+class ClosedError(DsioError, RuntimeError):
+    """An operation was started on a handle, file or pool after ``close()``."""
+
+
+class WrongLoopError(DsioError, RuntimeError):
+    """A handle bound to one event loop was used from another loop (or from no loop)."""
+
+
+class AlignmentError(DsioError, ValueError):
+    """Memory or an offset does not meet an alignment the caller asked dsio to rely on."""
+
+
+class TensorLayoutError(DsioError, ValueError):
+    """A tensor dsio cannot transfer as raw bytes: not contiguous, sparse, or not a tensor at all."""
+
+
+class PoolBusyError(DsioError, RuntimeError):
+    """``PinnedPool.close()`` was called while buffers were still handed out."""
+
+
+class UnsupportedStateError(DsioError, TypeError):
+    """A checkpoint state holds a value that cannot be stored without pickling."""
+
+
+class CheckpointNotFoundError(DsioError, FileNotFoundError):
+    """No committed checkpoint matches the request."""
+
+
+class IOFailedError(DsioError, OSError):
+    """The kernel failed a read or write. Carries ``errno``, ``filename`` and ``offset``.
+
+    The whole request fails: dsio never reports a partial transfer as success.
+    """
+
+    def __init__(self, err: int, filename: str | None, offset: int | None, detail: str = "") -> None:
+        msg = os.strerror(err) if err else "I/O failed"
+        if detail:
+            msg = f"{msg} ({detail})"
+        if offset is not None and offset >= 0:
+            msg = f"{msg} at offset {offset}"
+        super().__init__(err, msg, filename)
+        self.offset = offset
+
+    def __reduce__(self):  # keep pickling (multiprocessing) working with the extra argument
+        return (type(self), (self.errno, self.filename, self.offset))
+
+
+class ShortIOError(IOFailedError):
+    """A read reached end of file before the tensor was full, or a write stored fewer bytes than asked.
+
+    ``transferred`` is how many bytes did move; ``errno`` is ``EIO``.
+    """
+
+    def __init__(
+        self, filename: str | None, offset: int | None, transferred: int = 0, expected: int = 0
+    ) -> None:
+        super().__init__(
+            _errno.EIO, filename, offset, f"short transfer: {transferred} of {expected} bytes"
+        )
+        self.transferred = transferred
+        self.expected = expected
+
+    def __reduce__(self):
+        return (type(self), (self.filename, self.offset, self.transferred, self.expected))
+
+
+class ChecksumError(DsioError, ValueError):
+    """Data read back does not match its recorded checksum; names the tensor and the file."""

@@ -1,0 +1,100 @@
+"""``AsyncFile``: one file kept open for many operations at offsets (``AsyncIOHandle.open``)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._dispatch import READ, WRITE
+from ._tensor import as_bytes
+from ._transfer import FileRef, fsync
+from .errors import ClosedError
+
+if TYPE_CHECKING:
+    from .handle import AsyncIOHandle
+
+__all__ = ["AsyncFile"]
+
+_MODES = {
+    "r": os.O_RDONLY,
+    "w": os.O_WRONLY | os.O_CREAT,
+    "r+": os.O_RDWR,
+    "w+": os.O_RDWR | os.O_CREAT,
+}
+
+
+class AsyncFile:
+    """Operations on one open file; they may run concurrently (``asyncio.gather``).
+
+    Closing is safe while operations are in flight: the fds close when the last one finishes.
+    """
+
+    def __init__(self, handle: AsyncIOHandle, path: str, mode: str) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {', '.join(_MODES)}; got {mode!r}")
+        self._h = handle
+        self.path = path
+        self.mode = mode
+        self._ref: FileRef | None = FileRef(path, _MODES[mode], o_direct=handle.config.o_direct)
+
+    def _live(self) -> FileRef:
+        if self._ref is None:
+            raise ClosedError(f"file {self.path} is closed")
+        return self._ref
+
+    @property
+    def direct(self) -> bool:
+        """Whether the file is open with O_DIRECT."""
+        return self._live().direct
+
+    async def pwrite(self, tensor: torch.Tensor, offset: int = 0) -> int:
+        """Write the tensor's bytes at ``offset`` in place; return the byte count."""
+        from .handle import _check_offset
+
+        ptr, n = as_bytes(tensor)
+        ref = self._live()
+        if tensor.is_cuda:
+            return int(await self._h._gpu_io().pwrite_file(self, tensor, _check_offset(offset)))
+        self._h._ready()
+        await self._h._run(WRITE, ref, ptr, n, _check_offset(offset), tensor)
+        return n
+
+    async def pread(self, tensor: torch.Tensor, offset: int = 0) -> int:
+        """Fill the tensor from ``offset``; a file too short is ``ShortIOError``."""
+        from .handle import _check_offset
+
+        ptr, n = as_bytes(tensor)
+        ref = self._live()
+        if tensor.is_cuda:
+            return int(await self._h._gpu_io().pread_file(self, tensor, _check_offset(offset)))
+        self._h._ready()
+        await self._h._run(READ, ref, ptr, n, _check_offset(offset), tensor)
+        return n
+
+    async def fsync(self) -> None:
+        """Make everything written so far durable (data and metadata)."""
+        self._h._ready()
+        await fsync(self._h._disp, self._live())
+
+    def truncate(self, size: int) -> None:
+        os.ftruncate(self._live().fd, size)
+
+    @property
+    def size(self) -> int:
+        return os.fstat(self._live().fd).st_size
+
+    def close(self) -> None:
+        ref, self._ref = self._ref, None
+        if ref is not None:
+            ref.release()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> AsyncFile:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,225 @@
+"""``AsyncIOHandle``: ``await handle.pwrite(tensor, path)`` / ``await handle.pread(tensor, path)``."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import weakref
+from typing import Any
+
+import torch
+
+from ._backends import open_engine
+from ._dispatch import READ, WRITE, Dispatcher
+from ._stats import EngineStatistics, HandleStatistics
+from ._tensor import as_bytes
+from ._transfer import FileRef, TransferCounters, check_readable, fsync, transfer
+from .config import IOConfig
+from .errors import BackendUnavailableError, ClosedError, IOFailedError
+from .file import AsyncFile
+from .pool import PinnedPool
+
+__all__ = ["AsyncIOHandle"]
+
+PathLike = str | os.PathLike[str]
+
+
+def _check_offset(offset: int) -> int:
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    return offset
+
+
+class AsyncIOHandle:
+    """An asyncio-native tensor I/O engine.
+
+    Each ``pread``/``pwrite`` is one awaitable resolving to the byte count; compose them with
+    ``asyncio.gather``. The handle binds to the event loop it first runs on (asyncio or uvloop)
+    and delivers completions through one eventfd read by that loop: no thread waits per
+    operation. Close it (``async with``, ``await aclose()`` or ``close()``) to free its
+    threads, rings, fds and pinned memory.
+    """
+
+    def __init__(self, config: IOConfig | None = None, **overrides: Any) -> None:
+        cfg = config if config is not None else IOConfig()
+        if overrides:
+            cfg = dataclasses.replace(cfg, **overrides)
+        self.config = cfg
+        self._engine = open_engine(cfg)
+        self._disp = Dispatcher(self._engine)
+        try:
+            self._pool = PinnedPool(cfg.pool_bytes, cfg.staging_buffer_bytes)
+        except BaseException:
+            self._engine.close()
+            raise
+        self._files: weakref.WeakSet[AsyncFile] = weakref.WeakSet()
+        self._counters = TransferCounters()
+        self._reads = self._writes = self._read_bytes = self._written_bytes = 0
+        self._errors = self._in_flight = 0
+        self._gpu: Any = None
+
+    @property
+    def backend(self) -> str:
+        """The kernel backend in use: ``io_uring``, ``aio`` or ``posix``."""
+        return str(self._engine.backend)
+
+    @property
+    def closed(self) -> bool:
+        return self._disp.closed
+
+    # -- operations ------------------------------------------------------------------------
+    async def pwrite(
+        self, tensor: torch.Tensor, path: PathLike, offset: int | None = None, *, fsync: bool = False
+    ) -> int:
+        """Write the tensor's bytes to ``path``; return the byte count.
+
+        With ``offset=None`` (the default) the file is created or replaced and ends up exactly
+        ``tensor.nbytes`` long. With an ``offset`` the bytes are written in place at that
+        offset, creating the file if needed and never truncating it. ``fsync=True`` makes the
+        data durable before returning.
+        """
+        ptr, n = as_bytes(tensor)
+        if tensor.is_cuda:
+            return int(await self._gpu_io().pwrite(tensor, path, offset, fsync=fsync))
+        self._ready()
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset is None else 0)
+        off = 0 if offset is None else _check_offset(offset)
+        ref = FileRef(os.fspath(path), flags, o_direct=self.config.o_direct)
+        try:
+            await self._run(WRITE, ref, ptr, n, off, tensor, sync=fsync)
+        finally:
+            ref.release()
+        return n
+
+    async def pread(self, tensor: torch.Tensor, path: PathLike, offset: int = 0) -> int:
+        """Fill the tensor with ``tensor.nbytes`` bytes of ``path`` from ``offset``; return the count.
+
+        A file too short to fill the tensor raises ``ShortIOError``, never a partial result.
+        """
+        ptr, n = as_bytes(tensor)
+        if tensor.is_cuda:
+            return int(await self._gpu_io().pread(tensor, path, offset))
+        self._ready()
+        off = _check_offset(offset)
+        ref = FileRef(os.fspath(path), os.O_RDONLY, o_direct=self.config.o_direct)
+        try:
+            await self._run(READ, ref, ptr, n, off, tensor)
+        finally:
+            ref.release()
+        return n
+
+    def open(self, path: PathLike, mode: str = "r") -> AsyncFile:
+        """Keep one file open for many operations at offsets: ``async with h.open(p, "w") as f``.
+
+        Modes: ``"r"`` read; ``"w"`` write, created if missing; ``"r+"`` read and write an
+        existing file; ``"w+"`` read and write, created if missing. No mode truncates:
+        call ``f.truncate(size)`` for that.
+        """
+        self._ready()
+        f = AsyncFile(self, os.fspath(path), mode)
+        self._files.add(f)
+        return f
+
+    # -- internals shared with AsyncFile -----------------------------------------------------
+    def _ready(self) -> None:
+        if self._disp.closed:
+            raise ClosedError("the handle is closed")
+        self._disp.loop()  # binds on first use; raises WrongLoopError from another loop
+
+    async def _run(
+        self, op: int, ref: FileRef, ptr: int, n: int, off: int, keep: object, *, sync: bool = False
+    ) -> None:
+        self._in_flight += 1
+        ok = False
+        try:
+            if op == READ:
+                check_readable(ref, n, off)
+            await transfer(self._disp, self._pool, ref, op, ptr, n, off, keep, self._counters)
+            if sync:
+                await fsync(self._disp, ref)
+            ok = True
+        except IOFailedError:
+            self._errors += 1
+            raise
+        finally:
+            self._in_flight -= 1
+            if op == READ:
+                self._reads += 1
+                self._read_bytes += n if ok else 0
+            else:
+                self._writes += 1
+                self._written_bytes += n if ok else 0
+
+    def _gpu_io(self) -> Any:
+        if self._gpu is None:
+            try:
+                from .gpu import GpuIO
+            except ImportError as e:  # pragma: no cover
+                raise BackendUnavailableError(f"CUDA tensor I/O is unavailable: {e}") from e
+            self._ready()
+            self._gpu = GpuIO(self)
+        return self._gpu
+
+    # -- introspection and lifetime ------------------------------------------------------------
+    def statistics(self) -> HandleStatistics:
+        c = self._counters
+        return HandleStatistics(
+            backend=self.backend,
+            reads=self._reads,
+            writes=self._writes,
+            read_bytes=self._read_bytes,
+            written_bytes=self._written_bytes,
+            errors=self._errors,
+            in_flight=self._in_flight,
+            direct_bytes=c.direct,
+            staged_bytes=c.staged,
+            buffered_bytes=c.buffered,
+            engine=EngineStatistics._from(self.backend, self._engine.statistics()),
+            pool=self._pool.statistics(),
+        )
+
+    async def aclose(self) -> None:
+        """Wait for every operation in flight, then close."""
+        pending = self._disp.futures()
+        if pending and not self._disp.closed:
+            await asyncio.wait(pending)
+        self.close()
+
+    def close(self) -> None:
+        """Close now: block until the kernel finishes what is in flight, then free everything.
+
+        Operations still awaited get their results (or errors); new ones raise ``ClosedError``.
+        """
+        if self._disp.closed:
+            return
+        self._disp.shutdown()
+        for f in list(self._files):
+            f.close()
+        if self._gpu is not None:
+            self._gpu.close()
+        self._engine.close()
+        self._pool.close()
+
+    async def __aenter__(self) -> AsyncIOHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> AsyncIOHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Best effort for handles dropped without close(): threads and pinned memory must not leak.
+        disp = getattr(self, "_disp", None)
+        if disp is not None and not disp.closed:
+            try:
+                self.close()
+            except Exception:
+                pass
