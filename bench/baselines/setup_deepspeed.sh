@@ -4,7 +4,7 @@
 #
 #   bash bench/baselines/setup_deepspeed.sh [VENV]      # default VENV=/work/ds-venv
 #
-# The async_io JIT build takes ~10 minutes on 2 cores; it is cached in VENV/torch_extensions.
+# The pin_memory + async_io JIT build took ~2.5 minutes on 2 cores; it is cached in VENV/torch_extensions.
 set -euo pipefail
 
 VENV="${1:-/work/ds-venv}"
@@ -59,7 +59,7 @@ fi
 export DS_ACCELERATOR=cpu
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 mkdir -p "$TORCH_EXTENSIONS_DIR"
-log "building/loading AsyncIOBuilder ops into $TORCH_EXTENSIONS_DIR (first time: ~10 min on 2 cores)"
+log "building/loading AsyncIOBuilder ops into $TORCH_EXTENSIONS_DIR (first time: a few minutes on 2 cores)"
 start=$(date +%s)
 "$PY" - <<'PYEOF' || die "DeepSpeed async_io build or smoke test failed (see above)"
 import os, tempfile, torch
