@@ -1,0 +1,51 @@
+"""dstrain: DeepSpeed-style training on torch.distributed — JSON config, mixed precision, ZeRO 1-3.
+
+Move a DeepSpeed script over by replacing ``import deepspeed`` with ``import dstrain``.
+"""
+
+from dstrain.checkpoint import CheckpointStore, TorchSaveStore
+from dstrain.comm import CommStatistics
+from dstrain.config import (
+    AioConfig,
+    BF16Config,
+    CheckpointConfig,
+    DSConfig,
+    FP16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
+from dstrain.engine import Engine, EngineStatistics
+from dstrain.errors import CheckpointNotFoundError, ConfigError, DstrainError, NotImplementedConfigError
+from dstrain.initialize import init_distributed, initialize
+from dstrain.precision import LossScaler, LossScalerStatistics
+from dstrain.scheduler import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from dstrain.zero import ZeroStatistics
+
+__all__ = [
+    "AioConfig",
+    "BF16Config",
+    "CheckpointConfig",
+    "CheckpointNotFoundError",
+    "CheckpointStore",
+    "CommStatistics",
+    "ConfigError",
+    "DSConfig",
+    "DstrainError",
+    "Engine",
+    "EngineStatistics",
+    "FP16Config",
+    "LossScaler",
+    "LossScalerStatistics",
+    "NotImplementedConfigError",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "TorchSaveStore",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
+    "ZeroConfig",
+    "ZeroStatistics",
+    "init_distributed",
+    "initialize",
+]

@@ -1,0 +1,124 @@
+"""Engine checkpoints: one file per rank under ``<dir>/<tag>/``, plus ``<dir>/latest`` naming the tag.
+
+Storage goes through the small `CheckpointStore` interface so the ``torch.save`` stepping stone
+(`TorchSaveStore`) can be swapped for ``dsio.checkpoint`` (safetensors, async, atomic) when that lands.
+Files are written to a temporary name, fsynced and renamed: a crash never leaves a torn file under
+the final name, and ``latest`` is written only after every rank finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from dstrain.comm import Comm
+from dstrain.errors import CheckpointNotFoundError, DstrainError
+
+__all__ = ["CheckpointStore", "TorchSaveStore", "load_rank_state", "save_rank_state"]
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointStore(Protocol):
+    """Where one rank's state dict goes."""
+
+    def write(self, path: Path, state: dict[str, Any]) -> None:
+        """Durably and atomically store ``state`` at ``path``."""
+        ...
+
+    def read(self, path: Path) -> dict[str, Any]:
+        """Return what `write` stored at ``path``."""
+        ...
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class TorchSaveStore:
+    """``torch.save`` to a temporary file, fsync, rename. Loading uses ``weights_only=True`` (no arbitrary
+    unpickling) unless ``allow_pickle`` is set, which ``client_state`` holding custom objects needs."""
+
+    def __init__(self, *, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle
+
+    def write(self, path: Path, state: dict[str, Any]) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+
+    def read(self, path: Path) -> dict[str, Any]:
+        return torch.load(path, map_location="cpu", weights_only=not self.allow_pickle)
+
+
+def _rank_file(save_dir: Path, tag: str, rank: int) -> Path:
+    return save_dir / tag / f"rank{rank:05d}.pt"
+
+
+def _validate_tag(tag: str, comm: Comm, mode: str) -> None:
+    if mode == "Ignore" or comm.world_size == 1:
+        return
+    tags: list[Any] = [None] * comm.world_size
+    dist.all_gather_object(tags, tag, group=comm.group)
+    if len(set(tags)) > 1:
+        message = f"ranks save with different checkpoint tags: {tags}"
+        if mode == "Fail":
+            raise DstrainError(message)
+        log.warning(message)
+
+
+def save_rank_state(
+    store: CheckpointStore,
+    save_dir: str | os.PathLike[str],
+    tag: str,
+    state: dict[str, Any],
+    comm: Comm,
+    *,
+    save_latest: bool = True,
+    tag_validation: str = "Warn",
+) -> Path:
+    """Every rank writes its ``state``; after a barrier rank 0 points ``latest`` at ``tag``."""
+    _validate_tag(tag, comm, tag_validation)
+    root = Path(save_dir)
+    (root / tag).mkdir(parents=True, exist_ok=True)
+    path = _rank_file(root, tag, comm.rank)
+    store.write(path, state)
+    comm.barrier()
+    if save_latest and comm.rank == 0:
+        tmp = root / "latest.tmp"
+        tmp.write_text(tag)
+        with open(tmp) as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, root / "latest")
+        _fsync_dir(root)
+    comm.barrier()
+    return path
+
+
+def load_rank_state(
+    store: CheckpointStore, load_dir: str | os.PathLike[str], tag: str | None, comm: Comm
+) -> tuple[Path, dict[str, Any]]:
+    """This rank's state from ``<load_dir>/<tag>`` (``tag`` defaults to the content of ``latest``)."""
+    root = Path(load_dir)
+    if tag is None:
+        latest = root / "latest"
+        if not latest.exists():
+            raise CheckpointNotFoundError(f"no tag given and no {latest}")
+        tag = latest.read_text().strip()
+    path = _rank_file(root, tag, comm.rank)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"no checkpoint file {path}")
+    return path, store.read(path)

@@ -1,0 +1,119 @@
+"""Thin layer over torch.distributed: world size 1 without a process group, byte counters per collective."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "CommStatistics"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommStatistics:
+    """Counters of the collectives one `Comm` issued (bytes are this rank's input sizes)."""
+
+    all_reduce_calls: int
+    all_reduce_bytes: int
+    reduce_scatter_calls: int
+    reduce_scatter_bytes: int
+    all_gather_calls: int
+    all_gather_bytes: int
+    wait_seconds: float
+    """Time spent blocked in synchronous collectives and in waits on asynchronous ones."""
+
+
+class _Done:
+    """Handle of an operation that needed no communication."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class Comm:
+    """Collectives over ``group`` (default: the world), or local no-ops when there is no process group."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self._calls = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
+        self._bytes = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
+        self._wait = 0.0
+
+    def _count(self, kind: str, t: torch.Tensor) -> None:
+        self._calls[kind] += 1
+        self._bytes[kind] += t.numel() * t.element_size()
+
+    def _run(self, fn, async_op: bool):  # type: ignore[no-untyped-def]
+        if async_op:
+            return _Timed(fn(async_op=True), self)
+        start = time.perf_counter()
+        fn(async_op=False)
+        self._wait += time.perf_counter() - start
+        return _Done()
+
+    def all_reduce(self, t: torch.Tensor, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False):  # type: ignore[no-untyped-def]
+        """In-place all-reduce of ``t``; returns a handle with ``wait()``."""
+        if self.world_size == 1:
+            return _Done()
+        t = t.detach()  # collectives write in place; never through autograd views
+        self._count("all_reduce", t)
+        return self._run(lambda async_op: dist.all_reduce(t, op=op, group=self.group, async_op=async_op), async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False):  # type: ignore[no-untyped-def]
+        """Sum ``inp`` (numel = world x out.numel) over ranks; this rank's chunk lands in ``out``."""
+        if self.world_size == 1:
+            out.copy_(inp)
+            return _Done()
+        out, inp = out.detach(), inp.detach()
+        self._count("reduce_scatter", inp)
+        return self._run(
+            lambda async_op: dist.reduce_scatter_tensor(out, inp, group=self.group, async_op=async_op), async_op
+        )
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False):  # type: ignore[no-untyped-def]
+        """Concatenate every rank's ``inp`` into ``out`` (numel = world x inp.numel)."""
+        if self.world_size == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return _Done()
+        out, inp = out.detach(), inp.detach()
+        self._count("all_gather", inp)
+        return self._run(
+            lambda async_op: dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op), async_op
+        )
+
+    def barrier(self) -> None:
+        """Block until every rank arrives (no-op at world size 1)."""
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    def statistics(self) -> CommStatistics:
+        """A snapshot of the counters."""
+        return CommStatistics(
+            all_reduce_calls=self._calls["all_reduce"],
+            all_reduce_bytes=self._bytes["all_reduce"],
+            reduce_scatter_calls=self._calls["reduce_scatter"],
+            reduce_scatter_bytes=self._bytes["reduce_scatter"],
+            all_gather_calls=self._calls["all_gather"],
+            all_gather_bytes=self._bytes["all_gather"],
+            wait_seconds=self._wait,
+        )
+
+
+class _Timed:
+    """Wraps an async work handle so the time spent in ``wait()`` is counted."""
+
+    def __init__(self, work: dist.Work, comm: Comm) -> None:
+        self._work = work
+        self._comm = comm
+
+    def wait(self) -> bool:
+        start = time.perf_counter()
+        self._work.wait()
+        self._comm._wait += time.perf_counter() - start
+        return True

@@ -1,0 +1,311 @@
+"""The sections of a DeepSpeed config (`fp16`, `zero_optimization`, `optimizer`, ...) as frozen dataclasses."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from dstrain._parse import check_bool, check_choice, check_float, check_int, reject_unknown
+from dstrain.errors import ConfigError, NotImplementedConfigError
+
+__all__ = [
+    "AioConfig",
+    "BF16Config",
+    "CheckpointConfig",
+    "FP16Config",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "ZeroConfig",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FP16Config:
+    """``"fp16"``: half-precision compute, fp32 master weights, loss scaling."""
+
+    enabled: bool = False
+    """Train in fp16."""
+    loss_scale: float = 0.0
+    """0 selects dynamic loss scaling; a positive value is a fixed scale."""
+    initial_scale_power: int = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """After this many overflow-free steps the scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated before the scale is lowered (each overflow still skips its step)."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis budget after every overflow-free step (not only on scale growth)."""
+    min_loss_scale: float = 1.0
+    """The dynamic scale never drops below this."""
+
+    _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ("auto_cast", "fp16_master_weights_and_grads")
+
+    def __post_init__(self) -> None:
+        check_bool("fp16", "enabled", self.enabled)
+        check_float("fp16", "loss_scale", self.loss_scale, min_value=0.0)
+        check_int("fp16", "initial_scale_power", self.initial_scale_power, min_value=0)
+        check_int("fp16", "loss_scale_window", self.loss_scale_window, min_value=1)
+        check_int("fp16", "hysteresis", self.hysteresis, min_value=1)
+        check_bool("fp16", "consecutive_hysteresis", self.consecutive_hysteresis)
+        check_float("fp16", "min_loss_scale", self.min_loss_scale, min_value=0.0, strict_min=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BF16Config:
+    """``"bf16"`` (alias ``"bfloat16"``): bfloat16 compute with fp32 master weights."""
+
+    enabled: bool = False
+    """Train in bf16."""
+
+    _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ("immediate_grad_update", "check_grad_overflow")
+
+    def __post_init__(self) -> None:
+        check_bool("bf16", "enabled", self.enabled)
+
+
+def _check_offload(name: str, value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"zero_optimization.{name}", f"expected an object or null, got {value!r}")
+    if value.get("device", "none") not in ("none", None):
+        raise NotImplementedConfigError(
+            f"zero_optimization.{name}.device",
+            f"offload to {value.get('device')!r} is not implemented yet (ZeRO-Infinity is a separate issue)",
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroConfig:
+    """``"zero_optimization"``: which ZeRO stage and how it communicates."""
+
+    stage: int = 0
+    """0: data parallel; 1: optimizer states partitioned; 2: + gradients; 3: + parameters."""
+    reduce_bucket_size: int = 500_000_000
+    """Elements per gradient-reduction bucket."""
+    allgather_bucket_size: int = 500_000_000
+    """Elements per parameter all-gather bucket after the optimizer step (stages 1-2)."""
+    overlap_comm: bool = False
+    """Stage 2/3: launch gradient reductions asynchronously during backward."""
+    contiguous_gradients: bool = True
+    """Copy gradients into a contiguous bucket as they are produced (always on in dstrain)."""
+    reduce_scatter: bool = True
+    """Stage 1: reduce gradients with reduce-scatter (True) or all-reduce (False)."""
+    stage3_prefetch_bucket_size: int = 50_000_000
+    """Stage 3: elements of parameters prefetched ahead of the module that needs them."""
+    stage3_param_persistence_threshold: int = 100_000
+    """Stage 3: modules whose parameters have fewer elements than this stay gathered."""
+    stage3_max_live_parameters: int = 1_000_000_000
+    """Stage 3: gathered (non-persistent) elements allowed before prefetching stops."""
+    sub_group_size: int = 1_000_000_000
+    """Elements per optimizer sub-group (matters with offload; accepted for compatibility)."""
+    offload_param: dict[str, Any] | None = None
+    """ZeRO-Infinity parameter offload; only ``null`` or ``{"device": "none"}`` is accepted yet."""
+    offload_optimizer: dict[str, Any] | None = None
+    """ZeRO-Infinity optimizer offload; only ``null`` or ``{"device": "none"}`` is accepted yet."""
+
+    _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
+        "cpu_offload",
+        "elastic_checkpoint",
+        "ignore_unused_parameters",
+        "legacy_stage1",
+        "load_from_fp32_weights",
+        "memory_efficient_linear",
+        "mics_shard_size",
+        "round_robin_gradients",
+        "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save",
+        "stage3_max_reuse_distance",
+        "stage3_module_granularity_threshold",
+        "zero_hpz_partition_size",
+        "zero_quantized_gradients",
+        "zero_quantized_weights",
+    )
+
+    def __post_init__(self) -> None:
+        p = "zero_optimization"
+        check_choice(p, "stage", self.stage, (0, 1, 2, 3))
+        for name in (
+            "reduce_bucket_size",
+            "allgather_bucket_size",
+            "sub_group_size",
+        ):
+            check_int(p, name, getattr(self, name), min_value=1)
+        for name in (
+            "stage3_prefetch_bucket_size",
+            "stage3_param_persistence_threshold",
+            "stage3_max_live_parameters",
+        ):
+            check_int(p, name, getattr(self, name), min_value=0)
+        for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter"):
+            check_bool(p, name, getattr(self, name))
+        _check_offload("offload_param", self.offload_param)
+        _check_offload("offload_optimizer", self.offload_optimizer)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AioConfig:
+    """``"aio"``: async I/O settings for ZeRO-Infinity swapping through dsio."""
+
+    block_size: int = 1_048_576
+    """Bytes per submitted I/O piece."""
+    queue_depth: int = 8
+    """I/O requests kept in flight per worker."""
+    intra_op_parallelism: int = 1
+    """Worker threads per request (DeepSpeed's older name ``thread_count`` is accepted)."""
+    single_submit: bool = False
+    """Submit one request per syscall."""
+    overlap_events: bool = True
+    """Overlap submission and completion."""
+    use_gds: bool = False
+    """Use GPUDirect Storage for CUDA tensors."""
+
+    _ALIASES: ClassVar[dict[str, str]] = {"thread_count": "intra_op_parallelism"}
+
+    def __post_init__(self) -> None:
+        check_int("aio", "block_size", self.block_size, min_value=512)
+        check_int("aio", "queue_depth", self.queue_depth, min_value=1)
+        check_int("aio", "intra_op_parallelism", self.intra_op_parallelism, min_value=1)
+        for name in ("single_submit", "overlap_events", "use_gds"):
+            check_bool("aio", name, getattr(self, name))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    """``"checkpoint"``: checkpoint options."""
+
+    tag_validation: str = "Warn"
+    """Ignore, Warn or Fail when ranks save with different tags."""
+
+    _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ("load_universal", "use_node_local_storage", "parallel_write")
+
+    def __post_init__(self) -> None:
+        check_choice("checkpoint", "tag_validation", self.tag_validation, ("Ignore", "Warn", "Fail"))
+
+
+_OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
+    "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"),
+    "adamw": ("lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam"),
+    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+}
+_OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
+_OPTIMIZER_UNIMPLEMENTED = (
+    "OneBitAdam",
+    "OneBitLamb",
+    "ZeroOneAdam",
+    "Lamb",
+    "Lion",
+    "Adagrad",
+    "MuAdam",
+    "MuAdamW",
+    "MuSGD",
+    "Muon",
+)
+
+
+def _check_params(
+    prefix: str, params: object, known: tuple[str, ...], numeric_min: dict[str, float]
+) -> None:
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{prefix}.params", f"expected an object, got {params!r}")
+    reject_unknown(params, known, (), f"{prefix}.params")
+    for name, low in numeric_min.items():
+        if name in params:
+            check_float(f"{prefix}.params", name, params[name], min_value=low)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerConfig:
+    """``"optimizer"``: ``{"type": "Adam" | "AdamW" | "SGD", "params": {...}}``.
+
+    As in DeepSpeed, ``Adam`` decouples weight decay (AdamW) unless ``"adam_w_mode": false``.
+    """
+
+    type: str
+    """Optimizer name, case-insensitive."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the optimizer."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.type, str):
+            raise ConfigError("optimizer.type", f"expected a string, got {self.type!r}")
+        key = self.type.lower()
+        if key in {n.lower() for n in _OPTIMIZER_UNIMPLEMENTED}:
+            raise NotImplementedConfigError("optimizer.type", f"{self.type} is not implemented yet")
+        if key not in _OPTIMIZER_PARAMS:
+            check_choice("optimizer", "type", self.type, list(_OPTIMIZER_NAMES.values()))
+        numeric = {"lr": 0.0, "eps": 0.0, "weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0}
+        _check_params("optimizer", self.params, _OPTIMIZER_PARAMS[key], numeric)
+        betas = self.params.get("betas")
+        if betas is not None and (
+            not isinstance(betas, list | tuple)
+            or len(betas) != 2
+            or not all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in betas)
+        ):
+            raise ConfigError("optimizer.params.betas", f"expected two numbers in [0, 1), got {betas!r}")
+        for flag in ("amsgrad", "adam_w_mode", "torch_adam", "nesterov"):
+            if flag in self.params:
+                check_bool("optimizer.params", flag, self.params[flag])
+
+    @property
+    def name(self) -> str:
+        """Canonical name: ``Adam``, ``AdamW`` or ``SGD``."""
+        return _OPTIMIZER_NAMES[self.type.lower()]
+
+
+_SCHEDULER_PARAMS: dict[str, tuple[str, ...]] = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"),
+    "WarmupDecayLR": (
+        "warmup_min_lr",
+        "warmup_max_lr",
+        "warmup_num_steps",
+        "warmup_type",
+        "total_num_steps",
+        "last_batch_iteration",
+    ),
+    "WarmupCosineLR": (
+        "total_num_steps",
+        "warmup_min_ratio",
+        "warmup_num_steps",
+        "cos_min_ratio",
+        "warmup_type",
+        "last_batch_iteration",
+    ),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerConfig:
+    """``"scheduler"``: ``{"type": "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR", "params": {...}}``."""
+
+    type: str
+    """Schedule name."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the schedule."""
+
+    def __post_init__(self) -> None:
+        if self.type in ("OneCycle", "LRRangeTest"):
+            raise NotImplementedConfigError("scheduler.type", f"{self.type} is not implemented yet")
+        check_choice("scheduler", "type", self.type, list(_SCHEDULER_PARAMS))
+        numeric = {
+            "warmup_min_lr": 0.0,
+            "warmup_max_lr": 0.0,
+            "warmup_num_steps": 0.0,
+            "total_num_steps": 1.0,
+            "warmup_min_ratio": 0.0,
+            "cos_min_ratio": 0.0,
+        }
+        _check_params("scheduler", self.params, _SCHEDULER_PARAMS[self.type], numeric)
+        if "warmup_type" in self.params:
+            check_choice("scheduler.params", "warmup_type", self.params["warmup_type"], ("log", "linear"))
+        if self.type == "WarmupDecayLR" and "total_num_steps" not in self.params:
+            raise ConfigError("scheduler.params.total_num_steps", "is required by WarmupDecayLR")
+        if self.type == "WarmupCosineLR" and "total_num_steps" not in self.params:
+            raise ConfigError("scheduler.params.total_num_steps", "is required by WarmupCosineLR")
+        steps = self.params.get("total_num_steps")
+        warm = self.params.get("warmup_num_steps", 0)
+        if steps is not None and warm > steps:
+            raise ConfigError(
+                "scheduler.params.warmup_num_steps", f"{warm} exceeds total_num_steps ({steps})"
+            )

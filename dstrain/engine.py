@@ -1,0 +1,295 @@
+"""`Engine`: forward / backward / step with gradient accumulation, clipping and checkpoints.
+
+The engine wires the parts together and owns none of their logic: `Precision` (dtype, loss scale),
+a `ZeroStrategy` (parameter storage, master weights, gradient reduction), the torch optimizer over
+the master tensors, an optional `LRSchedule`, and a `CheckpointStore`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dstrain.checkpoint import CheckpointStore, load_rank_state, save_rank_state
+from dstrain.comm import Comm, CommStatistics
+from dstrain.config import DSConfig
+from dstrain.errors import DstrainError
+from dstrain.precision import Precision
+from dstrain.scheduler import LRSchedule
+from dstrain.zero.base import ZeroStatistics, ZeroStrategy
+
+__all__ = ["Engine", "EngineStatistics"]
+
+log = logging.getLogger(__name__)
+
+_FORMAT = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineStatistics:
+    """Counters and cumulative timings of one rank's engine."""
+
+    global_steps: int
+    """Optimizer steps attempted (including skipped ones), as in DeepSpeed."""
+    micro_steps: int
+    skipped_steps: int
+    """Steps skipped because fp16 gradients overflowed."""
+    loss_scale: float
+    last_grad_norm: float
+    """Global gradient norm of the last step (nan when neither clipping nor fp16 needed it)."""
+    samples: int
+    """Micro-batch samples this rank processed (counted when the first input tensor has a batch dim)."""
+    forward_seconds: float
+    backward_seconds: float
+    step_seconds: float
+    """Time in `Engine.step` at accumulation boundaries: reduction, unscale, optimizer, gather."""
+    last_step_seconds: float
+    """Wall time between the last two optimizer steps."""
+    comm: CommStatistics
+    zero: ZeroStatistics
+
+
+class Engine:
+    """What `dstrain.initialize` returns first; call it like the model."""
+
+    def __init__(
+        self,
+        *,
+        module: torch.nn.Module,
+        config: DSConfig,
+        comm: Comm,
+        precision: Precision,
+        zero: ZeroStrategy,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: LRSchedule | None,
+        store: CheckpointStore,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.comm = comm
+        self.precision = precision
+        self.zero = zero
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.store = store
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._grad_norm = float("nan")
+        self._samples = 0
+        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self._last_step_end: float | None = None
+        self._last_step_seconds = 0.0
+
+    # -- training ----------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module; floating-point inputs are cast to the compute dtype (fp16/bf16)."""
+        start = time.perf_counter()
+        args = self.precision.cast_inputs(args)
+        kwargs = self.precision.cast_inputs(kwargs)
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is not None and first.dim() > 0:
+            self._samples += first.shape[0]
+        out = self.module(*args, **kwargs)
+        self._times["forward"] += time.perf_counter() - start
+        return out
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next `step` will update the weights."""
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of ``loss`` x loss scale / accumulation steps; gradients accumulate over micro-steps."""
+        start = time.perf_counter()
+        boundary = self.is_gradient_accumulation_boundary()
+        self.zero.before_backward(boundary)
+        self.precision.scale_loss(loss, self.config.gradient_accumulation_steps).backward()
+        self.zero.after_backward(boundary)
+        self._times["backward"] += time.perf_counter() - start
+        return loss
+
+    def step(self) -> None:
+        """At an accumulation boundary: reduce, unscale, check overflow, clip, update; always count the micro-step."""
+        if self.is_gradient_accumulation_boundary():
+            start = time.perf_counter()
+            self.zero.reduce_gradients()
+            overflow, self._grad_norm = self.precision.unscale_and_clip(
+                self.zero.master_grads(),
+                self.comm,
+                partitioned=self.zero.partitioned,
+                clip=self.config.gradient_clipping,
+            )
+            if overflow:
+                self.skipped_steps += 1
+            else:
+                self.optimizer.step()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            self.zero.after_step(stepped=not overflow)
+            self.zero.zero_grad()
+            self.global_steps += 1
+            end = time.perf_counter()
+            self._times["step"] += end - start
+            if self._last_step_end is not None:
+                self._last_step_seconds = end - self._last_step_end
+            self._last_step_end = end
+            self._report(overflow)
+        self.micro_steps += 1
+
+    def _report(self, overflow: bool) -> None:
+        if self.comm.rank != 0 or self.global_steps % self.config.steps_per_print:
+            return
+        log.info(
+            "step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%.4g%s",
+            self.global_steps,
+            self.skipped_steps,
+            self.get_lr(),
+            self.precision.loss_scale,
+            self._grad_norm,
+            " (overflow)" if overflow else "",
+        )
+        if self.config.wall_clock_breakdown:
+            t = self._times
+            log.info("time: forward=%.3fs backward=%.3fs step=%.3fs", t["forward"], t["backward"], t["step"])
+
+    # -- accessors DeepSpeed users call ---------------------------------------------------------
+
+    def get_lr(self) -> list[float]:
+        """Current learning rate of each param group."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        """Current loss scale (1.0 unless fp16)."""
+        return self.precision.loss_scale
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.zero.stage
+
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of counters and timings."""
+        return EngineStatistics(
+            global_steps=self.global_steps,
+            micro_steps=self.micro_steps,
+            skipped_steps=self.skipped_steps,
+            loss_scale=self.precision.loss_scale,
+            last_grad_norm=self._grad_norm,
+            samples=self._samples,
+            forward_seconds=self._times["forward"],
+            backward_seconds=self._times["backward"],
+            step_seconds=self._times["step"],
+            last_step_seconds=self._last_step_seconds,
+            comm=self.comm.statistics(),
+            zero=self.zero.statistics(),
+        )
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _module_states(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """(entries every rank saves: buffers and frozen parameters, full state dict on rank 0 below stage 3)."""
+        trainable = {n for n, p in self.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+        sd = self.module.state_dict()
+        extra = {k: v for k, v in sd.items() if k not in trainable}
+        return extra, sd if self.zero.stage < 3 and self.comm.rank == 0 else None
+
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> Path:
+        """Every rank saves its partitions, optimizer state and counters to ``<save_dir>/<tag>``."""
+        tag = tag or f"global_step{self.global_steps}"
+        extra, full = self._module_states()
+        state = {
+            "format": _FORMAT,
+            "zero": self.zero.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+            "precision": self.precision.state_dict(),
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps,
+            "rng": torch.get_rng_state(),
+            "module_extra": extra,
+            "module": full,
+            "client_state": client_state or {},
+        }
+        return save_rank_state(
+            self.store,
+            save_dir,
+            tag,
+            state,
+            self.comm,
+            save_latest=save_latest,
+            tag_validation=self.config.checkpoint.tag_validation,
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+    ) -> tuple[Path, dict[str, Any]]:
+        """Restore what `save_checkpoint` wrote (same stage and world size); returns (path, client_state)."""
+        path, state = load_rank_state(self.store, load_dir, tag, self.comm)
+        if state.get("format") != _FORMAT:
+            raise DstrainError(f"{path}: unknown checkpoint format {state.get('format')!r}")
+        saved = state["zero"]
+        if saved["stage"] != self.zero.stage or saved["world_size"] != self.comm.world_size:
+            raise DstrainError(
+                f"{path} was saved at ZeRO stage {saved['stage']} with world size {saved['world_size']}; "
+                f"this engine runs stage {self.zero.stage} with world size {self.comm.world_size}"
+            )
+        self.zero.load_state_dict(saved)
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.precision.load_state_dict(state["precision"])
+        self.module.load_state_dict(state["module_extra"], strict=False)
+        self.global_steps = int(state["global_steps"])
+        self.micro_steps = int(state["micro_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        torch.set_rng_state(state["rng"])
+        return path, state["client_state"]
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Remove the ZeRO strategy's hooks (the model keeps its current weights)."""
+        self.zero.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,33 @@
+"""Exceptions raised by dstrain, each documented with when it is raised."""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointNotFoundError", "ConfigError", "DstrainError", "NotImplementedConfigError"]
+
+
+class DstrainError(Exception):
+    """Base class of every exception dstrain raises on purpose."""
+
+
+class ConfigError(DstrainError, ValueError):
+    """A DeepSpeed-style config is invalid.
+
+    Raised at construction of a config dataclass (or by `DSConfig.load`) when a key is unknown, a
+    value has the wrong type or range, or the batch sizes disagree with the world size. ``field`` is
+    the dotted path of the offending key, e.g. ``"zero_optimization.stage"``.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class NotImplementedConfigError(ConfigError):
+    """A key DeepSpeed accepts and dstrain recognises but does not implement yet.
+
+    dstrain never ignores such a key silently: a config that relies on it fails at load time.
+    """
+
+
+class CheckpointNotFoundError(DstrainError, FileNotFoundError):
+    """`Engine.load_checkpoint` found no checkpoint (no ``latest`` file and no tag given, or no such tag)."""

@@ -1,0 +1,91 @@
+"""What every ZeRO strategy provides to the engine."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dstrain.comm import Comm
+
+__all__ = ["ZeroStatistics", "ZeroStrategy"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroStatistics:
+    """Memory and gather counters of one rank's ZeRO strategy."""
+
+    stage: int
+    world_size: int
+    model_numel: int
+    """Trainable parameter elements of the whole model."""
+    master_numel: int
+    """fp32 master elements held by this rank (its partition, or everything at stage 0)."""
+    resident_param_numel: int
+    """Parameter elements in this rank's storage right now (at stage 3: shards plus gathered)."""
+    peak_resident_param_numel: int
+    """The largest `resident_param_numel` seen (stage 3; otherwise equal to it)."""
+    gathers: int
+    """Stage 3 all-gathers issued (including prefetches)."""
+    prefetches: int
+    """Stage 3 gathers issued ahead of need from the recorded order."""
+
+
+class ZeroStrategy(ABC):
+    """Owns the flat parameter storage, the fp32 master copy and gradient reduction of one stage.
+
+    The engine calls, in order per optimizer step: `before_backward` / `after_backward` for each
+    micro-step, then `reduce_gradients`, `master_grads` (to unscale and clip), the optimizer's step on
+    `param_groups`, `after_step`, `zero_grad`.
+    """
+
+    stage: int
+    comm: Comm
+
+    @property
+    @abstractmethod
+    def partitioned(self) -> bool:
+        """True when each rank's master gradients are a different slice (norms sum over ranks)."""
+
+    @abstractmethod
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Optimizer param groups over the fp32 master tensors, with the user's group options."""
+
+    def before_backward(self, boundary: bool) -> None:
+        """Called before each micro-step's backward."""
+
+    def after_backward(self, boundary: bool) -> None:
+        """Called after each micro-step's backward."""
+
+    @abstractmethod
+    def reduce_gradients(self) -> None:
+        """At a gradient-accumulation boundary: average gradients over ranks into the master grads."""
+
+    @abstractmethod
+    def master_grads(self) -> list[torch.Tensor]:
+        """The fp32 gradients of the master tensors (what precision unscales and clips)."""
+
+    @abstractmethod
+    def after_step(self, stepped: bool) -> None:
+        """Write updated master weights back into the model's parameters (gathering them as needed)."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Clear all accumulated gradients."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's master partitions (and what is needed to check they fit on load)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore master partitions saved by `state_dict` and refresh the model's parameters."""
+
+    @abstractmethod
+    def statistics(self) -> ZeroStatistics:
+        """A snapshot of memory and gather counters."""
+
+    def close(self) -> None:
+        """Remove hooks; the model keeps its current parameter values."""

@@ -1,0 +1,259 @@
+"""ZeRO stages 0, 1 and 2: parameters replicated, optimizer state (1) and gradients (2) partitioned.
+
+Every param group's trainable parameters become views into one flat buffer (``FlatLayout``), so
+reductions and gathers are a few large collectives. fp32 training aliases the master weights to the
+flat buffer itself (no copy); fp16/bf16 keep an fp32 master copy of this rank's range.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dstrain.comm import Comm
+from dstrain.config_sections import ZeroConfig
+from dstrain.zero.base import ZeroStatistics, ZeroStrategy
+from dstrain.zero.flat import FlatLayout
+
+__all__ = ["DataParallelZero"]
+
+
+class _Group:
+    """One param group: flat params, its master range and gradient storage."""
+
+    def __init__(
+        self, options: dict[str, Any], params: list[torch.nn.Parameter], stage: int, comm: Comm, dtype: torch.dtype
+    ) -> None:
+        self.options = options
+        self.params = params
+        self.layout = FlatLayout(params, comm.world_size, comm.rank)
+        self.flat = self.layout.flatten(params, dtype)  # (padded,)
+        for p, view in zip(params, self.layout.views(self.flat), strict=True):
+            p.data = view
+        lo, hi = (0, self.layout.padded) if stage == 0 else (self.layout.lo, self.layout.hi)
+        self.range = (lo, hi)
+        self.alias = dtype == torch.float32
+        # fp32: the optimizer updates the flat buffer in place; otherwise an fp32 copy of our range
+        self.master = self.flat[lo:hi] if self.alias else self.flat[lo:hi].float()
+        self.master.requires_grad_(True)
+        self.flat_grad: torch.Tensor | None = None  # (padded,) stages 0-1: autograd accumulates here
+        self.part_grad: torch.Tensor | None = None  # (shard,) stage 1 reduce-scatter output
+        if stage < 2:
+            self.flat_grad = torch.zeros_like(self.flat)
+            self.grad_views = self.layout.views(self.flat_grad)
+            self.attach_grads()
+        if stage == 1 and not self.alias:
+            self.part_grad = torch.zeros(hi - lo, dtype=dtype)
+        if self.alias and stage == 0:
+            assert self.flat_grad is not None
+            self.master.grad = self.flat_grad
+        elif self.alias and stage == 1:
+            self.master.grad = torch.zeros(hi - lo, dtype=torch.float32)
+            self.part_grad = self.master.grad
+        else:
+            # stage 2 accumulates reduced gradients of every micro-step here, in fp32
+            self.master.grad = torch.zeros(hi - lo, dtype=torch.float32)
+
+    def attach_grads(self) -> None:
+        """Point every ``param.grad`` at its view of ``flat_grad`` (autograd then adds in place)."""
+        for p, g in zip(self.params, self.grad_views, strict=True):
+            if p.grad is None or p.grad.data_ptr() != g.data_ptr():
+                if p.grad is not None:
+                    g.copy_(p.grad)
+                p.grad = g
+
+
+class DataParallelZero(ZeroStrategy):
+    """Stages 0-2 over ``comm``; ``groups`` are optimizer param groups of trainable parameters."""
+
+    def __init__(
+        self, groups: list[dict[str, Any]], *, stage: int, config: ZeroConfig, comm: Comm, dtype: torch.dtype
+    ) -> None:
+        if stage not in (0, 1, 2):
+            raise ValueError(f"DataParallelZero handles stages 0-2, not {stage}")
+        self.stage = stage
+        self.comm = comm
+        self.config = config
+        self.dtype = dtype
+        self.groups = [
+            _Group({k: v for k, v in g.items() if k != "params"}, list(g["params"]), stage, comm, dtype)
+            for g in groups
+        ]
+        self._hooks: list[Any] = []
+        self._buckets: _Stage2Buckets | None = None
+        if stage == 2:
+            self._buckets = _Stage2Buckets(self.groups, config, comm, dtype)
+            for gi, group in enumerate(self.groups):
+                for pi, p in enumerate(group.params):
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._buckets.hook(gi, pi)))
+
+    @property
+    def partitioned(self) -> bool:
+        return self.stage > 0 and self.comm.world_size > 1
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [{"params": [g.master], **g.options} for g in self.groups]
+
+    def before_backward(self, boundary: bool) -> None:
+        if self.stage < 2:
+            for g in self.groups:
+                g.attach_grads()
+
+    def after_backward(self, boundary: bool) -> None:
+        if self._buckets is not None:
+            self._buckets.drain()
+
+    def reduce_gradients(self) -> None:
+        world = self.comm.world_size
+        if self.stage == 2:
+            return  # reduced during backward, every micro-step
+        for g in self.groups:
+            assert g.flat_grad is not None
+            if self.stage == 1 and self.config.reduce_scatter and world > 1:
+                assert g.part_grad is not None
+                self.comm.reduce_scatter(g.part_grad, g.flat_grad)
+                g.part_grad.div_(world)
+            else:
+                self._all_reduce_bucketed(g.flat_grad)
+                if self.stage == 1:
+                    assert g.part_grad is not None
+                    g.part_grad.copy_(g.flat_grad[g.range[0] : g.range[1]])
+            src = g.flat_grad if self.stage == 0 else g.part_grad
+            assert src is not None and g.master.grad is not None
+            if g.master.grad.data_ptr() != src.data_ptr():
+                g.master.grad.copy_(src)
+
+    def _all_reduce_bucketed(self, flat: torch.Tensor) -> None:
+        world = self.comm.world_size
+        if world == 1:
+            return
+        size = self.config.reduce_bucket_size
+        handles = [self.comm.all_reduce(flat[i : i + size], async_op=True) for i in range(0, flat.numel(), size)]
+        for h in handles:
+            h.wait()
+        flat.div_(world)
+
+    def master_grads(self) -> list[torch.Tensor]:
+        return [g.master.grad for g in self.groups if g.master.grad is not None]
+
+    def after_step(self, stepped: bool) -> None:
+        if not stepped:
+            return
+        for g in self.groups:
+            lo, hi = g.range
+            if not g.alias:
+                g.flat[lo:hi].copy_(g.master.detach())
+            if self.stage > 0:
+                self.comm.all_gather(g.flat, g.flat[lo:hi])
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            if g.flat_grad is not None:
+                g.flat_grad.zero_()
+            if g.part_grad is not None:
+                g.part_grad.zero_()
+            if g.master.grad is not None:
+                g.master.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "world_size": self.comm.world_size,
+            "numels": [g.layout.total for g in self.groups],
+            "master": [g.master.detach() for g in self.groups],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for g, master in zip(self.groups, state["master"], strict=True):
+            with torch.no_grad():
+                g.master.copy_(master)
+                lo, hi = g.range
+                if not g.alias:
+                    g.flat[lo:hi].copy_(master)
+            if self.stage > 0:
+                self.comm.all_gather(g.flat, g.flat[lo:hi])
+
+    def statistics(self) -> ZeroStatistics:
+        resident = sum(g.layout.padded for g in self.groups)
+        return ZeroStatistics(
+            stage=self.stage,
+            world_size=self.comm.world_size,
+            model_numel=sum(g.layout.total for g in self.groups),
+            master_numel=sum(g.master.numel() for g in self.groups),
+            resident_param_numel=resident,
+            peak_resident_param_numel=resident,
+            gathers=0,
+            prefetches=0,
+        )
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+class _Stage2Buckets:
+    """Stage 2: copy each gradient into a bucket as autograd produces it, reduce full buckets, keep only
+    this rank's range (in fp32 ``master.grad``), and free the parameter's gradient at once."""
+
+    def __init__(self, groups: list[_Group], config: ZeroConfig, comm: Comm, dtype: torch.dtype) -> None:
+        self.groups = groups
+        self.comm = comm
+        self.capacity = config.reduce_bucket_size
+        self.overlap = config.overlap_comm
+        self.dtype = dtype
+        self.buffer: torch.Tensor | None = None
+        self.used = 0
+        self.entries: list[tuple[int, int, int]] = []  # (group, param index, bucket offset)
+        self.pending: list[tuple[Any, torch.Tensor, list[tuple[int, int, int]]]] = []
+
+    def hook(self, gi: int, pi: int):  # type: ignore[no-untyped-def]
+        def on_grad(p: torch.Tensor) -> None:
+            assert p.grad is not None
+            self.add(gi, pi, p.grad)
+            p.grad = None
+
+        return on_grad
+
+    def add(self, gi: int, pi: int, grad: torch.Tensor) -> None:
+        n = grad.numel()
+        if self.used and self.used + n > (self.buffer.numel() if self.buffer is not None else 0):
+            self.flush()
+        if self.buffer is None:
+            self.buffer = torch.empty(max(self.capacity, n), dtype=self.dtype)
+        self.buffer[self.used : self.used + n].copy_(grad.reshape(-1))
+        self.entries.append((gi, pi, self.used))
+        self.used += n
+
+    def flush(self) -> None:
+        if not self.used or self.buffer is None:
+            return
+        data = self.buffer[: self.used]
+        handle = self.comm.all_reduce(data, async_op=self.overlap)
+        self.pending.append((handle, data, self.entries))
+        self.buffer, self.used, self.entries = None, 0, []
+        if not self.overlap or len(self.pending) > 1:
+            self._finish(keep=1 if self.overlap else 0)
+
+    def _finish(self, keep: int = 0) -> None:
+        world = self.comm.world_size
+        while len(self.pending) > keep:
+            handle, data, entries = self.pending.pop(0)
+            handle.wait()
+            for gi, pi, boff in entries:
+                group = self.groups[gi]
+                span = group.layout.overlap(pi)
+                if span is None:
+                    continue
+                start, end = span
+                off = group.layout.offsets[pi]
+                lo = group.range[0]
+                assert group.master.grad is not None
+                piece = data[boff + start - off : boff + end - off]
+                group.master.grad[start - lo : end - lo].add_(piece, alpha=1.0 / world)
+
+    def drain(self) -> None:
+        """End of a backward: reduce the last bucket and wait for every reduction."""
+        self.flush()
+        self._finish(keep=0)

@@ -1,0 +1,207 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all partitioned over ranks.
+
+Each rank keeps only its shard of every parameter (`Unit`); `GatherScheduler` hooks gather a
+module's parameters just before it runs and release them after, forward and backward. Gradients
+are reduce-scattered per unit as soon as autograd has produced all of them, into fp32 shards the
+optimizer steps. Not implemented: ``zero.Init`` (the model is built whole on every rank first) and
+parameters used outside the module that owns them (DeepSpeed's ``register_external_parameter``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dstrain.comm import Comm
+from dstrain.config_sections import ZeroConfig
+from dstrain.zero.base import ZeroStatistics, ZeroStrategy
+from dstrain.zero.gather import GatherScheduler
+from dstrain.zero.units import Unit
+
+__all__ = ["Stage3Zero"]
+
+
+class _Group:
+    """A param group's units; their shards are views of one buffer that the optimizer steps."""
+
+    def __init__(self, options: dict[str, Any], units: list[Unit], dtype: torch.dtype) -> None:
+        self.options = options
+        self.units = units
+        total = sum(u.layout.shard for u in units)
+        self.shards = torch.zeros(total, dtype=dtype)  # (sum of shards,)
+        self.offsets: dict[int, int] = {}
+        off = 0
+        for u in units:
+            self.offsets[u.index] = off
+            u.bind_shard(self.shards[off : off + u.layout.shard])
+            off += u.layout.shard
+        self.alias = dtype == torch.float32
+        self.master = self.shards if self.alias else self.shards.float()
+        self.master.requires_grad_(True)
+        self.master.grad = torch.zeros(total, dtype=torch.float32)
+
+
+class Stage3Zero(ZeroStrategy):
+    """Stage 3 for ``module``; ``groups`` are optimizer param groups of trainable parameters."""
+
+    stage = 3
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        groups: list[dict[str, Any]],
+        *,
+        config: ZeroConfig,
+        comm: Comm,
+        dtype: torch.dtype,
+    ) -> None:
+        self.comm = comm
+        self.config = config
+        self.dtype = dtype
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        owner: dict[int, Unit] = {}
+        units: list[Unit] = []
+        per_group: list[list[Unit]] = [[] for _ in groups]
+        module_units: dict[torch.nn.Module, list[Unit]] = {}
+        for sub in module.modules():
+            direct = [p for p in sub.parameters(recurse=False) if id(p) in group_of]
+            for gi in range(len(groups)):
+                mine = [p for p in direct if group_of[id(p)] == gi and id(p) not in owner]
+                if mine:
+                    unit = Unit(len(units), mine, comm, dtype)
+                    unit.persistent = unit.layout.total < config.stage3_param_persistence_threshold
+                    units.append(unit)
+                    per_group[gi].append(unit)
+                    for p in mine:
+                        owner[id(p)] = unit
+            needed = list(dict.fromkeys(owner[id(p)] for p in direct))  # tied weights: the owner's unit
+            if needed:
+                module_units[sub] = needed
+        self.units = units
+        self.groups = [
+            _Group({k: v for k, v in g.items() if k != "params"}, per_group[gi], dtype) for gi, g in enumerate(groups)
+        ]
+        for unit in units:
+            unit.release()
+        self.scheduler = GatherScheduler(module, module_units, units, config)
+        self._unit_group = {u.index: g for g in self.groups for u in g.units}
+        self._pending: list[tuple[Any, torch.Tensor, Unit]] = []
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._grad_hook(unit)) for unit in units for p in unit.params
+        ]
+
+    @property
+    def partitioned(self) -> bool:
+        return self.comm.world_size > 1
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [{"params": [g.master], **g.options} for g in self.groups]
+
+    # -- gradients ---------------------------------------------------------------------------
+
+    def _grad_hook(self, unit: Unit):  # type: ignore[no-untyped-def]
+        def hook(p: torch.Tensor) -> None:
+            unit.grads_ready += 1
+            if unit.grads_ready == len(unit.params):
+                self._reduce(unit)
+                unit.release()
+
+        return hook
+
+    def _reduce(self, unit: Unit) -> None:
+        flat = unit.pop_flat_grad(self.dtype)  # (padded,)
+        out = torch.empty(unit.layout.shard, dtype=self.dtype)
+        handle = self.comm.reduce_scatter(out, flat, async_op=self.config.overlap_comm)
+        self._pending.append((handle, out, unit))
+        del flat  # the pending handle keeps the input alive inside the process group
+        if not self.config.overlap_comm or len(self._pending) > 2:
+            self._finish(keep=1 if self.config.overlap_comm else 0)
+
+    def _finish(self, keep: int = 0) -> None:
+        world = self.comm.world_size
+        while len(self._pending) > keep:
+            handle, out, unit = self._pending.pop(0)
+            handle.wait()
+            group = self._unit_group[unit.index]
+            off = group.offsets[unit.index]
+            assert group.master.grad is not None
+            group.master.grad[off : off + unit.layout.shard].add_(out, alpha=1.0 / world)
+
+    def after_backward(self, boundary: bool) -> None:
+        for unit in self.units:
+            if unit.grads_ready:  # some parameters of the unit were unused this pass
+                self._reduce(unit)
+        self._finish(keep=0)
+        for unit in self.units:
+            unit.release()
+
+    def reduce_gradients(self) -> None:
+        return  # reduce-scattered during backward, every micro-step
+
+    def master_grads(self) -> list[torch.Tensor]:
+        return [g.master.grad for g in self.groups if g.master.grad is not None]
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def after_step(self, stepped: bool) -> None:
+        if not stepped:
+            return
+        for g in self.groups:
+            if not g.alias:
+                g.shards.copy_(g.master.detach())
+        for unit in self.units:
+            unit.regather()  # persistent units stay gathered: refresh them
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            assert g.master.grad is not None
+            g.master.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "stage": 3,
+            "world_size": self.comm.world_size,
+            "numels": [[u.layout.total for u in g.units] for g in self.groups],
+            "master": [g.master.detach() for g in self.groups],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["numels"] != [[u.layout.total for u in g.units] for g in self.groups]:
+            raise ValueError("checkpoint was saved from a model with different parameters")
+        with torch.no_grad():
+            for g, master in zip(self.groups, state["master"], strict=True):
+                g.master.copy_(master)
+                if not g.alias:
+                    g.shards.copy_(master)
+        for unit in self.units:
+            unit.regather()
+
+    def gathered_module(self) -> None:
+        """Gather every unit (for evaluation or export); `release_all` undoes it."""
+        for unit in self.units:
+            unit.finish_gather()
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            unit.release()
+
+    def statistics(self) -> ZeroStatistics:
+        return ZeroStatistics(
+            stage=3,
+            world_size=self.comm.world_size,
+            model_numel=sum(u.layout.total for u in self.units),
+            master_numel=sum(g.master.numel() for g in self.groups),
+            resident_param_numel=sum(u.resident_numel() for u in self.units),
+            peak_resident_param_numel=max(
+                self.scheduler.peak_resident, sum(u.resident_numel() for u in self.units)
+            ),
+            gathers=self.scheduler.gathers,
+            prefetches=self.scheduler.prefetches,
+        )
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.scheduler.close()

@@ -1,0 +1,93 @@
+"""Stage 3 storage: a `Unit` is one module's trainable parameters of one param group, sharded.
+
+Each unit keeps this rank's shard (a view into its group's shard buffer) and one full-size buffer
+whose *storage* is resized to zero when released and back when gathered. Parameters are permanent
+views of that buffer, so tensors autograd saved in forward (e.g. ``weight.t()``) see the re-gathered
+values in backward, and releasing really frees the memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dstrain.comm import Comm
+from dstrain.zero.flat import FlatLayout
+
+__all__ = ["Unit"]
+
+
+class Unit:
+    """Parameters gathered and released together."""
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter], comm: Comm, dtype: torch.dtype) -> None:
+        self.index = index
+        self.params = params
+        self.comm = comm
+        self.layout = FlatLayout(params, comm.world_size, comm.rank)
+        self.full = self.layout.flatten(params, dtype)  # (padded,) full values, freed when released
+        self._nbytes = self.full.untyped_storage().nbytes()
+        self.shard: torch.Tensor = self.full[self.layout.lo : self.layout.hi].clone()  # replaced by a view later
+        for p, view in zip(params, self.layout.views(self.full), strict=True):
+            p.data = view
+        self.gathered = True
+        self.persistent = False
+        self.handle: Any = None  # pending asynchronous all-gather
+        self.grads_ready = 0
+
+    @property
+    def numel(self) -> int:
+        return self.layout.padded
+
+    def bind_shard(self, shard: torch.Tensor) -> None:
+        """Move this rank's shard into ``shard`` (a view of the group's shard buffer)."""
+        shard.copy_(self.shard)
+        self.shard = shard
+
+    def resident_numel(self) -> int:
+        """Elements of parameter storage this unit holds now: shard plus the full buffer if allocated."""
+        return self.shard.numel() + self.full.untyped_storage().nbytes() // self.full.element_size()
+
+    def start_gather(self) -> bool:
+        """Allocate the full buffer and launch the all-gather asynchronously; False if nothing to do."""
+        if self.gathered or self.handle is not None:
+            return False
+        self.full.untyped_storage().resize_(self._nbytes)
+        self.handle = self.comm.all_gather(self.full, self.shard, async_op=True)
+        return True
+
+    def finish_gather(self) -> None:
+        """Make the parameters usable (waits for an in-flight gather)."""
+        if self.gathered:
+            return
+        if self.handle is None:
+            self.start_gather()
+        self.handle.wait()
+        self.handle = None
+        self.gathered = True
+
+    def regather(self) -> None:
+        """Refresh a gathered unit from the (updated) shards."""
+        if self.gathered:
+            self.comm.all_gather(self.full, self.shard)
+
+    def release(self, force: bool = False) -> None:
+        """Free the full buffer unless persistent (or pending: a gather in flight is finished first)."""
+        if self.persistent and not force:
+            return
+        if self.handle is not None:
+            self.finish_gather()
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def pop_flat_grad(self, dtype: torch.dtype) -> torch.Tensor:
+        """This unit's gradients flattened into a new (padded,) buffer; parameters' ``.grad`` cleared."""
+        buf = torch.zeros(self.layout.padded, dtype=dtype)
+        for p, off, n in zip(self.params, self.layout.offsets, self.layout.numels, strict=True):
+            if p.grad is not None:
+                buf[off : off + n].copy_(p.grad.reshape(-1))
+                p.grad = None
+        self.grads_ready = 0
+        return buf
