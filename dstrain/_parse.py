@@ -42,7 +42,7 @@ def reject_unknown(
         field = f"{prefix}.{key}" if prefix else str(key)
         if key in unimplemented:
             raise NotImplementedConfigError(
-                field, "is a DeepSpeed option dstrain recognises but does not implement yet; remove it"
+                field, "is a DeepSpeed option dstrain recognises but has not implemented yet; remove it"
             )
         close = difflib.get_close_matches(str(key), known + sorted(unimplemented), n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
@@ -61,6 +61,10 @@ def build(cls: type[T], data: Mapping[str, Any] | None, prefix: str, **extra: An
     reject_unknown(data, names + list(aliases), getattr(cls, "_UNIMPLEMENTED", ()), prefix)
     kwargs = {aliases.get(k, k): v for k, v in data.items()}
     kwargs.update(extra)
+    for f in dataclasses.fields(cls):
+        missing = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.init and missing and f.name not in kwargs:
+            raise ConfigError(_field(prefix, f.name), "is required")
     return cls(**kwargs)
 
 

@@ -10,6 +10,10 @@ import torch.distributed as dist
 
 __all__ = ["Comm", "CommStatistics"]
 
+# torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep older torch working
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CommStatistics:
@@ -72,7 +76,7 @@ class Comm:
         out, inp = out.detach(), inp.detach()
         self._count("reduce_scatter", inp)
         return self._run(
-            lambda async_op: dist.reduce_scatter_tensor(out, inp, group=self.group, async_op=async_op), async_op
+            lambda async_op: _reduce_scatter(out, inp, group=self.group, async_op=async_op), async_op
         )
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False):  # type: ignore[no-untyped-def]
@@ -84,7 +88,7 @@ class Comm:
         out, inp = out.detach(), inp.detach()
         self._count("all_gather", inp)
         return self._run(
-            lambda async_op: dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op), async_op
+            lambda async_op: _all_gather(out, inp, group=self.group, async_op=async_op), async_op
         )
 
     def barrier(self) -> None:

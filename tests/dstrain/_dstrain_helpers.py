@@ -1,0 +1,273 @@
+"""Shared pieces of the dstrain tests: a tiny model, deterministic data, a plain PyTorch reference loop,
+an engine loop, and a helper that runs a function on a real multi-process gloo group."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, SEQ, DIM = 32, 8, 16
+
+
+class Tiny(nn.Module):
+    """Embedding, a root-level parameter, an MLP block, LayerNorm and a head tied to the embedding."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.pos = nn.Parameter(torch.randn(SEQ, dim) * 0.1)
+        self.block = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.pos[: idx.shape[1]]  # (B, T, C)
+        x = x + self.block(x)  # (B, T, C)
+        logits = self.head(self.ln(x))  # (B, T, V)
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def make_model(seed: int = 0, dim: int = DIM) -> Tiny:
+    torch.manual_seed(seed)
+    return Tiny(dim)
+
+
+def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same (size, SEQ) token batch for ``step`` on every rank and in the reference."""
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+    targets = (idx * 7 + 3) % VOCAB  # learnable
+    return idx, targets
+
+
+def base_config(stage: int, *, world: int, micro: int = 4, gas: int = 1, **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": micro * gas * world,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 1000,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def reference_losses(steps: int, batch: int, *, lr: float = 1e-2, clip: float = 0.0) -> list[float]:
+    """A plain single-process PyTorch loop on the global batch."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        idx, targets = global_batch(step, batch)
+        loss = model(idx, targets)
+        opt.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def engine_losses(
+    engine: Any, steps: int, *, start: int = 0, hook: Callable[[int, int], None] | None = None
+) -> list[float]:
+    """Train ``steps`` optimizer steps; returns the mean loss over the global batch of each step."""
+    cfg = engine.config
+    world, rank = engine.comm.world_size, engine.comm.rank
+    mb, gas = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    losses = []
+    for step in range(start, start + steps):
+        idx, targets = global_batch(step, cfg.train_batch_size)
+        total = torch.zeros(())
+        for micro in range(gas):
+            lo = (micro * world + rank) * mb
+            loss = engine(idx[lo : lo + mb], targets[lo : lo + mb])
+            if hook is not None:
+                hook(step, micro)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float() / gas
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+    return losses
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out_dir: str
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(*args)
+        torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], *args: Any, world: int = 2) -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` fresh processes forming a gloo group; returns each rank's result."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _entry,
+            args=(world, free_port(), fn, args, out_dir),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        try:
+            while not ctx.join():
+                pass
+        except Exception:
+            pass
+        results = []
+        for rank in range(world):
+            path = os.path.join(out_dir, f"{rank}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} died without a result")
+            data = torch.load(path, weights_only=False)
+            if "error" in data:
+                raise RuntimeError(f"rank {rank} failed:\n{data['error']}")
+            results.append(data["ok"])
+        return results
+
+
+# -- scenario workers (run inside spawned ranks, or in-process at world size 1) ------------------
+
+
+def world_rank() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def train_scenario(config: dict[str, Any], steps: int = 20) -> dict[str, Any]:
+    """Train the tiny model ``steps`` steps under ``config``; losses plus a checksum of the weights."""
+    import dstrain
+
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=config)
+    losses = engine_losses(engine, steps)
+    stats = engine.statistics()
+    engine.close()
+    if engine.zero.stage == 3:
+        engine.zero.gathered_module()  # type: ignore[attr-defined]
+    checksum = float(sum(p.detach().double().sum() for p in engine.module.parameters()))
+    dtypes = sorted({str(p.dtype) for p in engine.module.parameters()})
+    master_dtypes = sorted({str(p.dtype) for g in engine.optimizer.param_groups for p in g["params"]})
+    return {"losses": losses, "stats": stats, "checksum": checksum, "dtypes": dtypes, "master_dtypes": master_dtypes}
+
+
+def run_scenarios(scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {name: train_scenario(cfg) for name, cfg in scenarios.items()}
+
+
+def overflow_run(stage: int, hysteresis: int, inject: list[int], inject_rank: int) -> dict[str, Any]:
+    """fp16 training where the loss of the steps in ``inject`` is made inf on ``inject_rank`` only."""
+    import dstrain
+
+    world, rank = world_rank()
+    fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": hysteresis, "loss_scale_window": 1000}
+    cfg = base_config(stage, world=world, micro=2, fp16=fp16)
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 100, "warmup_max_lr": 0.01}}
+    engine, optimizer, _, sched = dstrain.initialize(model=make_model(), config=cfg)
+    out: dict[str, list[Any]] = {"scale": [], "skipped": [], "changed": [], "lr": []}
+    for step in range(6):
+        before = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
+        idx, targets = global_batch(step, cfg["train_batch_size"])
+        lo = rank * 2
+        loss = engine(idx[lo : lo + 2], targets[lo : lo + 2])
+        if step in inject and rank == inject_rank:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        engine.step()
+        after = [p.detach() for g in optimizer.param_groups for p in g["params"]]
+        out["changed"].append(any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)))
+        out["scale"].append(engine.loss_scale)
+        out["skipped"].append(engine.skipped_steps)
+        out["lr"].append(engine.get_lr()[0])
+    engine.close()
+    return out
+
+
+def resident_param_numel(engine: Any) -> int:
+    """Measured: elements of the distinct storages behind the module's parameters and ZeRO's shards."""
+    storages: dict[int, int] = {}
+    tensors = [p for p in engine.module.parameters()]
+    tensors += [getattr(g, "shards", getattr(g, "flat", None)) for g in engine.zero.groups]
+    for t in tensors:
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes() // t.element_size()
+    return sum(storages.values())
+
+
+def memory_run(stage: int, dim: int) -> dict[str, Any]:
+    import dstrain
+
+    world, _ = world_rank()
+    model = make_model(dim=dim)
+    model_numel = sum(p.numel() for p in model.parameters())
+    cfg = base_config(stage, world=world, micro=2)
+    engine, _, _, _ = dstrain.initialize(model=model, config=cfg)
+    after_init = resident_param_numel(engine)
+    engine_losses(engine, 2)
+    after_train = resident_param_numel(engine)
+    stats = engine.statistics().zero
+    engine.close()
+    return {"model": model_numel, "after_init": after_init, "after_train": after_train, "stats": stats}
+
+
+CLIENT_STATE = {"epoch": 3, "note": "resume me", "history": [1.5, 2.5], "nested": {"k": [1, 2]}}
+
+
+def checkpoint_save_run(root: str, scenarios: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
+    """Per scenario: train 10 steps, save, train 10 more; returns all 20 losses."""
+    import dstrain
+
+    out = {}
+    for name, cfg in scenarios.items():
+        engine, _, _, _ = dstrain.initialize(model=make_model(), config=cfg)
+        first = engine_losses(engine, 10)
+        engine.save_checkpoint(os.path.join(root, name), client_state=CLIENT_STATE)
+        out[name] = first + engine_losses(engine, 10, start=10)
+        engine.close()
+    return out
+
+
+def checkpoint_resume_run(root: str, scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per scenario: a differently initialised model, load the checkpoint, train the last 10 steps."""
+    import dstrain
+
+    out = {}
+    for name, cfg in scenarios.items():
+        engine, _, _, _ = dstrain.initialize(model=make_model(seed=123), config=cfg)
+        _, client = engine.load_checkpoint(os.path.join(root, name))
+        steps = engine.global_steps
+        out[name] = {"losses": engine_losses(engine, 10, start=10), "client_state": client, "global_steps": steps}
+        engine.close()
+    return out
