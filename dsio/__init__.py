@@ -1,8 +1,8 @@
 """dsio: asyncio-native tensor I/O (io_uring, Linux AIO, cuFile), async checkpoints.
 
-    async with dsio.AsyncIOHandle(dsio.IOConfig(queue_depth=32)) as h:
-        await h.pwrite(tensor, "/data/t.bin")
-        await h.pread(tensor, "/data/t.bin")
+async with dsio.AsyncIOHandle(dsio.IOConfig(queue_depth=32)) as h:
+    await h.pwrite(tensor, "/data/t.bin")
+    await h.pread(tensor, "/data/t.bin")
 """
 
 from ._backends import BackendStatus, backend_status

@@ -174,7 +174,9 @@ async def transfer(
             raise exc
 
 
-async def _staged(submit, pool: PinnedPool, op: int, fd: int, ptr: int, n: int, off: int, failed: list) -> None:
+async def _staged(
+    submit, pool: PinnedPool, op: int, fd: int, ptr: int, n: int, off: int, failed: list
+) -> None:
     """Pipeline: each chunk takes a pool buffer (waiting when none is free), so staging the next
     chunk overlaps the disk I/O of the previous ones. Stops early once any request failed."""
     chunk = pool.buffer_bytes

@@ -73,7 +73,9 @@ class IOConfig:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         if self.gpu_backend not in GPU_BACKENDS:
-            raise ConfigError(f"gpu_backend must be one of {', '.join(GPU_BACKENDS)}; got {self.gpu_backend!r}")
+            raise ConfigError(
+                f"gpu_backend must be one of {', '.join(GPU_BACKENDS)}; got {self.gpu_backend!r}"
+            )
         sb = _check_int("staging_buffer_bytes", self.staging_buffer_bytes)
         if sb < 4096 or sb % 4096:
             raise ConfigError(f"staging_buffer_bytes must be a positive multiple of 4096, got {sb}")

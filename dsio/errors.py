@@ -93,9 +93,7 @@ class ShortIOError(IOFailedError):
     def __init__(
         self, filename: str | None, offset: int | None, transferred: int = 0, expected: int = 0
     ) -> None:
-        super().__init__(
-            _errno.EIO, filename, offset, f"short transfer: {transferred} of {expected} bytes"
-        )
+        super().__init__(_errno.EIO, filename, offset, f"short transfer: {transferred} of {expected} bytes")
         self.transferred = transferred
         self.expected = expected
 

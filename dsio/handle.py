@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import weakref
@@ -59,6 +60,7 @@ class AsyncIOHandle:
         self._counters = TransferCounters()
         self._reads = self._writes = self._read_bytes = self._written_bytes = 0
         self._errors = self._in_flight = 0
+        self._idle_waiters: list[asyncio.Future[None]] = []
         self._gpu: Any = None
 
     @property
@@ -146,6 +148,11 @@ class AsyncIOHandle:
             raise
         finally:
             self._in_flight -= 1
+            if not self._in_flight:
+                for w in self._idle_waiters:
+                    if not w.done():
+                        w.set_result(None)
+                self._idle_waiters.clear()
             if op == READ:
                 self._reads += 1
                 self._read_bytes += n if ok else 0
@@ -182,9 +189,15 @@ class AsyncIOHandle:
         )
 
     async def aclose(self) -> None:
-        """Wait for every operation in flight, then close."""
+        """Wait for every operation in flight (and every request of cancelled ones), then close."""
+        if self._disp.closed:
+            return
+        if self._in_flight:
+            idle = asyncio.get_running_loop().create_future()
+            self._idle_waiters.append(idle)
+            await idle
         pending = self._disp.futures()
-        if pending and not self._disp.closed:
+        if pending:
             await asyncio.wait(pending)
         self.close()
 
@@ -201,7 +214,8 @@ class AsyncIOHandle:
         if self._gpu is not None:
             self._gpu.close()
         self._engine.close()
-        self._pool.close()
+        # Suspended coroutines may still hold staging buffers; their memory outlives the pool's views.
+        self._pool.close(force=True)
 
     async def __aenter__(self) -> AsyncIOHandle:
         return self
@@ -219,7 +233,5 @@ class AsyncIOHandle:
         # Best effort for handles dropped without close(): threads and pinned memory must not leak.
         disp = getattr(self, "_disp", None)
         if disp is not None and not disp.closed:
-            try:
+            with contextlib.suppress(Exception):
                 self.close()
-            except Exception:
-                pass

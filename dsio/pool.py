@@ -149,6 +149,8 @@ class PinnedPool:
             lease.release()
 
     def _give_back(self, index: int) -> None:
+        if self._closed:
+            return
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
@@ -169,14 +171,19 @@ class PinnedPool:
             cuda_registered=self._cuda,
         )
 
-    def close(self) -> None:
-        """Free the pool. Refuses (``PoolBusyError``) while buffers are handed out."""
+    def close(self, *, force: bool = False) -> None:
+        """Free the pool. Refuses (``PoolBusyError``) while buffers are handed out, unless ``force``:
+        then waiters get ``ClosedError`` and the memory lives on until the last view is gone."""
         if self._closed:
             return
         out = len(self._views) - len(self._free)
-        if out:
+        if out and not force:
             raise PoolBusyError(f"{out} pool buffer(s) still in use; release them before close()")
         self._closed = True
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_exception(ClosedError("the pool was closed"))
         if self._cuda:
             torch.cuda.cudart().cudaHostUnregister(self._base)
             self._cuda = False

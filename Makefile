@@ -1,0 +1,48 @@
+# Two entry points work on a fresh machine (Python 3.10+ and gcc, nothing else):
+#   make demo   - set everything up, then write and read a few GiB of tensors and print GB/s
+#   make test   - set everything up, then run the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch first, pinned: a bare or newer `torch` would make pip download a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+BUILD_DEPS := scikit-build-core pybind11 cmake ninja
+
+.PHONY: all setup demo test lint bench bench-io gpu-check clean
+
+all: setup
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.stamp-deps: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q $(BUILD_DEPS)
+	touch $@
+
+# The native core is rebuilt whenever csrc/ changes (editable install: Python edits need no rebuild).
+$(VENV)/.stamp-build: $(VENV)/.stamp-deps $(wildcard csrc/*) CMakeLists.txt
+	$(BIN)/pip install -q --no-build-isolation -e ".[test,dev,bench]"
+	touch $@
+
+setup: $(VENV)/.stamp-build
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check dsio dstrain tests bench examples
+	$(BIN)/ruff format --check dsio dstrain tests bench examples
+	$(BIN)/mypy
+
+bench: bench-io
+
+bench-io: setup
+	$(BIN)/python bench/io.py
+
+clean:
+	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,271 @@
+"""DeepSpeed DeepNVMe surface: ``aio_handle`` with DeepSpeed's names and semantics, for sync code.
+
+A script written for DeepSpeed's DeepNVMe tutorial runs with one changed import::
+
+    from dsio.compat import AsyncIOBuilder        # was: from deepspeed.ops.op_builder import ...
+    h = AsyncIOBuilder().load().aio_handle(1024**2, 128, False, False, 1)
+    buf = h.new_cpu_locked_tensor(n, torch.empty(0, dtype=torch.uint8))
+    h.sync_pwrite(buf, "/data/f.bin"); h.async_pread(buf, "/data/f.bin"); h.wait()
+
+Differences, on purpose: any size and any buffer address work (DeepSpeed silently drops the
+tail of sizes not a multiple of 512 x threads and writes 0 bytes from unaligned buffers),
+failures raise instead of returning -1 or killing the process, and a write at offset 0
+replaces the file (DeepSpeed keeps the old tail of a longer file). Writes at a non-zero
+``file_offset`` write in place.
+
+Each handle runs one private event loop in one thread; operations are coroutines of an
+:class:`~dsio.AsyncIOHandle` on that loop, so ``async_*`` calls make progress in the background
+while the caller computes, and ``wait()`` blocks until they are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from typing import Any
+
+import torch
+
+from ._backends import load_native
+from .config import ALIGNMENT, IOConfig
+from .errors import ChecksumError, ClosedError
+from .handle import AsyncIOHandle
+
+__all__ = ["AsyncIOBuilder", "aio_handle"]
+
+
+class aio_handle:  # noqa: N801 - DeepSpeed's name
+    """DeepSpeed's ``aio_handle`` (block_size, queue_depth, single_submit, overlap_events,
+    intra_op_parallelism), with DeepSpeed's defaults."""
+
+    def __init__(
+        self,
+        block_size: int = 1024 * 1024,
+        queue_depth: int = 128,
+        single_submit: bool = False,
+        overlap_events: bool = False,
+        intra_op_parallelism: int = 1,
+        *,
+        backend: str = "auto",
+    ) -> None:
+        cfg = IOConfig(
+            block_size=block_size,
+            queue_depth=queue_depth,
+            single_submit=single_submit,
+            overlap_events=overlap_events,
+            intra_op_parallelism=intra_op_parallelism,
+            backend=backend,
+        )
+        self._h = AsyncIOHandle(cfg)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dsio-compat", daemon=True)
+        self._thread.start()
+        self._pending: list[concurrent.futures.Future[int]] = []
+        self._locked: dict[int, Any] = {}
+        self._closed = False
+
+    # -- DeepSpeed getters ---------------------------------------------------------------------
+    def get_block_size(self) -> int:
+        return self._h.config.block_size
+
+    def get_queue_depth(self) -> int:
+        return self._h.config.queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self._h.config.single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._h.config.overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        return self._h.config.intra_op_parallelism
+
+    def get_alignment(self) -> int:
+        return self._h.config.intra_op_parallelism * ALIGNMENT
+
+    # -- operations ------------------------------------------------------------------------------
+    def _start(self, coro) -> concurrent.futures.Future[int]:
+        if self._closed:
+            coro.close()
+            raise ClosedError("the aio_handle is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _write_coro(self, buffer: torch.Tensor, filename: str | int, file_offset: int):
+        if isinstance(filename, int):
+            return self._write_fd(buffer, filename, file_offset)
+        return self._h.pwrite(buffer, filename, None if file_offset == 0 else file_offset)
+
+    async def _write_fd(self, buffer: torch.Tensor, fd: int, file_offset: int) -> int:
+        # DeepSpeed's async_pwrite(buffer, fd): the caller's fd; write through /proc so ours stays ours.
+        async with self._h.open(f"/proc/self/fd/{fd}", "w") as f:
+            return await f.pwrite(buffer, file_offset)
+
+    def _run(self, coro) -> int:
+        return int(self._start(coro).result())
+
+    def sync_pwrite(self, buffer: torch.Tensor, filename: str | int, file_offset: int = 0) -> int:
+        """Write and wait. Returns 1 (DeepSpeed's count of completed ops)."""
+        self._run(self._write_coro(buffer, filename, file_offset))
+        return 1
+
+    def sync_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        """Read and wait. Returns 1. A file too short for the buffer raises ``ShortIOError``."""
+        self._run(self._h.pread(buffer, filename, file_offset))
+        return 1
+
+    def async_pwrite(self, buffer: torch.Tensor, filename: str | int, file_offset: int = 0) -> int:
+        """Start a write; ``wait()`` collects it. Returns 0. Don't modify ``buffer`` until then."""
+        self._pending.append(self._start(self._write_coro(buffer, filename, file_offset)))
+        return 0
+
+    def async_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        """Start a read; ``wait()`` collects it. Returns 0."""
+        self._pending.append(self._start(self._h.pread(buffer, filename, file_offset)))
+        return 0
+
+    def pwrite(
+        self,
+        buffer: torch.Tensor,
+        filename: str,
+        validate: bool = False,
+        async_op: bool = False,
+        file_offset: int = 0,
+        **kw: bool,
+    ) -> int:
+        """DeepSpeed's ``pwrite(buffer, filename, validate, async, file_offset)``."""
+        if kw.pop("async", async_op):
+            return self.async_pwrite(buffer, filename, file_offset)
+        _no_more(kw)
+        n = self.sync_pwrite(buffer, filename, file_offset)
+        if validate:
+            _validate(buffer, filename, file_offset)
+        return n
+
+    def pread(
+        self,
+        buffer: torch.Tensor,
+        filename: str,
+        validate: bool = False,
+        async_op: bool = False,
+        file_offset: int = 0,
+        **kw: bool,
+    ) -> int:
+        """DeepSpeed's ``pread(buffer, filename, validate, async, file_offset)``."""
+        if kw.pop("async", async_op):
+            return self.async_pread(buffer, filename, file_offset)
+        _no_more(kw)
+        n = self.sync_pread(buffer, filename, file_offset)
+        if validate:
+            _validate(buffer, filename, file_offset)
+        return n
+
+    def read(self, buffer: torch.Tensor, filename: str, validate: bool = False, file_offset: int = 0) -> int:
+        """DeepSpeed's synchronous ``read``: returns 0 on success (and raises on failure)."""
+        self.pread(buffer, filename, validate, False, file_offset)
+        return 0
+
+    def write(self, buffer: torch.Tensor, filename: str, validate: bool = False, file_offset: int = 0) -> int:
+        """DeepSpeed's synchronous ``write``: returns 0 on success (and raises on failure)."""
+        self.pwrite(buffer, filename, validate, False, file_offset)
+        return 0
+
+    def wait(self) -> int:
+        """Block until every ``async_*`` operation finished; return how many completed.
+
+        If any failed, all are still waited for, then the first failure is raised.
+        """
+        pending, self._pending = self._pending, []
+        if not pending:
+            return 0
+        concurrent.futures.wait(pending)
+        for f in pending:
+            exc = f.exception()
+            if exc is not None:
+                raise exc
+        return len(pending)
+
+    # -- locked memory -------------------------------------------------------------------------
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+        """A page-aligned, mlock'ed CPU tensor of ``num_elem`` elements of ``example_tensor``'s dtype."""
+        dtype = example_tensor.dtype
+        nbytes = int(num_elem) * torch.empty(0, dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(0, dtype=dtype)
+        mem = load_native().AlignedBuffer(nbytes, True)
+        t = torch.frombuffer(mem, dtype=dtype, count=int(num_elem))
+        self._locked[t.data_ptr()] = mem
+        return t
+
+    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
+        """Forget a tensor from ``new_cpu_locked_tensor``; its memory goes when the tensor does."""
+        return self._locked.pop(tensor.data_ptr(), None) is not None
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.data_ptr() in self._locked or (
+            tensor.is_pinned() if tensor.device.type == "cpu" else False
+        )
+
+    # -- lifetime --------------------------------------------------------------------------------
+    @property
+    def handle(self) -> AsyncIOHandle:
+        """The underlying :class:`~dsio.AsyncIOHandle` (statistics, backend)."""
+        return self._h
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            asyncio.run_coroutine_threadsafe(self._h.aclose(), self._loop).result()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+            self._locked.clear()
+
+    def __enter__(self) -> aio_handle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            with contextlib.suppress(Exception):
+                self.close()
+
+
+def _no_more(kw: dict) -> None:
+    if kw:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(kw)}")
+
+
+def _validate(buffer: torch.Tensor, filename: str, file_offset: int) -> None:
+    """DeepSpeed's ``validate``: compare the buffer with the file read back through the page cache."""
+    n = buffer.numel() * buffer.element_size()
+    with open(filename, "rb") as f:
+        f.seek(file_offset)
+        disk = f.read(n)
+    mine = buffer.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+    if disk != mine:
+        raise ChecksumError(f"validation failed: {filename} at offset {file_offset} differs from the buffer")
+
+
+class _AsyncIOModule:
+    """What ``AsyncIOBuilder().load()`` returns: exposes ``aio_handle`` like DeepSpeed's op module."""
+
+    aio_handle = aio_handle
+
+
+class AsyncIOBuilder:
+    """Stand-in for ``deepspeed.ops.op_builder.AsyncIOBuilder``: nothing to JIT-compile."""
+
+    NAME = "async_io"
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return True
+
+    def load(self, verbose: bool = True) -> type[_AsyncIOModule]:
+        return _AsyncIOModule

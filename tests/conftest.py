@@ -1,0 +1,103 @@
+"""Shared fixtures: real files on this machine's disk, both event loops, every backend it has."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import torch
+
+import dsio
+from dsio import _C
+
+AVAILABLE = {s.name: s for s in dsio.backend_status()}
+
+
+def backend_params() -> list[Any]:
+    out = []
+    for name in ("io_uring", "aio", "posix"):
+        st = AVAILABLE[name]
+        marks = [] if st.available else [pytest.mark.skip(reason=f"{name} unavailable here: {st.reason}")]
+        out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+def run_loop(kind: str, coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` on a fresh loop of ``kind`` ("asyncio" or "uvloop")."""
+    if kind == "uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+            return r.run(coro)
+    with asyncio.Runner() as r:
+        return r.run(coro)
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def loop_kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def run(loop_kind: str) -> Callable[[Coroutine[Any, Any, Any]], Any]:
+    return lambda coro: run_loop(loop_kind, coro)
+
+
+@pytest.fixture(params=backend_params())
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def data_dir(tmp_path) -> str:
+    """A directory on a real disk filesystem (O_DIRECT capable here: ext4)."""
+    d = tmp_path / "data"
+    d.mkdir()
+    return str(d)
+
+
+def aligned_tensor(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A tensor whose memory starts on a 4096-byte boundary (mlock'ed, like a pinned buffer)."""
+    mem = _C.AlignedBuffer(max(nbytes, 1), True)
+    t = torch.frombuffer(mem, dtype=torch.uint8)[:nbytes]
+    assert t.data_ptr() % 4096 == 0
+    return t.view(dtype)
+
+
+def unaligned_tensor(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A tensor whose memory is deliberately not 4096-aligned (but aligned for its dtype)."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    base = torch.empty(nbytes + 3 * 4096, dtype=torch.uint8)
+    start = (-base.data_ptr()) % 4096 + 8 * esize  # 4096-aligned address + a few elements
+    t = base[start : start + nbytes]
+    assert t.data_ptr() % 4096 != 0
+    return t.view(dtype)
+
+
+def fill_random(t: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t.view(torch.uint8).copy_(
+        torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=g)
+    )
+    return t
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def user_threads() -> int:
+    """Threads of this process, not counting io_uring's kernel io-wq workers (they exit on their own)."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except FileNotFoundError:
+            continue
+        if not name.startswith("iou-"):
+            n += 1
+    return n

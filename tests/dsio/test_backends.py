@@ -1,0 +1,91 @@
+"""Probing, fallback with a logged reason, and what single_submit / overlap_events do."""
+
+import asyncio
+import logging
+import os
+
+import pytest
+import torch
+from conftest import AVAILABLE, aligned_tensor, fill_random
+
+import dsio
+from dsio import BackendUnavailableError, _backends
+
+
+def test_status_lists_every_backend_with_reasons():
+    st = {s.name: s for s in dsio.backend_status()}
+    assert set(st) == {"io_uring", "aio", "posix"}
+    assert st["posix"].available
+    for s in st.values():
+        assert s.available == (s.reason == "")
+
+
+def test_auto_falls_back_and_logs_why(monkeypatch, caplog, data_dir):
+    monkeypatch.setenv("DSIO_DISABLE_BACKENDS", "io_uring,aio")
+    monkeypatch.setattr(_backends, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="dsio"):
+        h = dsio.AsyncIOHandle()
+    assert h.backend == "posix"
+    assert "io_uring: disabled" in caplog.text and "aio: disabled" in caplog.text
+
+    async def main():
+        t = torch.arange(10000, dtype=torch.int16)
+        await h.pwrite(t, os.path.join(data_dir, "p.bin"))
+        back = torch.empty_like(t)
+        await h.pread(back, os.path.join(data_dir, "p.bin"))
+        assert torch.equal(back, t)
+
+    asyncio.run(main())
+    h.close()
+
+
+def test_explicit_backend_unavailable_is_an_error(monkeypatch):
+    monkeypatch.setenv("DSIO_DISABLE_BACKENDS", "io_uring")
+    with pytest.raises(BackendUnavailableError):
+        dsio.AsyncIOHandle(backend="io_uring")
+
+
+@pytest.mark.skipif(not AVAILABLE["io_uring"].available, reason="io_uring unavailable")
+@pytest.mark.parametrize("backend", ["io_uring", "aio"])
+def test_single_submit_means_one_syscall_per_piece(backend, data_dir):
+    if not AVAILABLE[backend].available:
+        pytest.skip(f"{backend} unavailable: {AVAILABLE[backend].reason}")
+    n = 64 * 4096
+
+    async def main(single):
+        async with dsio.AsyncIOHandle(
+            backend=backend, block_size=4096, queue_depth=64, single_submit=single
+        ) as h:
+            t = fill_random(aligned_tensor(n))
+            await h.pwrite(t, os.path.join(data_dir, "s.bin"))
+            return h.statistics().engine
+
+    single = asyncio.run(main(True))
+    batched = asyncio.run(main(False))
+    assert single.pieces == batched.pieces == 64
+    assert single.submit_syscalls == 64
+    assert batched.submit_syscalls < 64
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "aio"])
+def test_overlap_events_false_is_lockstep(backend, data_dir):
+    """Lock-step waits for whole batches: the number of waits is pieces / queue_depth."""
+    if not AVAILABLE[backend].available:
+        pytest.skip(f"{backend} unavailable: {AVAILABLE[backend].reason}")
+    n = 64 * 4096
+
+    async def main(overlap):
+        cfg = dsio.IOConfig(backend=backend, block_size=4096, queue_depth=8, overlap_events=overlap)
+        async with dsio.AsyncIOHandle(cfg) as h:
+            t = fill_random(aligned_tensor(n))
+            p = os.path.join(data_dir, "o.bin")
+            await h.pwrite(t, p)
+            back = aligned_tensor(n)
+            await h.pread(back, p)
+            assert torch.equal(back, t)
+            return h.statistics().engine
+
+    lock = asyncio.run(main(False))
+    assert lock.submit_syscalls == 2 * 64 // 8  # one submit per batch of 8, writes and reads
+    over = asyncio.run(main(True))
+    assert over.pieces == lock.pieces == 128

@@ -1,0 +1,98 @@
+"""DeepSpeed's DeepNVMe surface, written the way DeepSpeed's tutorial uses it."""
+
+import os
+
+import pytest
+import torch
+
+from dsio import ShortIOError
+from dsio.compat import AsyncIOBuilder, aio_handle
+
+
+def test_tutorial_script_runs(data_dir):
+    h = AsyncIOBuilder().load().aio_handle(1024**2, 128, False, False, 1)
+    try:
+        assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(), h.get_overlap_events()) == (
+            1024**2,
+            128,
+            False,
+            False,
+        )
+        assert h.get_intra_op_parallelism() == 1 and h.get_alignment() == 4096
+        n = (8 << 20) // 4
+        buf = h.new_cpu_locked_tensor(n, torch.empty(0, dtype=torch.float32))
+        assert buf.dtype == torch.float32 and buf.numel() == n and buf.data_ptr() % 4096 == 0
+        assert h.is_pinned(buf)
+        buf.copy_(torch.randn(n))
+        path = os.path.join(data_dir, "t.pt")
+        assert h.sync_pwrite(buf, path) == 1
+        back = h.new_cpu_locked_tensor(n, buf)
+        assert h.sync_pread(back, path) == 1
+        assert torch.equal(back, buf)
+        assert h.free_cpu_locked_tensor(back)
+    finally:
+        h.close()
+
+
+def test_defaults_match_deepspeed():
+    with aio_handle() as h:
+        assert h.get_block_size() == 1048576 and h.get_queue_depth() == 128
+        assert not h.get_single_submit() and not h.get_overlap_events() and h.get_intra_op_parallelism() == 1
+
+
+def test_async_ops_and_wait_count(data_dir):
+    with aio_handle(intra_op_parallelism=2) as h:
+        ts = [torch.randn(1000 + i) for i in range(20)]  # unaligned sizes and addresses
+        paths = [os.path.join(data_dir, f"a{i}") for i in range(20)]
+        for t, p in zip(ts, paths):
+            assert h.async_pwrite(t, p) == 0
+        assert h.wait() == 20
+        assert h.wait() == 0
+        backs = [torch.empty_like(t) for t in ts]
+        for b, p in zip(backs, paths):
+            h.async_pread(b, p)
+        assert h.wait() == 20
+        assert all(torch.equal(a, b) for a, b in zip(ts, backs))
+
+
+def test_pread_pwrite_read_write_validate_offsets(data_dir):
+    with aio_handle() as h:
+        p = os.path.join(data_dir, "v.bin")
+        t = torch.arange(1000, dtype=torch.int32)
+        assert h.pwrite(t, p, True, False, 0) == 1
+        assert h.pwrite(t[:10], p, True, False, 4000) == 1  # in place at an offset
+        assert os.path.getsize(p) == 4040
+        assert h.pwrite(t, p, False, **{"async": True}) == 0 and h.wait() == 1
+        back = torch.empty_like(t)
+        assert h.read(back, p, True) == 0 and torch.equal(back, t)
+        assert h.write(t[:5], p, True) == 0
+        assert os.path.getsize(p) == 20  # offset 0 replaces: no stale tail, unlike DeepSpeed
+        assert h.pread(torch.empty(5, dtype=torch.int32), p, True, False, 0) == 1
+
+
+def test_unaligned_sizes_work_and_failures_raise(data_dir):
+    with aio_handle(intra_op_parallelism=2) as h:
+        p = os.path.join(data_dir, "odd.bin")
+        t = torch.arange(1000, dtype=torch.uint8)  # DeepSpeed: 0-byte file, reported success
+        h.sync_pwrite(t, p)
+        assert os.path.getsize(p) == 1000
+        with pytest.raises(ShortIOError):  # DeepSpeed: assert kills the process
+            h.sync_pread(torch.empty(2000, dtype=torch.uint8), p)
+        h.async_pread(torch.empty(4000, dtype=torch.uint8), p)
+        h.async_pread(torch.empty(1000, dtype=torch.uint8), p)
+        with pytest.raises(ShortIOError):
+            h.wait()
+        with pytest.raises(FileNotFoundError):
+            h.sync_pread(t, os.path.join(data_dir, "missing"))
+
+
+def test_async_pwrite_to_caller_fd(data_dir):
+    p = os.path.join(data_dir, "fd.bin")
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        with aio_handle() as h:
+            h.async_pwrite(torch.ones(100, dtype=torch.uint8), fd, 4096)
+            assert h.wait() == 1
+        assert os.path.getsize(p) == 4196
+    finally:
+        os.close(fd)
