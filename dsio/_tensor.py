@@ -6,7 +6,7 @@ import torch
 
 from .errors import TensorLayoutError
 
-__all__ = ["as_bytes"]
+__all__ = ["as_bytes", "check_offset"]
 
 
 def as_bytes(tensor: object, *, what: str = "tensor") -> tuple[int, int]:
@@ -23,3 +23,12 @@ def as_bytes(tensor: object, *, what: str = "tensor") -> tuple[int, int]:
             "pass tensor.contiguous() so the bytes on disk have a defined order"
         )
     return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+
+def check_offset(offset: object) -> int:
+    """A file offset: a non-negative int."""
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    return offset

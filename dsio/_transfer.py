@@ -77,6 +77,10 @@ class FileRef:
             os.close(self.fd)
             self.fd = self._buffered = -1
 
+    def done(self, _result: int) -> None:
+        """Finalizer of a request on this file: drop its reference."""
+        self.release()
+
     @property
     def open(self) -> bool:
         return self._refs > 0
@@ -99,10 +103,6 @@ def _align_down(n: int) -> int:
     return n & ~(ALIGNMENT - 1)
 
 
-def _release_ref(ref: FileRef) -> Callable[[int], None]:
-    return lambda _res: ref.release()
-
-
 async def transfer(
     disp: Dispatcher,
     pool: PinnedPool,
@@ -119,7 +119,22 @@ async def transfer(
     Returns only when every request of the transfer has finished (or raised), so nothing of it
     is still in flight afterwards unless the caller was cancelled.
     """
-    path = ref.path
+    if nbytes == 0:
+        return
+    end = offset + nbytes
+    if not ref.direct:
+        counters.buffered += nbytes
+        await _single(disp, ref, op, ref.fd, ptr, nbytes, offset, keep)
+        return
+    body_start = min(_align_up(offset), end)
+    body_end = max(_align_down(end), body_start)
+    body_ptr = ptr + (body_start - offset)
+    if body_start == offset and body_end == end and body_ptr % ALIGNMENT == 0:
+        # The common fast path: aligned memory, offset and length: one O_DIRECT request.
+        counters.direct += nbytes
+        await _single(disp, ref, op, ref.fd, ptr, nbytes, offset, keep)
+        return
+
     futs: list[asyncio.Future] = []
     failed: list[asyncio.Future] = []
 
@@ -127,51 +142,57 @@ async def transfer(
         if not f.cancelled() and f.exception() is not None:
             failed.append(f)
 
-    def submit(fd: int, p: int, n: int, off: int, finalize: Callable[[int], None]) -> None:
-        def fin(res: int, _f=finalize) -> None:
-            try:
-                _f(res)
-            finally:
-                ref.release()
-
+    def submit(fd: int, p: int, n: int, off: int, finalize: Callable[[int], None] | None) -> None:
         ref.acquire()
+        fin = ref.done if finalize is None else _then_release(finalize, ref)
         try:
-            f = disp.submit(op, fd, p, n, off, path=path, finalize=fin, keep=keep)
+            f = disp.submit(op, fd, p, n, off, path=ref.path, finalize=fin, keep=keep)
         except BaseException:
             fin(-errno.ECANCELED)  # never reached the engine: give back the ref and any lease now
             raise
         f.add_done_callback(note)
         futs.append(f)
 
-    def nothing(_res: int) -> None:
-        return None
-
-    end = offset + nbytes
-    if not ref.direct:
-        submit(ref.fd, ptr, nbytes, offset, nothing)
-        counters.buffered += nbytes
-    else:
-        body_start = min(_align_up(offset), end)
-        body_end = max(_align_down(end), body_start)
-        if body_start > offset:
-            submit(ref.buffered_fd(), ptr, body_start - offset, offset, nothing)
-        if end > body_end:
-            submit(ref.buffered_fd(), ptr + (body_end - offset), end - body_end, body_end, nothing)
-        counters.buffered += nbytes - (body_end - body_start)
-        body_ptr = ptr + (body_start - offset)
-        body_len = body_end - body_start
-        if body_len and body_ptr % ALIGNMENT == 0:
-            submit(ref.fd, body_ptr, body_len, body_start, nothing)
-            counters.direct += body_len
-        elif body_len:
-            await _staged(submit, pool, op, ref.fd, body_ptr, body_len, body_start, failed)
-            counters.staged += body_len
+    if body_start > offset:
+        submit(ref.buffered_fd(), ptr, body_start - offset, offset, None)
+    if end > body_end:
+        submit(ref.buffered_fd(), ptr + (body_end - offset), end - body_end, body_end, None)
+    counters.buffered += nbytes - (body_end - body_start)
+    body_len = body_end - body_start
+    if body_len and body_ptr % ALIGNMENT == 0:
+        submit(ref.fd, body_ptr, body_len, body_start, None)
+        counters.direct += body_len
+    elif body_len:
+        await _staged(submit, pool, op, ref.fd, body_ptr, body_len, body_start, failed)
+        counters.staged += body_len
     if futs:
         await asyncio.wait(futs)
     for f in futs:
         exc = f.exception()
         if exc is not None:
             raise exc
+
+
+async def _single(
+    disp: Dispatcher, ref: FileRef, op: int, fd: int, ptr: int, n: int, off: int, keep: object
+) -> None:
+    ref.acquire()
+    try:
+        fut = disp.submit(op, fd, ptr, n, off, path=ref.path, finalize=ref.done, keep=keep)
+    except BaseException:
+        ref.release()
+        raise
+    await fut
+
+
+def _then_release(finalize: Callable[[int], None], ref: FileRef) -> Callable[[int], None]:
+    def fin(res: int) -> None:
+        try:
+            finalize(res)
+        finally:
+            ref.release()
+
+    return fin
 
 
 async def _staged(
@@ -209,7 +230,7 @@ def _copier(lease: Lease, dst: int, size: int) -> Callable[[int], None]:
 
 async def fsync(disp: Dispatcher, ref: FileRef) -> None:
     ref.acquire()
-    await disp.submit(FSYNC, ref.fd, 0, 0, 0, path=ref.path, finalize=_release_ref(ref))
+    await disp.submit(FSYNC, ref.fd, 0, 0, 0, path=ref.path, finalize=ref.done)
 
 
 def check_readable(ref: FileRef, nbytes: int, offset: int) -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._dispatch import READ, WRITE
-from ._tensor import as_bytes
+from ._tensor import as_bytes, check_offset
 from ._transfer import FileRef, fsync
 from .errors import ClosedError
 
@@ -51,26 +51,22 @@ class AsyncFile:
 
     async def pwrite(self, tensor: torch.Tensor, offset: int = 0) -> int:
         """Write the tensor's bytes at ``offset`` in place; return the byte count."""
-        from .handle import _check_offset
-
         ptr, n = as_bytes(tensor)
         ref = self._live()
         if tensor.is_cuda:
-            return int(await self._h._gpu_io().pwrite_file(self, tensor, _check_offset(offset)))
+            return int(await self._h._gpu_io().pwrite_file(self, tensor, check_offset(offset)))
         self._h._ready()
-        await self._h._run(WRITE, ref, ptr, n, _check_offset(offset), tensor)
+        await self._h._run(WRITE, ref, ptr, n, check_offset(offset), tensor)
         return n
 
     async def pread(self, tensor: torch.Tensor, offset: int = 0) -> int:
         """Fill the tensor from ``offset``; a file too short is ``ShortIOError``."""
-        from .handle import _check_offset
-
         ptr, n = as_bytes(tensor)
         ref = self._live()
         if tensor.is_cuda:
-            return int(await self._h._gpu_io().pread_file(self, tensor, _check_offset(offset)))
+            return int(await self._h._gpu_io().pread_file(self, tensor, check_offset(offset)))
         self._h._ready()
-        await self._h._run(READ, ref, ptr, n, _check_offset(offset), tensor)
+        await self._h._run(READ, ref, ptr, n, check_offset(offset), tensor)
         return n
 
     async def fsync(self) -> None:

@@ -14,7 +14,7 @@ import torch
 from ._backends import open_engine
 from ._dispatch import READ, WRITE, Dispatcher
 from ._stats import EngineStatistics, HandleStatistics
-from ._tensor import as_bytes
+from ._tensor import as_bytes, check_offset
 from ._transfer import FileRef, TransferCounters, check_readable, fsync, transfer
 from .config import IOConfig
 from .errors import BackendUnavailableError, ClosedError, IOFailedError
@@ -24,14 +24,6 @@ from .pool import PinnedPool
 __all__ = ["AsyncIOHandle"]
 
 PathLike = str | os.PathLike[str]
-
-
-def _check_offset(offset: int) -> int:
-    if isinstance(offset, bool) or not isinstance(offset, int):
-        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
-    if offset < 0:
-        raise ValueError(f"offset must be >= 0, got {offset}")
-    return offset
 
 
 class AsyncIOHandle:
@@ -88,7 +80,7 @@ class AsyncIOHandle:
             return int(await self._gpu_io().pwrite(tensor, path, offset, fsync=fsync))
         self._ready()
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset is None else 0)
-        off = 0 if offset is None else _check_offset(offset)
+        off = 0 if offset is None else check_offset(offset)
         ref = FileRef(os.fspath(path), flags, o_direct=self.config.o_direct)
         try:
             await self._run(WRITE, ref, ptr, n, off, tensor, sync=fsync)
@@ -105,7 +97,7 @@ class AsyncIOHandle:
         if tensor.is_cuda:
             return int(await self._gpu_io().pread(tensor, path, offset))
         self._ready()
-        off = _check_offset(offset)
+        off = check_offset(offset)
         ref = FileRef(os.fspath(path), os.O_RDONLY, o_direct=self.config.o_direct)
         try:
             await self._run(READ, ref, ptr, n, off, tensor)
