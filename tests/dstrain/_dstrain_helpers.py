@@ -194,7 +194,7 @@ def overflow_run(stage: int, hysteresis: int, inject: list[int], inject_rank: in
     world, rank = world_rank()
     fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": hysteresis, "loss_scale_window": 1000}
     cfg = base_config(stage, world=world, micro=2, fp16=fp16)
-    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 100, "warmup_max_lr": 0.01}}
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 100, "warmup_min_lr": 0.001, "warmup_max_lr": 0.01}}
     engine, optimizer, _, sched = dstrain.initialize(model=make_model(), config=cfg)
     out: dict[str, list[Any]] = {"scale": [], "skipped": [], "changed": [], "lr": []}
     for step in range(6):

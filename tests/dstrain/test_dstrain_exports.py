@@ -1,0 +1,46 @@
+"""The public surface of dstrain is pinned: adding or removing a name is a deliberate change."""
+
+from __future__ import annotations
+
+import dstrain
+
+EXPECTED = {
+    "AioConfig",
+    "BF16Config",
+    "CheckpointConfig",
+    "CheckpointNotFoundError",
+    "CheckpointStore",
+    "CommStatistics",
+    "ConfigError",
+    "DSConfig",
+    "DstrainError",
+    "Engine",
+    "EngineStatistics",
+    "FP16Config",
+    "LossScaler",
+    "LossScalerStatistics",
+    "NotImplementedConfigError",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "TorchSaveStore",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
+    "ZeroConfig",
+    "ZeroStatistics",
+    "init_distributed",
+    "initialize",
+}
+
+
+def test_all_is_pinned_and_resolvable() -> None:
+    assert set(dstrain.__all__) == EXPECTED
+    for name in dstrain.__all__:
+        assert getattr(dstrain, name) is not None
+
+
+def test_errors_form_a_hierarchy() -> None:
+    assert issubclass(dstrain.ConfigError, ValueError)
+    assert issubclass(dstrain.NotImplementedConfigError, dstrain.ConfigError)
+    assert issubclass(dstrain.ConfigError, dstrain.DstrainError)
+    assert issubclass(dstrain.CheckpointNotFoundError, FileNotFoundError)

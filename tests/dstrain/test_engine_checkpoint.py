@@ -1,0 +1,100 @@
+"""Checkpoints: save, fresh processes, resume reproduces the uninterrupted losses; client_state round-trips."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _dstrain_helpers import (
+    CLIENT_STATE,
+    base_config,
+    checkpoint_resume_run,
+    checkpoint_save_run,
+    engine_losses,
+    make_model,
+    spawn,
+)
+
+import dstrain
+from dstrain import CheckpointNotFoundError, DstrainError
+
+
+def _scenarios(world: int) -> dict[str, dict[str, Any]]:
+    micro = 4 // world
+    warmup = {"type": "WarmupCosineLR", "params": {"total_num_steps": 20, "warmup_num_steps": 5}}
+    return {
+        "stage0": base_config(0, world=world, micro=micro),
+        "stage1_fp16_sched": base_config(
+            1, world=world, micro=micro, fp16={"enabled": True, "initial_scale_power": 8}, scheduler=warmup
+        ),
+        "stage2_bf16_clip": base_config(2, world=world, micro=micro, bf16={"enabled": True}, gradient_clipping=0.5),
+        "stage3_gas2": base_config(3, world=world, micro=micro // 2, gas=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list[Any]]:
+    root = str(tmp_path_factory.mktemp("ckpt2"))
+    uninterrupted = spawn(checkpoint_save_run, root, _scenarios(2), world=2)
+    resumed = spawn(checkpoint_resume_run, root, _scenarios(2), world=2)  # new processes
+    return uninterrupted, resumed
+
+
+@pytest.mark.parametrize("name", list(_scenarios(2)))
+def test_resume_in_new_processes_reproduces_losses(name: str, world2: tuple[list[Any], list[Any]]) -> None:
+    uninterrupted, resumed = world2
+    for rank in (0, 1):
+        assert resumed[rank][name]["losses"] == pytest.approx(uninterrupted[rank][name][10:], rel=1e-6, abs=1e-6)
+        assert resumed[rank][name]["global_steps"] == 10
+        assert resumed[rank][name]["client_state"] == CLIENT_STATE
+
+
+@pytest.mark.parametrize("name", list(_scenarios(1)))
+def test_resume_world1(name: str, tmp_path: Path) -> None:
+    cfg = _scenarios(1)[name]
+    uninterrupted = checkpoint_save_run(str(tmp_path), {name: cfg})[name]
+    resumed = checkpoint_resume_run(str(tmp_path), {name: cfg})[name]
+    assert resumed["losses"] == pytest.approx(uninterrupted[10:], rel=1e-6, abs=1e-6)
+    assert resumed["client_state"] == CLIENT_STATE
+
+
+def test_layout_latest_and_tags(tmp_path: Path) -> None:
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(1, world=1))
+    engine_losses(engine, 2)
+    engine.save_checkpoint(tmp_path)
+    engine.save_checkpoint(tmp_path, tag="named", save_latest=False)
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert (tmp_path / "global_step2" / "rank00000.pt").exists()
+    assert (tmp_path / "named" / "rank00000.pt").exists()
+    assert not list(tmp_path.rglob("*.tmp"))
+    path, client = engine.load_checkpoint(tmp_path, tag="named")
+    assert path.parent.name == "named" and client == {}
+    engine.close()
+
+
+def test_missing_checkpoint_raises(tmp_path: Path) -> None:
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(0, world=1))
+    with pytest.raises(CheckpointNotFoundError):
+        engine.load_checkpoint(tmp_path)
+    with pytest.raises(CheckpointNotFoundError):
+        engine.load_checkpoint(tmp_path, tag="nope")
+    engine.close()
+
+
+def test_loading_into_another_stage_is_refused(tmp_path: Path) -> None:
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(1, world=1))
+    engine.save_checkpoint(tmp_path)
+    other, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(2, world=1))
+    with pytest.raises(DstrainError):
+        other.load_checkpoint(tmp_path)
+
+
+def test_checkpoint_files_load_without_unpickling(tmp_path: Path) -> None:
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(3, world=1))
+    engine_losses(engine, 1)
+    path = engine.save_checkpoint(tmp_path, client_state={"epoch": 1})
+    state = torch.load(path, weights_only=True)  # raises if anything needs arbitrary unpickling
+    assert state["global_steps"] == 1 and state["client_state"] == {"epoch": 1}
+    engine.close()

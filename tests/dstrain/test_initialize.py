@@ -1,0 +1,137 @@
+"""`dstrain.initialize`: the DeepSpeed entry point, optimizer/scheduler/dataloader wiring, statistics."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from _dstrain_helpers import base_config, engine_losses, make_model
+from torch.utils.data import TensorDataset
+
+import dstrain
+from dstrain.scheduler import WarmupCosineLR, WarmupDecayLR, WarmupLR
+
+
+def test_deepspeed_style_loop_with_dataloader() -> None:
+    data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    model = torch.nn.Linear(4, 1)
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.inner(x), y)
+
+    cfg = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, optimizer, loader, sched = dstrain.initialize(
+        model=Wrapped(), model_parameters=model.parameters(), config=cfg, training_data=data
+    )
+    assert loader is not None and sched is None
+    assert isinstance(optimizer, torch.optim.SGD)
+    seen = 0
+    for x, y in loader:
+        assert x.shape == (4, 4)  # micro batch
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        seen += 1
+    assert seen == 8
+    stats = engine.statistics()
+    assert dataclasses.is_dataclass(stats)
+    assert (stats.micro_steps, stats.global_steps, stats.samples) == (8, 4, 32)
+    assert stats.forward_seconds > 0 and stats.backward_seconds > 0 and stats.step_seconds > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.global_steps = 0  # type: ignore[misc]
+    engine.close()
+
+
+def test_param_groups_keep_their_options() -> None:
+    model = make_model()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    cfg = base_config(2, world=1)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    engine, optimizer, _, _ = dstrain.initialize(model=model, model_parameters=groups, config=cfg)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) >= sum(
+        p.numel() for p in decay + no_decay
+    )
+    losses = engine_losses(engine, 5)
+    assert losses[-1] < losses[0]
+    engine.close()
+
+
+def test_deepspeed_adam_is_adamw_unless_adam_w_mode_false() -> None:
+    cfg = base_config(0, world=1)
+    _, opt, _, _ = dstrain.initialize(model=make_model(), config=cfg)
+    assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["weight_decay"] == 0.0
+    cfg["optimizer"] = {"type": "adam", "params": {"lr": 1e-3, "adam_w_mode": False}}
+    _, opt, _, _ = dstrain.initialize(model=make_model(), config=cfg)
+    assert type(opt) is torch.optim.Adam
+
+
+def test_client_optimizer_and_scheduler_are_rebuilt_over_masters() -> None:
+    model = make_model()
+    cfg = base_config(1, world=1)
+    del cfg["optimizer"]
+    client = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    engine, opt, _, sched = dstrain.initialize(
+        model=model, optimizer=client, config=cfg, lr_scheduler=lambda o: WarmupLR(o, warmup_num_steps=10)
+    )
+    assert type(opt) is torch.optim.SGD and opt.defaults["momentum"] == 0.9
+    assert isinstance(sched, WarmupLR) and sched.optimizer is opt
+    engine.close()
+
+
+def test_missing_optimizer_is_an_error() -> None:
+    cfg = base_config(0, world=1)
+    del cfg["optimizer"]
+    with pytest.raises(ValueError):
+        dstrain.initialize(model=make_model(), config=cfg)
+
+
+def test_seed_from_config_is_applied() -> None:
+    cfg = base_config(0, world=1, seed=7)
+    dstrain.initialize(model=make_model(), config=cfg)
+    a = torch.rand(3)
+    dstrain.initialize(model=make_model(), config=cfg)
+    assert torch.equal(a, torch.rand(3))
+
+
+class _Opt:
+    def __init__(self, lr: float) -> None:
+        self.param_groups = [{"lr": lr}]
+
+
+def test_warmup_lr_log_and_linear() -> None:
+    s = WarmupLR(_Opt(1.0), warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="linear")  # type: ignore[arg-type]
+    values = [s.get_lr()[0]]
+    for _ in range(12):
+        s.step()
+        values.append(s.get_lr()[0])
+    assert values[:3] == pytest.approx([0.0, 0.1, 0.2]) and values[10:] == [1.0, 1.0, 1.0]
+    log = WarmupLR(_Opt(1.0), warmup_max_lr=2.0, warmup_num_steps=100)  # type: ignore[arg-type]
+    log.step(9)
+    assert log.get_lr()[0] == pytest.approx(2.0 * math.log(10) / math.log(100))
+
+
+def test_warmup_decay_and_cosine() -> None:
+    d = WarmupDecayLR(_Opt(1.0), total_num_steps=20, warmup_num_steps=10, warmup_max_lr=1.0, warmup_type="linear")  # type: ignore[arg-type]
+    d.step(15)
+    assert d.get_lr()[0] == pytest.approx(0.5)
+    d.step(25)
+    assert d.get_lr()[0] == 0.0
+    c = WarmupCosineLR(_Opt(0.5), total_num_steps=110, warmup_num_steps=10, cos_min_ratio=0.0, warmup_type="linear")  # type: ignore[arg-type]
+    c.step(60)
+    assert c.get_lr()[0] == pytest.approx(0.25)
+    c.step(110)
+    assert c.get_lr()[0] == pytest.approx(0.0, abs=1e-12)
+    state = c.state_dict()
+    c2 = WarmupCosineLR(_Opt(0.5), total_num_steps=110, warmup_num_steps=10, cos_min_ratio=0.0)  # type: ignore[arg-type]
+    c2.load_state_dict(state)
+    assert c2.get_lr() == c.get_lr()

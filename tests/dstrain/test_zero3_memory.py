@@ -1,0 +1,42 @@
+"""Stage 3 keeps about 1/world of the parameters per rank (measured from the storages themselves)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _dstrain_helpers import memory_run, spawn
+
+DIM = 96  # ~80k parameters: padding to a multiple of world size is negligible
+
+
+def _runs() -> dict[int, Any]:
+    return {stage: memory_run(stage, DIM) for stage in (0, 3)}
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict[int, Any]]:
+    return spawn(_runs, world=2)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_stage3_resident_parameters_are_half_the_model(rank: int, world2: list[dict[int, Any]]) -> None:
+    out = world2[rank][3]
+    model = out["model"]
+    for measured in (out["after_init"], out["after_train"]):
+        assert 0.49 * model <= measured <= 0.51 * model
+    # the strategy's own accounting agrees with the measurement
+    assert out["stats"].resident_param_numel == out["after_train"]
+    # while running, at most the shards plus the gathered modules are resident: less than shards + model
+    assert out["after_train"] < out["stats"].peak_resident_param_numel < 1.5 * model + 64
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_stage0_keeps_the_whole_model(rank: int, world2: list[dict[int, Any]]) -> None:
+    out = world2[rank][0]
+    assert out["model"] <= out["after_train"] <= out["model"] + 2
+
+
+def test_stage3_world1_keeps_everything() -> None:
+    out = memory_run(3, 16)
+    assert out["after_train"] == pytest.approx(out["model"], abs=1)
