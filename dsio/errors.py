@@ -12,6 +12,8 @@ __all__ = [
     "AlignmentError",
     "BackendUnavailableError",
     "ChecksumError",
+    "CheckpointFormatError",
+    "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "ClosedError",
     "ConfigError",
@@ -103,3 +105,12 @@ class ShortIOError(IOFailedError):
 
 class ChecksumError(DsioError, ValueError):
     """Data read back does not match its recorded checksum; names the tensor and the file."""
+
+
+class CheckpointFormatError(DsioError, ValueError):
+    """A checkpoint file, manifest or ``latest`` pointer is malformed or truncated, or names a path
+    outside the checkpoint directory. Raised before any data from it is returned."""
+
+
+class CheckpointMismatchError(DsioError, ValueError):
+    """A committed checkpoint does not fit the job loading it (e.g. written by another world size)."""
