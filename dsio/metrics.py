@@ -208,8 +208,7 @@ def _kind_of(obj: Any) -> str:
     known = {"AsyncIOHandle": "handle", "PinnedPool": "pool", "Checkpointer": "checkpoint"}
     if name in known:
         return known[name]
-    snake = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-    return re.sub(r"(er|or)$", "", snake) or snake
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
 def track(obj: _HasStatistics, *, kind: str | None = None) -> None:
@@ -336,7 +335,7 @@ class DsioCollector:
             "Engine request latency, submit to completion (buckets kept by the engine).",
             labels=["op", "backend"],
         )
-        bounds = [("+Inf" if math.isinf(b) else format(b, ".9g")) for b in LATENCY_BUCKET_BOUNDS_S]
+        bounds = [("+Inf" if math.isinf(b) else format(b, ".12g")) for b in LATENCY_BUCKET_BOUNDS_S]
         for (op, be), (buckets, s, _c) in sorted(lat.items()):
             cum = list(itertools.accumulate(buckets))
             hist.add_metric([op, be], list(zip(bounds, cum)), s)
@@ -442,7 +441,7 @@ def _size_bounds() -> list[str] | None:
     b = getattr(_stats, "SIZE_BUCKET_BOUNDS_BYTES", None)
     if not b:
         return None
-    return [("+Inf" if math.isinf(x) else format(float(x), ".9g")) for x in b]
+    return [("+Inf" if math.isinf(x) else format(float(x), ".12g")) for x in b]
 
 
 def _is_gauge(field: str) -> bool:

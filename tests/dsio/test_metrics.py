@@ -1,0 +1,414 @@
+"""dsio.metrics: the Prometheus collector reads statistics() snapshots of weakly tracked objects."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+import weakref
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import aligned_tensor, run_loop
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+import dsio
+from dsio import metrics
+
+
+def _registry() -> tuple[metrics._Registry, CollectorRegistry]:
+    """A private tracking registry and a prometheus registry holding only its collector."""
+    reg = metrics._Registry()
+    prom = CollectorRegistry()
+    prom.register(metrics.DsioCollector(reg))
+    return reg, prom
+
+
+def _val(prom: CollectorRegistry, name: str, **labels: str) -> float:
+    v = prom.get_sample_value(name, labels)
+    assert v is not None, f"{name}{labels} not exported"
+    return v
+
+
+async def _io(h: dsio.AsyncIOHandle, d: str, n: int = 5, nbytes: int = 65536) -> None:
+    t = aligned_tensor(nbytes)
+    path = os.path.join(d, "m.bin")
+    for _ in range(n):
+        await h.pwrite(t, path)
+    for _ in range(n):
+        await h.pread(t, path)
+
+
+def test_counters_match_statistics(backend, data_dir):
+    reg, prom = _registry()
+
+    async def main():
+        async with dsio.AsyncIOHandle(backend=backend) as h:
+            reg.add(h, "handle")
+            await _io(h, data_dir, n=7)
+            st = h.statistics()
+            be = st.engine.backend
+            for op in ("read", "write"):
+                o = getattr(st.engine, op)
+                assert _val(prom, "dsio_requests_total", op=op, backend=be) == o.ops == 7
+                assert _val(prom, "dsio_bytes_total", op=op, backend=be) == o.bytes == 7 * 65536
+                assert _val(prom, "dsio_calls_total", op=op, backend=be) == 7
+                # Histogram: cumulative buckets, +Inf bucket == _count == ops, _sum == latency total.
+                count = _val(prom, "dsio_request_latency_seconds_count", op=op, backend=be)
+                inf = _val(prom, "dsio_request_latency_seconds_bucket", op=op, backend=be, le="+Inf")
+                assert count == inf == o.ops
+                assert _val(prom, "dsio_request_latency_seconds_sum", op=op, backend=be) == pytest.approx(
+                    o.latency_seconds_total
+                )
+                assert _val(prom, "dsio_request_size_bytes_sum", op=op, backend=be) == o.bytes
+            assert _val(prom, "dsio_transfer_bytes_total", path="direct") == st.direct_bytes > 0
+            assert _val(prom, "dsio_tracked_objects", kind="handle") == 1
+            assert _val(prom, "dsio_pool_buffers") == st.pool.buffers
+            assert _val(prom, "dsio_requests_in_flight", backend=be) == 0
+
+    run_loop("asyncio", main())
+
+
+def test_latency_histogram_is_cumulative_and_matches_engine_buckets(data_dir):
+    reg, prom = _registry()
+
+    async def main():
+        async with dsio.AsyncIOHandle() as h:
+            reg.add(h, "handle")
+            await _io(h, data_dir, n=20, nbytes=4096)
+            st = h.statistics()
+            fams = {f.name: f for f in text_string_to_metric_families(_text(prom))}
+            fam = fams["dsio_request_latency_seconds"]
+            buckets = [
+                (float(s.labels["le"]), s.value)
+                for s in fam.samples
+                if s.name.endswith("_bucket") and s.labels["op"] == "write"
+            ]
+            bounds = [b for b, _ in buckets]
+            assert bounds == sorted(bounds) and bounds[-1] == float("inf")
+            assert bounds == list(dsio.LATENCY_BUCKET_BOUNDS_S)
+            values = [v for _, v in buckets]
+            assert values == sorted(values)  # cumulative
+            expected, acc = [], 0
+            for n in st.engine.write.latency_buckets:
+                acc += n
+                expected.append(acc)
+            assert values == expected
+
+    run_loop("asyncio", main())
+
+
+def _text(prom: CollectorRegistry) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(prom).decode()
+
+
+def test_errors_are_counted_by_op(data_dir):
+    reg, prom = _registry()
+
+    async def main():
+        async with dsio.AsyncIOHandle() as h:
+            reg.add(h, "handle")
+            path = os.path.join(data_dir, "e.bin")
+            t = aligned_tensor(8192)
+            await h.pwrite(t, path)
+            async with h.open(path, "w") as f:  # write-only fd: a read fails with EBADF
+                for _ in range(3):
+                    with pytest.raises(dsio.IOFailedError):
+                        await f.pread(t)
+            be = h.backend
+            st = h.statistics()
+            errs = sum(
+                s.value
+                for fam in text_string_to_metric_families(_text(prom))
+                if fam.name == "dsio_request_errors"
+                for s in fam.samples
+                if s.labels.get("op") == "read" and s.name.endswith("_total")
+            )
+            assert errs == st.engine.read.errors >= 3
+            assert _val(prom, "dsio_call_errors_total", backend=be) == 3
+            assert _val(prom, "dsio_request_errors_total", op="write", backend=be, errno="unreported") == 0
+
+    run_loop("asyncio", main())
+
+
+def test_tracking_is_weak_and_totals_stay_monotonic(data_dir):
+    reg, prom = _registry()
+
+    async def main():
+        h = dsio.AsyncIOHandle()
+        reg.add(h, "handle")
+        reg.add(h, "handle")  # idempotent
+        assert reg.count() == {"handle": 1}
+        await _io(h, data_dir, n=4)
+        be = h.backend
+        before = _val(prom, "dsio_requests_total", op="write", backend=be)  # scrape: last snapshot kept
+        assert before == 4
+        await h.aclose()
+        ref = weakref.ref(h)
+        del h
+        gc.collect()
+        assert ref() is None, "tracking must not keep a handle alive"
+        assert reg.count() == {}
+        assert _val(prom, "dsio_requests_total", op="write", backend=be) == 4  # retired, not reset
+        assert _val(prom, "dsio_tracked_objects", kind="handle") == 0
+        # A second handle adds on top of the retired totals.
+        async with dsio.AsyncIOHandle() as h2:
+            reg.add(h2, "handle")
+            await _io(h2, data_dir, n=2)
+            assert _val(prom, "dsio_requests_total", op="write", backend=be) == 6
+            reg.remove(h2)  # untrack folds the final snapshot in
+            await _io(h2, data_dir, n=1)
+        assert _val(prom, "dsio_requests_total", op="write", backend=be) == 6
+
+    run_loop("asyncio", main())
+
+
+def test_untrack_without_scrape_keeps_everything(data_dir):
+    reg, prom = _registry()
+
+    async def main():
+        async with dsio.AsyncIOHandle() as h:
+            reg.add(h, "handle")
+            await _io(h, data_dir, n=3)
+            reg.remove(h)
+            reg.remove(h)  # idempotent
+            be = h.backend
+        assert _val(prom, "dsio_requests_total", op="read", backend=be) == 3
+
+    run_loop("asyncio", main())
+
+
+def test_pool_gauges_follow_buffers_and_waiters():
+    reg, prom = _registry()
+
+    async def main():
+        with dsio.PinnedPool(4 * 4096, 4096) as pool:
+            reg.add(pool, "pool")
+            leases = [await pool.acquire() for _ in range(4)]
+            waiter = asyncio.ensure_future(pool.acquire())
+            await asyncio.sleep(0)
+            assert _val(prom, "dsio_pool_buffers") == 4
+            assert _val(prom, "dsio_pool_buffers_in_use") == 4
+            assert _val(prom, "dsio_pool_waiters") == 1
+            assert _val(prom, "dsio_pool_bytes") == 4 * 4096
+            leases.pop().release()
+            leases.append(await waiter)
+            assert _val(prom, "dsio_pool_waiters") == 0
+            assert _val(prom, "dsio_pool_waits_total") == 1
+            assert _val(prom, "dsio_pool_acquisitions_total") == 5
+            assert _val(prom, "dsio_pool_wait_seconds_total") > 0
+            for lease in leases:
+                lease.release()
+            assert _val(prom, "dsio_pool_buffers_in_use") == 0
+
+    run_loop("asyncio", main())
+
+
+@dataclass(frozen=True, slots=True)
+class _CkptStats:
+    saves: int
+    loads: int
+    save_seconds: float
+    load_seconds: float
+    saved_bytes: int
+    loaded_bytes: int
+    staging_seconds: float
+    in_flight: int
+    last_save_seconds: float
+
+
+class Checkpointer:  # the name decides the kind: "checkpoint"
+    def __init__(self) -> None:
+        self.stats = _CkptStats(2, 1, 1.5, 0.25, 4096, 2048, 0.125, 1, 0.75)
+
+    def statistics(self) -> _CkptStats:
+        return self.stats
+
+
+def test_checkpointer_is_exported_generically():
+    reg, prom = _registry()
+    ck = Checkpointer()
+    reg.add(ck, metrics._kind_of(ck))
+    assert _val(prom, "dsio_checkpoint_saves_total") == 2
+    assert _val(prom, "dsio_checkpoint_save_seconds_total") == 1.5
+    assert _val(prom, "dsio_checkpoint_saved_bytes_total") == 4096
+    assert _val(prom, "dsio_checkpoint_staging_seconds_total") == 0.125
+    assert _val(prom, "dsio_checkpoint_in_flight") == 1  # a level: gauge
+    assert _val(prom, "dsio_checkpoint_last_save_seconds") == 0.75
+    del ck
+    gc.collect()
+    # Running totals survive the object; levels go away with it.
+    assert _val(prom, "dsio_checkpoint_saves_total") == 2
+    assert prom.get_sample_value("dsio_checkpoint_in_flight") is None
+
+
+def test_kind_names():
+    assert metrics._kind_of(Checkpointer()) == "checkpoint"
+
+    class SwapManager:
+        def statistics(self):
+            return {}
+
+    assert metrics._kind_of(SwapManager()) == "swap_manager"
+
+    class Named:
+        metrics_kind = "optimizer_swapper"
+
+        def statistics(self):
+            return {}
+
+    assert metrics._kind_of(Named()) == "optimizer_swapper"
+
+
+def test_broken_statistics_does_not_break_the_scrape(data_dir):
+    reg, prom = _registry()
+
+    class Broken:
+        def statistics(self):
+            raise RuntimeError("boom")
+
+    b = Broken()
+    reg.add(b, "broken")
+    assert _val(prom, "dsio_info", version=dsio.__version__) == 1
+    with pytest.raises(TypeError):
+        metrics.track(object())  # type: ignore[arg-type]
+
+
+def test_global_track_and_register_is_idempotent(data_dir):
+    c1 = metrics.register()
+    c2 = metrics.register()
+    assert c1 is c2
+
+    async def main():
+        async with dsio.AsyncIOHandle() as h:
+            metrics.track(h)
+            metrics.track(h)
+            assert metrics.tracked().get("handle", 0) >= 1
+            await _io(h, data_dir, n=1)
+            prom = CollectorRegistry()
+            metrics.register(prom)
+            assert _val(prom, "dsio_calls_total", op="write", backend=h.backend) >= 1
+            metrics.untrack(h)
+
+    run_loop("asyncio", main())
+
+
+def test_serve_on_loopback_and_close(data_dir):
+    srv = metrics.serve(port=0)
+    try:
+        assert srv.addr == "127.0.0.1" and srv.port > 0
+        assert srv.url == f"http://127.0.0.1:{srv.port}/metrics"
+
+        async def main():
+            async with dsio.AsyncIOHandle() as h:
+                metrics.track(h)
+                await _io(h, data_dir, n=2)
+                body = urllib.request.urlopen(srv.url, timeout=10).read().decode()
+                names = {f.name for f in text_string_to_metric_families(body)}
+                assert {
+                    "dsio_requests",
+                    "dsio_bytes",
+                    "dsio_request_latency_seconds",
+                    "dsio_pool_buffers",
+                } <= names
+                assert "process_cpu_seconds" in names  # process collector comes along
+                metrics.untrack(h)
+
+        run_loop("asyncio", main())
+    finally:
+        srv.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(srv.url, timeout=2)
+
+
+def test_serve_into_callers_registry():
+    prom = CollectorRegistry()
+    with metrics.serve(port=0, registry=prom) as srv:
+        body = urllib.request.urlopen(srv.url, timeout=10).read().decode()
+    assert "dsio_info" in body and "process_cpu_seconds" not in body  # only what the caller registered
+
+
+def test_scrapes_during_load_are_consistent_and_monotonic(data_dir):
+    """Scrape from another thread while I/O runs: counters never go backwards."""
+    reg, prom = _registry()
+    seen: list[float] = []
+    stop = threading.Event()
+
+    def scraper() -> None:
+        while not stop.is_set():
+            v = prom.get_sample_value("dsio_requests_total", {"op": "write", "backend": be})
+            seen.append(v or 0.0)
+
+    async def main():
+        nonlocal be
+        async with dsio.AsyncIOHandle(queue_depth=16) as h:
+            reg.add(h, "handle")
+            be = h.backend
+            th = threading.Thread(target=scraper)
+            th.start()
+            t = aligned_tensor(65536)
+            path = os.path.join(data_dir, "load.bin")
+            async with h.open(path, "w+") as f:
+                for _ in range(20):
+                    await asyncio.gather(*(f.pwrite(t, offset=i * 65536) for i in range(32)))
+            stop.set()
+            th.join()
+            assert h.statistics().engine.write.ops == 640
+
+    be = ""
+    run_loop("asyncio", main())
+    assert len(seen) > 3
+    assert seen == sorted(seen)
+    assert seen[-1] <= 640
+
+
+def test_hot_path_does_not_import_prometheus_client(tmp_path):
+    """Tracking and I/O never touch prometheus-client; only a scrape imports it."""
+    code = f"""
+import asyncio, sys, torch, dsio, dsio.metrics
+async def main():
+    async with dsio.AsyncIOHandle() as h:
+        dsio.metrics.track(h)
+        await h.pwrite(torch.ones(4096, dtype=torch.uint8), {str(tmp_path / "x.bin")!r})
+asyncio.run(main())
+assert "prometheus_client" not in sys.modules, "hot path imported prometheus_client"
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_merge_sums_snapshots():
+    a = dsio.OpStatistics(1, 10, 0, 0.5, (1, 0))
+    b = dsio.OpStatistics(2, 20, 1, 0.25, (0, 2))
+    m = metrics._merge(a, b)
+    assert m == dsio.OpStatistics(3, 30, 1, 0.75, (1, 2))
+    assert metrics._merge({"EIO": 1}, {"EIO": 2, "ENOSPC": 1}) == {"EIO": 3, "ENOSPC": 1}
+
+
+def test_tensor_memory_is_not_retained(data_dir):
+    """A tracked handle's snapshots hold numbers only (no tensors, no buffers)."""
+    reg, prom = _registry()
+
+    async def main():
+        async with dsio.AsyncIOHandle() as h:
+            reg.add(h, "handle")
+            t = torch.ones(65536, dtype=torch.uint8)
+            await h.pwrite(t, os.path.join(data_dir, "w.bin"))
+            _text(prom)
+            r = weakref.ref(t)
+            del t
+            gc.collect()
+            assert r() is None
+
+    run_loop("asyncio", main())
