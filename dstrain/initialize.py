@@ -113,6 +113,11 @@ def initialize(
         torch.manual_seed(cfg.seed)
     precision = Precision(cfg.precision, cfg.fp16)
     groups = _param_groups(model, model_parameters)
+    if comm.distributed and dist.get_backend(comm.group) == "nccl":
+        # NCCL talks to the GPU: put the model on this process's device, as DeepSpeed does
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        model.to(device)
     _broadcast_module(model, comm)
     model.to(precision.dtype)
     zero = _build_zero(model, groups, cfg, comm, precision.dtype)

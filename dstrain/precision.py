@@ -143,7 +143,7 @@ class Precision:
         if not need_norm:
             return False, math.nan
         # squared norm in float64: a finite fp32 gradient must not overflow the sum
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
         for g in grads:
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
         if partitioned or self.scaler is not None:

@@ -44,16 +44,16 @@ class _Group:
             self.grad_views = self.layout.views(self.flat_grad)
             self.attach_grads()
         if stage == 1 and not self.alias:
-            self.part_grad = torch.zeros(hi - lo, dtype=dtype)
+            self.part_grad = torch.zeros(hi - lo, dtype=dtype, device=self.flat.device)
         if self.alias and stage == 0:
             assert self.flat_grad is not None
             self.master.grad = self.flat_grad
         elif self.alias and stage == 1:
-            self.master.grad = torch.zeros(hi - lo, dtype=torch.float32)
+            self.master.grad = torch.zeros(hi - lo, dtype=torch.float32, device=self.flat.device)
             self.part_grad = self.master.grad
         else:
             # stage 2 accumulates reduced gradients of every micro-step here, in fp32
-            self.master.grad = torch.zeros(hi - lo, dtype=torch.float32)
+            self.master.grad = torch.zeros(hi - lo, dtype=torch.float32, device=self.flat.device)
 
     def attach_grads(self) -> None:
         """Point every ``param.grad`` at its view of ``flat_grad`` (autograd then adds in place)."""
@@ -221,7 +221,7 @@ class _Stage2Buckets:
         if self.used and self.used + n > (self.buffer.numel() if self.buffer is not None else 0):
             self.flush()
         if self.buffer is None:
-            self.buffer = torch.empty(max(self.capacity, n), dtype=self.dtype)
+            self.buffer = torch.empty(max(self.capacity, n), dtype=self.dtype, device=grad.device)
         self.buffer[self.used : self.used + n].copy_(grad.reshape(-1))
         self.entries.append((gi, pi, self.used))
         self.used += n

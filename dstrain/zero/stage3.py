@@ -25,11 +25,11 @@ __all__ = ["Stage3Zero"]
 class _Group:
     """A param group's units; their shards are views of one buffer that the optimizer steps."""
 
-    def __init__(self, options: dict[str, Any], units: list[Unit], dtype: torch.dtype) -> None:
+    def __init__(self, options: dict[str, Any], units: list[Unit], dtype: torch.dtype, device: torch.device) -> None:
         self.options = options
         self.units = units
         total = sum(u.layout.shard for u in units)
-        self.shards = torch.zeros(total, dtype=dtype)  # (sum of shards,)
+        self.shards = torch.zeros(total, dtype=dtype, device=device)  # (sum of shards,)
         self.offsets: dict[int, int] = {}
         off = 0
         for u in units:
@@ -39,7 +39,7 @@ class _Group:
         self.alias = dtype == torch.float32
         self.master = self.shards if self.alias else self.shards.float()
         self.master.requires_grad_(True)
-        self.master.grad = torch.zeros(total, dtype=torch.float32)
+        self.master.grad = torch.zeros(total, dtype=torch.float32, device=device)
 
 
 class Stage3Zero(ZeroStrategy):
@@ -59,6 +59,7 @@ class Stage3Zero(ZeroStrategy):
         self.comm = comm
         self.config = config
         self.dtype = dtype
+        self.device = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
         group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         owner: dict[int, Unit] = {}
         units: list[Unit] = []
@@ -80,7 +81,8 @@ class Stage3Zero(ZeroStrategy):
                 module_units[sub] = needed
         self.units = units
         self.groups = [
-            _Group({k: v for k, v in g.items() if k != "params"}, per_group[gi], dtype) for gi, g in enumerate(groups)
+            _Group({k: v for k, v in g.items() if k != "params"}, per_group[gi], dtype, self.device)
+            for gi, g in enumerate(groups)
         ]
         for unit in units:
             unit.release()
@@ -111,7 +113,7 @@ class Stage3Zero(ZeroStrategy):
 
     def _reduce(self, unit: Unit) -> None:
         flat = unit.pop_flat_grad(self.dtype)  # (padded,)
-        out = torch.empty(unit.layout.shard, dtype=self.dtype)
+        out = torch.empty(unit.layout.shard, dtype=self.dtype, device=flat.device)
         handle = self.comm.reduce_scatter(out, flat, async_op=self.config.overlap_comm)
         self._pending.append((handle, out, unit))
         del flat  # the pending handle keeps the input alive inside the process group

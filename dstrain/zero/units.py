@@ -84,7 +84,7 @@ class Unit:
 
     def pop_flat_grad(self, dtype: torch.dtype) -> torch.Tensor:
         """This unit's gradients flattened into a new (padded,) buffer; parameters' ``.grad`` cleared."""
-        buf = torch.zeros(self.layout.padded, dtype=dtype)
+        buf = torch.zeros(self.layout.padded, dtype=dtype, device=self.full.device)
         for p, off, n in zip(self.params, self.layout.offsets, self.layout.numels, strict=True):
             if p.grad is not None:
                 buf[off : off + n].copy_(p.grad.reshape(-1))

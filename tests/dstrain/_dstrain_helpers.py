@@ -64,10 +64,15 @@ def base_config(stage: int, *, world: int, micro: int = 4, gas: int = 1, **extra
     return cfg
 
 
-def reference_losses(steps: int, batch: int, *, lr: float = 1e-2, clip: float = 0.0) -> list[float]:
-    """A plain single-process PyTorch loop on the global batch."""
+def reference_losses(
+    steps: int, batch: int, *, lr: float = 1e-2, clip: float = 0.0, sgd: bool = False
+) -> list[float]:
+    """A plain single-process PyTorch loop on the global batch (AdamW, or SGD: sensitive to gradient scale)."""
     model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    if sgd:
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     for step in range(steps):
         idx, targets = global_batch(step, batch)
@@ -254,7 +259,8 @@ def checkpoint_save_run(root: str, scenarios: dict[str, dict[str, Any]]) -> dict
         engine, _, _, _ = dstrain.initialize(model=make_model(), config=cfg)
         first = engine_losses(engine, 10)
         engine.save_checkpoint(os.path.join(root, name), client_state=CLIENT_STATE)
-        out[name] = first + engine_losses(engine, 10, start=10)
+        rng = torch.rand(4)  # the RNG stream right after the save point
+        out[name] = {"losses": first + engine_losses(engine, 10, start=10), "rng": rng}
         engine.close()
     return out
 
@@ -266,8 +272,14 @@ def checkpoint_resume_run(root: str, scenarios: dict[str, dict[str, Any]]) -> di
     out = {}
     for name, cfg in scenarios.items():
         engine, _, _, _ = dstrain.initialize(model=make_model(seed=123), config=cfg)
+        torch.manual_seed(999)
         _, client = engine.load_checkpoint(os.path.join(root, name))
-        steps = engine.global_steps
-        out[name] = {"losses": engine_losses(engine, 10, start=10), "client_state": client, "global_steps": steps}
+        steps, rng = engine.global_steps, torch.rand(4)
+        out[name] = {
+            "losses": engine_losses(engine, 10, start=10),
+            "client_state": client,
+            "global_steps": steps,
+            "rng": rng,
+        }
         engine.close()
     return out

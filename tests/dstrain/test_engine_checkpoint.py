@@ -46,7 +46,9 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list[An
 def test_resume_in_new_processes_reproduces_losses(name: str, world2: tuple[list[Any], list[Any]]) -> None:
     uninterrupted, resumed = world2
     for rank in (0, 1):
-        assert resumed[rank][name]["losses"] == pytest.approx(uninterrupted[rank][name][10:], rel=1e-6, abs=1e-6)
+        expected = uninterrupted[rank][name]["losses"][10:]
+        assert resumed[rank][name]["losses"] == pytest.approx(expected, rel=1e-6, abs=1e-6)
+        assert torch.equal(resumed[rank][name]["rng"], uninterrupted[rank][name]["rng"])
         assert resumed[rank][name]["global_steps"] == 10
         assert resumed[rank][name]["client_state"] == CLIENT_STATE
 
@@ -56,7 +58,8 @@ def test_resume_world1(name: str, tmp_path: Path) -> None:
     cfg = _scenarios(1)[name]
     uninterrupted = checkpoint_save_run(str(tmp_path), {name: cfg})[name]
     resumed = checkpoint_resume_run(str(tmp_path), {name: cfg})[name]
-    assert resumed["losses"] == pytest.approx(uninterrupted[10:], rel=1e-6, abs=1e-6)
+    assert resumed["losses"] == pytest.approx(uninterrupted["losses"][10:], rel=1e-6, abs=1e-6)
+    assert torch.equal(resumed["rng"], uninterrupted["rng"])
     assert resumed["client_state"] == CLIENT_STATE
 
 
