@@ -18,11 +18,13 @@ import json
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..config import ALIGNMENT
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, ChecksumError
+from ._integrity import HEADER_CRC_KEY, dump_header_json, header_crc
 
 __all__ = [
     "DTYPES",
@@ -118,17 +120,24 @@ def layout(items: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[Te
     return out
 
 
-def encode_header(entries: Iterable[TensorEntry], metadata: Mapping[str, str]) -> bytes:
-    """``u64 N`` + the JSON header padded with spaces so that the result is a multiple of 4096."""
-    obj: dict[str, object] = {}
-    if metadata:
-        obj["__metadata__"] = dict(metadata)
+def encode_header(entries: Iterable[TensorEntry], metadata: Mapping[str, str], *, seal: bool = True) -> bytes:
+    """``u64 N`` + the JSON header padded with spaces so that the result is a multiple of 4096.
+
+    ``seal`` adds a crc32c of the whole header (names, shapes, offsets, metadata) as the last
+    ``__metadata__`` entry, so that a flipped byte in the structure is caught like one in the data.
+    """
+    obj: dict[str, Any] = {}
+    meta = dict(metadata)
+    if meta or seal:
+        obj["__metadata__"] = meta
     for e in entries:
         name = dtype_name(e.dtype)
         if name is None:  # pragma: no cover - callers check first
             raise CheckpointFormatError(f"dtype {e.dtype} has no safetensors name")
         obj[e.name] = {"dtype": name, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
-    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    if seal:
+        meta[HEADER_CRC_KEY] = header_crc(obj)
+    body = dump_header_json(obj).encode()
     total = -(-(8 + len(body)) // ALIGNMENT) * ALIGNMENT
     n = total - 8
     if n > MAX_HEADER_BYTES:
@@ -167,11 +176,15 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Header:
         raise CheckpointFormatError(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise CheckpointFormatError(f"{path}: header is not a JSON object")
-    meta_raw = obj.pop("__metadata__", None) or {}
+    meta_raw = obj.get("__metadata__") or {}
     if not isinstance(meta_raw, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in meta_raw.items()
     ):
         raise CheckpointFormatError(f"{path}: __metadata__ must map strings to strings")
+    sealed = meta_raw.pop(HEADER_CRC_KEY, None)
+    if sealed is not None and sealed != header_crc(obj):
+        raise ChecksumError(f"{path}: header checksum mismatch (names, shapes or metadata corrupted)")
+    obj.pop("__metadata__", None)
     entries = []
     for name, info in obj.items():
         if not isinstance(info, dict):

@@ -1,0 +1,112 @@
+"""``await save(state, path)`` / ``await load(path)``: one safetensors file holding a whole state."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from ..config import IOConfig
+from ..errors import CheckpointFormatError
+from ..handle import AsyncIOHandle
+from ._format import Header
+from ._integrity import FORMAT_KEY, STATE_KEY
+from ._read import read_file
+from ._state import flatten, unflatten
+from ._write import FileWriter, Staging
+
+__all__ = ["DEFAULT_IO", "file_metadata", "load", "restore", "save"]
+
+#: The I/O configuration checkpoints use unless given another: deep queues, two workers.
+DEFAULT_IO = IOConfig(block_size=1 << 20, queue_depth=32, intra_op_parallelism=2)
+FORMAT_VERSION = "1"
+
+PathLike = str | os.PathLike[str]
+
+
+def file_metadata(tree: Any, extra: dict[str, str] | None = None) -> dict[str, str]:
+    meta = {FORMAT_KEY: FORMAT_VERSION, STATE_KEY: json.dumps(tree, separators=(",", ":"))}
+    if extra:
+        meta.update(extra)
+    return meta
+
+
+@contextlib.asynccontextmanager
+async def _handle(handle: AsyncIOHandle | None, config: IOConfig | None) -> AsyncIterator[AsyncIOHandle]:
+    if handle is not None:
+        yield handle
+        return
+    async with AsyncIOHandle(config or DEFAULT_IO) as h:
+        yield h
+
+
+async def save(
+    state: Any,
+    path: PathLike,
+    *,
+    allow_pickle: bool = False,
+    fsync: bool = True,
+    handle: AsyncIOHandle | None = None,
+    config: IOConfig | None = None,
+) -> int:
+    """Write ``state`` (nested dicts/lists of tensors and plain values) to ``path``; return its size.
+
+    The file is a valid safetensors file (``safetensors.torch.load_file`` returns the tensors) and
+    is durable (fsynced) when this returns. It replaces ``path`` in place: for crash safety use
+    ``Checkpointer``, which writes into a temporary directory and renames. Values JSON cannot
+    hold raise ``UnsupportedStateError`` unless ``allow_pickle``.
+    """
+    tensors, tree = flatten(state, allow_pickle=allow_pickle)
+    path = os.fspath(path)
+    async with _handle(handle, config) as h:
+        w = FileWriter(h, path, tensors, file_metadata(tree), Staging())
+        try:
+            await w.stage()
+            return await w.finish(fsync=fsync)
+        except BaseException:
+            await w.abort()
+            raise
+        finally:
+            w.staging.release()
+
+
+def restore(
+    header: Header, tensors: dict[str, torch.Tensor], *, device: str | torch.device, allow_pickle: bool, path: str
+) -> Any:
+    """The state recorded in a file's header, built around its loaded tensors."""
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        tensors = {n: t.to(dev) for n, t in tensors.items()}
+    raw = header.metadata.get(STATE_KEY)
+    if raw is None:  # a stock safetensors file: a flat dict, in file order
+        return tensors
+    try:
+        tree = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(f"{path}: state structure is not valid JSON ({e})") from None
+    return unflatten(tree, tensors, allow_pickle=allow_pickle)
+
+
+async def load(
+    path: PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    verify: bool = True,
+    allow_pickle: bool = False,
+    handle: AsyncIOHandle | None = None,
+    config: IOConfig | None = None,
+) -> Any:
+    """Read a state written by ``save`` (same structure back) or any safetensors file (a dict).
+
+    ``verify`` checks each tensor's crc32c where the file records one (dsio's files);
+    a mismatch is ``ChecksumError`` naming the tensor and the file. A malformed or truncated
+    file is ``CheckpointFormatError``. Nothing is unpickled unless ``allow_pickle``.
+    """
+    path = os.fspath(path)
+    async with _handle(handle, config) as h:
+        header, tensors = await read_file(h, path, verify=verify)
+    return restore(header, tensors, device=device, allow_pickle=allow_pickle, path=path)

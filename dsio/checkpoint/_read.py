@@ -1,0 +1,140 @@
+"""Reading one safetensors file (dsio's or anyone's) into fresh tensors, verifying checksums.
+
+Large tensors each get their own allocation, placed so that the tensor's address has the same
+offset within a 4096-byte page as its bytes in the file: then all but the first and last partial
+page go O_DIRECT straight into the tensor, with no staging copy, even though tensors are packed
+back to back in the file. Small tensors are read in runs and copied out. Reads are all submitted
+at once; each tensor's crc32c runs on a worker thread as soon as its read completes, so
+verification overlaps the disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+
+import torch
+
+from ..errors import ChecksumError
+from ..file import AsyncFile
+from ..handle import AsyncIOHandle
+from ._format import Header, TensorEntry, parse_header, parse_header_length
+from ._integrity import crc_of, parse_checksums
+
+__all__ = ["read_file", "read_header"]
+
+_ALIGN = 4096
+#: Tensors at least this big are read straight into their own memory; smaller ones in runs.
+BIG_BYTES = 1 << 20
+#: Largest run of small tensors read as one request.
+RUN_BYTES = 16 << 20
+_FIRST_READ = 64 << 10
+
+
+async def read_header(f: AsyncFile, path: str, size: int) -> Header:
+    first = torch.empty(min(size, _FIRST_READ), dtype=torch.uint8)
+    if first.numel():
+        await f.pread(first, 0)
+    n = parse_header_length(first.numpy().tobytes()[:8], size, path)
+    if 8 + n <= first.numel():
+        raw = first[8 : 8 + n].numpy().tobytes()
+    else:
+        rest = torch.empty(n, dtype=torch.uint8)
+        await f.pread(rest, 8)
+        raw = rest.numpy().tobytes()
+    return parse_header(raw, size, path)
+
+
+def _placed(nbytes: int, file_offset: int) -> torch.Tensor:
+    """``nbytes`` of fresh memory whose address is congruent to ``file_offset`` modulo 4096."""
+    base = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
+    s = (file_offset - base.data_ptr()) % _ALIGN
+    return base[s : s + nbytes]
+
+
+def _typed(raw: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    esize = torch.empty(0, dtype=e.dtype).element_size()
+    if raw.data_ptr() % esize:  # a file whose tensors are not aligned to their element size
+        raw = raw.clone()
+    return raw.view(e.dtype).view(e.shape)
+
+
+def _runs(entries: tuple[TensorEntry, ...]) -> list[list[TensorEntry]]:
+    """Group the file's tensors: each big one alone, consecutive small ones in runs."""
+    runs: list[list[TensorEntry]] = []
+    cur: list[TensorEntry] = []
+    for e in entries:
+        if e.nbytes >= BIG_BYTES:
+            if cur:
+                runs.append(cur)
+                cur = []
+            runs.append([e])
+            continue
+        if cur and e.end - cur[0].begin > RUN_BYTES:
+            runs.append(cur)
+            cur = []
+        cur.append(e)
+    if cur:
+        runs.append(cur)
+    return runs
+
+
+async def _all(futs: list, *, raise_first: bool = True) -> None:
+    """Wait for every future (none is left running), then raise the first failure."""
+    if not futs:
+        return
+    await asyncio.wait(futs)
+    errors = [f.exception() for f in futs if not f.cancelled() and f.exception() is not None]
+    if errors and raise_first:
+        raise errors[0]
+
+
+async def read_file(
+    handle: AsyncIOHandle, path: str, *, verify: bool = True
+) -> tuple[Header, dict[str, torch.Tensor]]:
+    """All tensors of ``path`` (in file order) and its header. ``verify`` checks crc32c where recorded."""
+    path = os.fspath(path)
+    loop = asyncio.get_running_loop()
+    async with handle.open(path, "r") as f:
+        header = await read_header(f, path, f.size)
+        ds = header.data_start
+        sums = parse_checksums(header.metadata, [e.name for e in header.entries], path) if verify else None
+        out: dict[str, torch.Tensor] = {}
+        checks: list[asyncio.Future[None]] = []
+        ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsio-ckpt-crc") if sums else None
+
+        def verify_run(raw: torch.Tensor, run: list[TensorEntry]) -> None:
+            assert sums is not None
+            base = raw.data_ptr() - run[0].begin
+            for e in run:
+                got = crc_of(base + e.begin, e.nbytes)
+                if got != sums[e.name]:
+                    raise ChecksumError(
+                        f"tensor {e.name!r} in {path}: crc32c {got:08x} does not match the recorded "
+                        f"{sums[e.name]:08x} (corrupted file)"
+                    )
+
+        async def read_run(run: list[TensorEntry]) -> None:
+            begin, end = run[0].begin, run[-1].end
+            raw = _placed(end - begin, ds + begin)
+            if end > begin:
+                await f.pread(raw, ds + begin)
+            if ex is not None:
+                checks.append(loop.run_in_executor(ex, verify_run, raw, run))
+            if len(run) == 1 and run[0].nbytes >= BIG_BYTES:
+                out[run[0].name] = _typed(raw, run[0])
+            else:
+                for e in run:
+                    piece = raw[e.begin - begin : e.end - begin]
+                    out[e.name] = _typed(piece.clone(), e) if e.nbytes else torch.empty(e.shape, dtype=e.dtype)
+
+        try:
+            reads = [asyncio.ensure_future(read_run(r)) for r in _runs(header.entries)]
+            await _all(reads)
+            await _all(checks)
+        finally:
+            await _all(checks, raise_first=False)
+            if ex is not None:
+                ex.shutdown(wait=True)
+    return header, {e.name: out[e.name] for e in header.entries}

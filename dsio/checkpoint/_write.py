@@ -1,0 +1,196 @@
+"""Writing one checkpoint file: stage tensors into an aligned region laid out exactly as the file,
+then move it to disk with a few large O_DIRECT writes.
+
+    region = [ header (data_start bytes, multiple of 4096) | tensor 0 | tensor 1 | ... ]   == the file
+
+``FileWriter.stage()`` copies the tensors in (this is the only part that reads the caller's
+tensors, so it is all an async save blocks training for) and submits each ~64 MiB of staged
+bytes as soon as it is ready, so the copy overlaps the disk. ``finish()`` checksums the staged
+tensors on a worker thread while the writes run, writes the header (its length was fixed
+before the checksums were known: they are fixed-width hex), fsyncs and closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import json
+import os
+import time
+
+import torch
+
+from .. import _C
+from ..errors import IOFailedError
+from ..file import AsyncFile
+from ..handle import AsyncIOHandle
+from ._format import TensorEntry, encode_header, layout
+from ._integrity import ALGORITHM, CHECKSUMS_KEY, crc_of, hex32
+
+__all__ = ["CHUNK_BYTES", "FileWriter", "Staging"]
+
+#: Staged bytes submitted per write while staging continues.
+CHUNK_BYTES = 64 << 20
+_ALIGN = 4096
+
+
+class Staging:
+    """A reusable page-aligned, locked host region (grown when a state no longer fits)."""
+
+    def __init__(self) -> None:
+        self._mem: _C.AlignedBuffer | None = None
+        self._view: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._mem is None else int(self._mem.nbytes)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        """A uint8 view of ``nbytes`` of the region, reallocating only when it is too small."""
+        if self._mem is None or self._mem.nbytes < nbytes:
+            self.release()
+            size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+            self._mem = _C.AlignedBuffer(size, True)
+            self._view = torch.frombuffer(self._mem, dtype=torch.uint8)
+        assert self._view is not None
+        return self._view[:nbytes]
+
+    def release(self) -> None:
+        # Views handed out keep the memory alive (frombuffer holds a reference) until they die.
+        self._mem = None
+        self._view = None
+
+
+def _preallocate(path: str, size: int) -> None:
+    """Create or replace ``path`` and reserve ``size`` bytes: a full disk fails here, before any copy."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        if size:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    return
+                raise IOFailedError(e.errno or errno.EIO, path, 0, f"reserving {size} bytes") from None
+    finally:
+        os.close(fd)
+
+
+class FileWriter:
+    """One file being written from named tensors. ``await stage()``, then ``await finish()``;
+    on any failure ``await abort()`` removes the partial file."""
+
+    def __init__(
+        self,
+        handle: AsyncIOHandle,
+        path: str,
+        tensors: dict[str, torch.Tensor],
+        metadata: dict[str, str],
+        staging: Staging,
+        *,
+        preallocate: bool = True,
+    ) -> None:
+        self.handle = handle
+        self.path = path
+        self.tensors = tensors
+        self.metadata = dict(metadata)
+        self.staging = staging
+        self.preallocate = preallocate
+        self.entries: list[TensorEntry] = layout((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
+        placeholder = {e.name: "0" * 8 for e in self.entries}
+        self._meta_for = lambda sums: {**self.metadata, CHECKSUMS_KEY: json.dumps(sums, separators=(",", ":"))}
+        self.data_start = len(encode_header(self.entries, self._meta_for(placeholder)))
+        self.file_size = self.data_start + (self.entries[-1].end if self.entries else 0)
+        self._region: torch.Tensor | None = None
+        self._file: AsyncFile | None = None
+        self._writes: list[asyncio.Future[int]] = []
+        self._flushed = 0
+        self.stage_seconds = 0.0
+        self.write_seconds = 0.0
+
+    @property
+    def checksum_algorithm(self) -> str:
+        return ALGORITHM
+
+    def _submit(self, start: int, end: int) -> None:
+        assert self._file is not None and self._region is not None
+        if end > start:
+            self._writes.append(asyncio.ensure_future(self._file.pwrite(self._region[start:end], start)))
+
+    async def stage(self) -> None:
+        """Copy every tensor into the region; writes of staged parts start as soon as they are ready."""
+        t0 = time.perf_counter()
+        if self.preallocate:
+            _preallocate(self.path, self.file_size)
+        self._region = region = self.staging.get(self.file_size)
+        self._file = self.handle.open(self.path, "w")
+        ds = self.data_start
+        self._flushed = ds  # the header goes last, once the checksums are known
+        for e in self.entries:
+            if e.nbytes:
+                dst = region[ds + e.begin : ds + e.end].view(e.dtype).view(e.shape)
+                dst.copy_(self.tensors[e.name])
+            staged = ds + e.end
+            if staged - self._flushed >= CHUNK_BYTES:
+                cut = staged & ~(_ALIGN - 1)
+                self._submit(self._flushed, cut)
+                self._flushed = cut
+                await asyncio.sleep(0)  # let the write task reach the engine
+        self.tensors = {}  # the caller's tensors are free from here on
+        self.stage_seconds = time.perf_counter() - t0
+
+    async def finish(self, *, fsync: bool = True) -> int:
+        """Write the rest and the header, fsync, close; return the file size."""
+        assert self._file is not None and self._region is not None
+        t0 = time.perf_counter()
+        self._submit(self._flushed, self.file_size)
+        self._flushed = self.file_size
+        region = self._region
+        base = region.data_ptr() + self.data_start
+        entries = self.entries
+
+        def checksums() -> dict[str, str]:
+            return {e.name: hex32(crc_of(base + e.begin, e.nbytes)) for e in entries}
+
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsio-ckpt-crc") as ex:
+            sums = await asyncio.get_running_loop().run_in_executor(ex, checksums)
+        header = encode_header(entries, self._meta_for(sums))
+        assert len(header) == self.data_start, "header length changed with its checksums"
+        region[: self.data_start].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        self._submit(0, self.data_start)
+        await self._drain()
+        if fsync:
+            await self._file.fsync()
+        self._file.close()
+        self._file = None
+        self._region = None
+        self.write_seconds = time.perf_counter() - t0
+        return self.file_size
+
+    async def _drain(self) -> None:
+        writes, self._writes = self._writes, []
+        if not writes:
+            return
+        await asyncio.wait(writes)
+        for w in writes:
+            if not w.cancelled() and w.exception() is not None:
+                raise w.exception()  # type: ignore[misc]
+            if w.cancelled():
+                raise asyncio.CancelledError()
+
+    async def abort(self) -> None:
+        """Wait out writes still in flight, close and remove the partial file."""
+        writes, self._writes = self._writes, []
+        if writes:
+            await asyncio.wait(writes)
+            for w in writes:  # retrieve, so that asyncio does not log them as unhandled
+                if not w.cancelled():
+                    w.exception()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._region = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
