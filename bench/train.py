@@ -1,0 +1,341 @@
+"""Training benchmark: dstrain ZeRO stages 0-3 vs PyTorch DDP, FSDP2 ``fully_shard`` and DeepSpeed.
+
+A GPT-like model (~110M parameters by default), world size 2 on gloo (CPU), same model, data and
+seed for every method. Every (method, rep) runs in fresh processes launched by torchrun, methods
+interleaved rep by rep (rep 1 of every method, then rep 2, ...), so the machine's drift hits all
+methods alike. Per rank we record the median step time and the training-phase peak RSS (VmHWM after
+resetting it through /proc/self/clear_refs once the model is built and one warm-up step ran).
+
+    python bench/train.py                          # all methods, writes bench/results/train-<date>.md
+    python bench/train.py --methods ddp,dstrain0 --reps 1 --steps 2 --layers 2   # quick look
+
+DeepSpeed runs only when --ds-python (default /work/ds-venv/bin/python) can ``import deepspeed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DSTRAIN_METHODS = [f"dstrain{s}" for s in range(4)]
+DS_METHODS = [f"deepspeed{s}" for s in range(4)]
+ALL_METHODS = ["ddp", "fsdp2", *DSTRAIN_METHODS, *DS_METHODS]
+
+
+# -- model -------------------------------------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, d: int, heads: int) -> None:
+            super().__init__()
+            self.heads = heads
+            self.ln1 = nn.LayerNorm(d)
+            self.qkv = nn.Linear(d, 3 * d)
+            self.proj = nn.Linear(d, d)
+            self.ln2 = nn.LayerNorm(d)
+            self.fc = nn.Linear(d, 4 * d)
+            self.out = nn.Linear(4 * d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            B, T, C = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)  # each (B, T, C)
+            q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+            x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+            return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            d = args.dim
+            self.wte = nn.Embedding(args.vocab, d)
+            self.wpe = nn.Embedding(args.seq, d)
+            self.blocks = nn.ModuleList(Block(d, args.heads) for _ in range(args.layers))
+            self.ln_f = nn.LayerNorm(d)
+            self.head = nn.Linear(d, args.vocab, bias=False)
+            self.head.weight = self.wte.weight  # tied, as in GPT-2
+
+        def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            T = idx.shape[1]
+            x = self.wte(idx) + self.wpe(torch.arange(T))  # (B, T, C)
+            for block in self.blocks:
+                x = block(x)
+            logits = self.head(self.ln_f(x))  # (B, T, V)
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+    torch.manual_seed(0)
+    return GPT()
+
+
+# -- one (method, rep) inside a torchrun rank --------------------------------------------------
+
+
+def _rss_peak_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return -1
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _import_dstrain() -> Any:
+    sys.path.insert(0, str(ROOT))
+    import dstrain
+
+    if not hasattr(dstrain, "initialize"):
+        # a stale editable install can map dstrain to an empty namespace: load the package from the tree
+        import importlib.util
+
+        del sys.modules["dstrain"]
+        spec = importlib.util.spec_from_file_location(
+            "dstrain", ROOT / "dstrain" / "__init__.py", submodule_search_locations=[str(ROOT / "dstrain")]
+        )
+        assert spec is not None and spec.loader is not None
+        dstrain = importlib.util.module_from_spec(spec)
+        sys.modules["dstrain"] = dstrain
+        spec.loader.exec_module(dstrain)
+    return dstrain
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    lr = 3e-4
+    method = args.method
+    ds_config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": int(method[-1]) if method[-1].isdigit() else 0},
+        "steps_per_print": 10**9,
+    }
+    if method == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+
+        def step(idx: torch.Tensor, tgt: torch.Tensor) -> float:
+            loss = net(idx, tgt)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+
+    elif method == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+        def step(idx: torch.Tensor, tgt: torch.Tensor) -> float:
+            loss = model(idx, tgt)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+
+    elif method.startswith(("dstrain", "deepspeed")):
+        if method.startswith("dstrain"):
+            lib = _import_dstrain()
+        else:
+            import deepspeed as lib  # type: ignore[import-not-found,no-redef]
+
+            ds_config["optimizer"]["params"]["torch_adam"] = True
+        engine, _, _, _ = lib.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+        def step(idx: torch.Tensor, tgt: torch.Tensor) -> float:
+            loss = engine(idx, tgt)
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+
+    else:
+        raise SystemExit(f"unknown method {method}")
+
+    g = torch.Generator().manual_seed(1234 + rank)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g) for _ in range(args.steps + 1)]
+    step(batches[0][:, :-1], batches[0][:, 1:])  # warm-up (allocates optimizer state)
+    _reset_peak()
+    times, losses = [], []
+    for b in batches[1:]:
+        dist.barrier()
+        start = time.perf_counter()
+        losses.append(step(b[:, :-1], b[:, 1:]))
+        times.append(time.perf_counter() - start)
+    result = {
+        "method": method,
+        "rank": rank,
+        "world": world,
+        "params": n_params,
+        "step_s": times,
+        "median_step_s": statistics.median(times),
+        "peak_rss_mib": _rss_peak_kib() / 1024,
+        "losses": losses,
+    }
+    Path(args.out).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+# -- orchestration -----------------------------------------------------------------------------
+
+
+def _ds_available(python: str) -> bool:
+    if not Path(python).exists():
+        return False
+    probe = subprocess.run([python, "-c", "import deepspeed"], capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    return probe.returncode == 0
+
+
+def _launch(python: str, method: str, out: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.world),
+           str(Path(__file__).resolve()), "--worker", "--method", method, "--out", str(out)]
+    for key in ("layers", "dim", "heads", "vocab", "seq", "batch", "steps"):
+        cmd += [f"--{key}", str(getattr(args, key))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    if proc.returncode != 0:
+        print(f"  {method} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return []
+    return [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(args.world)]
+
+
+def _fmt(values: list[float], spec: str) -> str:
+    return f"{statistics.median(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
+
+
+def report(results: dict[str, list[list[dict[str, Any]]]], args: argparse.Namespace, skipped: list[str]) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    first = next(r for reps in results.values() for rep in reps for r in rep)
+    lines = [
+        f"# Training benchmark, {now:%Y-%m-%d %H:%M} UTC",
+        "",
+        f"Machine: {platform.node()}, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, Python {platform.python_version()}, "
+        f"torch {__import__('torch').__version__}.",
+        f"Model: GPT-like, {args.layers} layers, d={args.dim}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
+        f"tied head: {first['params'] / 1e6:.1f}M parameters, fp32, AdamW. World size {args.world} (gloo, one thread "
+        f"per rank), micro batch {args.batch} per rank, {args.steps} timed steps after 1 warm-up, {args.reps} reps "
+        "interleaved (each in fresh processes).",
+        "",
+        "Step time: median over reps of the per-rep median (slowest rank), min-max over reps in parentheses. "
+        "Peak RSS: training-phase high-water mark (VmHWM reset after the warm-up step), max over ranks, median over reps.",
+        "",
+        "| method | step time, s | vs DDP | peak RSS per rank, MiB | vs DDP |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    med: dict[str, tuple[float, float]] = {}
+    for method, reps in results.items():
+        if not reps:
+            continue
+        steps = [max(r["median_step_s"] for r in rep) for rep in reps]
+        rss = [max(r["peak_rss_mib"] for r in rep) for rep in reps]
+        med[method] = (statistics.median(steps), statistics.median(rss))
+        base = med.get("ddp")
+        ratio_t = f"{med[method][0] / base[0]:.2f}x" if base else "-"
+        ratio_m = f"{med[method][1] / base[1]:.2f}x" if base else "-"
+        lines.append(f"| {method} | {_fmt(steps, '.3f')} | {ratio_t} | {_fmt(rss, '.0f')} | {ratio_m} |")
+    pairs = [("dstrain0", "ddp", 1.05, "stage 0 within 5% of DDP"), ("dstrain3", "fsdp2", 1.15, "stage 3 within 15% of FSDP2")]
+    pairs += [(f"dstrain{s}", f"deepspeed{s}", 1.0, f"stage {s} at least as fast as DeepSpeed's") for s in range(4)]
+    lines += ["", "Targets (issue 6):", ""]
+    for ours, theirs, limit, text in pairs:
+        if ours in med and theirs in med:
+            r = med[ours][0] / med[theirs][0]
+            verdict = "met" if r <= limit else "NOT met"
+            lines.append(f"- {text}: {r:.3f}x -> {verdict}")
+        else:
+            lines.append(f"- {text}: not measured")
+    for s in range(4):
+        if f"dstrain{s}" in med and f"deepspeed{s}" in med:
+            r = med[f"dstrain{s}"][1] / med[f"deepspeed{s}"][1]
+            lines.append(f"- stage {s} memory vs DeepSpeed's: {r:.3f}x -> {'met' if r <= 1.0 else 'NOT met'}")
+    if skipped:
+        lines += ["", f"Not run: {', '.join(skipped)}."]
+    losses = {m: reps[0][0]["losses"][:3] for m, reps in results.items() if reps}
+    lines += ["", "First timed losses of rank 0, rep 1 (same data and init everywhere; a sanity check):", ""]
+    lines += [f"- {m}: {', '.join(f'{x:.4f}' for x in v)}" for m, v in losses.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default=",".join(ALL_METHODS))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--dim", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--ds-python", default="/work/ds-venv/bin/python")
+    p.add_argument("--output", default=None, help="markdown path (default bench/results/train-<date>.md)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--method", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    methods = [m for m in args.methods.split(",") if m]
+    skipped = []
+    if any(m in DS_METHODS for m in methods) and not _ds_available(args.ds_python):
+        skipped = [m for m in methods if m in DS_METHODS]
+        skipped_note = f"{', '.join(skipped)} (no DeepSpeed at {args.ds_python})"
+        methods = [m for m in methods if m not in DS_METHODS]
+        skipped = [skipped_note]
+    results: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in methods}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):
+            for method in methods:
+                python = args.ds_python if method in DS_METHODS else sys.executable
+                start = time.time()
+                out = _launch(python, method, Path(tmp) / f"{method}-{rep}", args)
+                if out:
+                    results[method].append(out)
+                    t = max(r["median_step_s"] for r in out)
+                    m = max(r["peak_rss_mib"] for r in out)
+                    print(f"rep {rep + 1} {method}: step {t:.3f}s, peak RSS {m:.0f} MiB ({time.time() - start:.0f}s)", flush=True)
+    text = report(results, args, skipped)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    path = Path(args.output) if args.output else ROOT / "bench" / "results" / f"train-{date}.md"
+    path.write_text(text)
+    (path.with_suffix(".json")).write_text(json.dumps(results))
+    print(text)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
