@@ -6,8 +6,45 @@
     ckpt = dsio.checkpoint.Checkpointer("/data/run1", keep_last=3)
     task = await ckpt.save(step, state)   # returns once staged into pinned memory
     await task                            # durable and committed
+    state = await ckpt.load()             # latest committed; ckpt.load(step=1200); ckpt.steps()
+
+``dsio.checkpoint.dcp`` holds ``DsioStorageWriter`` / ``DsioStorageReader`` for
+``torch.distributed.checkpoint`` (imported on first use).
 """
 
-from ._api import load, save
+from typing import Any
 
-__all__ = ["load", "save"]
+from ..errors import (
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    ChecksumError,
+    UnsupportedStateError,
+)
+from ._api import DEFAULT_IO, load, save
+from .checkpointer import Checkpointer, CheckpointStatistics, SaveResult
+
+__all__ = [
+    "DEFAULT_IO",
+    "CheckpointFormatError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointStatistics",
+    "Checkpointer",
+    "ChecksumError",
+    "DsioStorageReader",
+    "DsioStorageWriter",
+    "SaveResult",
+    "UnsupportedStateError",
+    "load",
+    "save",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # torch.distributed.checkpoint is heavy to import: only when the DCP plugin is asked for.
+    if name in ("DsioStorageReader", "DsioStorageWriter", "dcp"):
+        from . import dcp
+
+        return dcp if name == "dcp" else getattr(dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

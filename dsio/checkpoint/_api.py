@@ -75,7 +75,12 @@ async def save(
 
 
 def restore(
-    header: Header, tensors: dict[str, torch.Tensor], *, device: str | torch.device, allow_pickle: bool, path: str
+    header: Header,
+    tensors: dict[str, torch.Tensor],
+    *,
+    device: str | torch.device,
+    allow_pickle: bool,
+    path: str,
 ) -> Any:
     """The state recorded in a file's header, built around its loaded tensors."""
     dev = torch.device(device)

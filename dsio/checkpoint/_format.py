@@ -172,8 +172,8 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Header:
     data_start = 8 + len(raw)
     try:
         obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointFormatError(f"{path}: header is not valid JSON ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointFormatError(f"{path}: header is not valid JSON ({err})") from None
     if not isinstance(obj, dict):
         raise CheckpointFormatError(f"{path}: header is not a JSON object")
     meta_raw = obj.get("__metadata__") or {}

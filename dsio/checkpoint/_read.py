@@ -127,7 +127,9 @@ async def read_file(
             else:
                 for e in run:
                     piece = raw[e.begin - begin : e.end - begin]
-                    out[e.name] = _typed(piece.clone(), e) if e.nbytes else torch.empty(e.shape, dtype=e.dtype)
+                    out[e.name] = (
+                        _typed(piece.clone(), e) if e.nbytes else torch.empty(e.shape, dtype=e.dtype)
+                    )
 
         try:
             reads = [asyncio.ensure_future(read_run(r)) for r in _runs(header.entries)]

@@ -96,7 +96,9 @@ class _Flattener:
                 items.append([kn, self.node(x, sub, f"{where}[{k!r}]")])
             return {"d": items, "o": 1} if tv is OrderedDict else {"d": items}
         if tv is list or tv is tuple:
-            nodes = [self.node(x, f"{path}/{i}" if path else str(i), f"{where}[{i}]") for i, x in enumerate(v)]
+            nodes = [
+                self.node(x, f"{path}/{i}" if path else str(i), f"{where}[{i}]") for i, x in enumerate(v)
+            ]
             return {"l": nodes} if tv is list else {"u": nodes}
         if tv is bytes:
             return {"b": base64.b64encode(v).decode()}
@@ -112,8 +114,15 @@ class _Flattener:
                 t = torch.from_numpy(np.ascontiguousarray(v))
                 return {"a": self.tensor(t, path, where), "npdt": v.dtype.str}
             if isinstance(v, np.generic) and not isinstance(v, np.object_):
-                return {"ns": [v.dtype.str, v.item() if not isinstance(v, np.floating) or math.isfinite(v) else repr(float(v))]}
-        return self._pickled(v, where, f"value of type {tv.__module__}.{tv.__qualname__} is not JSON-representable")
+                return {
+                    "ns": [
+                        v.dtype.str,
+                        v.item() if not isinstance(v, np.floating) or math.isfinite(v) else repr(float(v)),
+                    ]
+                }
+        return self._pickled(
+            v, where, f"value of type {tv.__module__}.{tv.__qualname__} is not JSON-representable"
+        )
 
 
 def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -128,7 +137,9 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict[str, torch.
     return f.tensors, tree
 
 
-def unflatten(tree: Any, tensors: dict[str, torch.Tensor], *, allow_pickle: bool = False, where: str = "") -> Any:
+def unflatten(
+    tree: Any, tensors: dict[str, torch.Tensor], *, allow_pickle: bool = False, where: str = ""
+) -> Any:
     """Rebuild the state recorded by ``flatten`` from ``tree`` and the loaded ``tensors``."""
     if not isinstance(tree, dict) or len(tree) == 0:
         raise CheckpointFormatError(f"state{where}: malformed structure node {tree!r}")
@@ -144,9 +155,15 @@ def unflatten(tree: Any, tensors: dict[str, torch.Tensor], *, allow_pickle: bool
             out[k] = unflatten(node, tensors, allow_pickle=allow_pickle, where=f"{where}[{k!r}]")
         return out
     if "l" in tree:
-        return [unflatten(n, tensors, allow_pickle=allow_pickle, where=f"{where}[{i}]") for i, n in enumerate(tree["l"])]
+        return [
+            unflatten(n, tensors, allow_pickle=allow_pickle, where=f"{where}[{i}]")
+            for i, n in enumerate(tree["l"])
+        ]
     if "u" in tree:
-        return tuple(unflatten(n, tensors, allow_pickle=allow_pickle, where=f"{where}[{i}]") for i, n in enumerate(tree["u"]))
+        return tuple(
+            unflatten(n, tensors, allow_pickle=allow_pickle, where=f"{where}[{i}]")
+            for i, n in enumerate(tree["u"])
+        )
     if "b" in tree:
         return base64.b64decode(tree["b"])
     if "dt" in tree:

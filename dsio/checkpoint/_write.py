@@ -100,7 +100,10 @@ class FileWriter:
         self.preallocate = preallocate
         self.entries: list[TensorEntry] = layout((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
         placeholder = {e.name: "0" * 8 for e in self.entries}
-        self._meta_for = lambda sums: {**self.metadata, CHECKSUMS_KEY: json.dumps(sums, separators=(",", ":"))}
+        self._meta_for = lambda sums: {
+            **self.metadata,
+            CHECKSUMS_KEY: json.dumps(sums, separators=(",", ":")),
+        }
         self.data_start = len(encode_header(self.entries, self._meta_for(placeholder)))
         self.file_size = self.data_start + (self.entries[-1].end if self.entries else 0)
         self._region: torch.Tensor | None = None

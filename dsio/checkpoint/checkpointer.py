@@ -1,0 +1,404 @@
+"""``Checkpointer``: async, crash-safe checkpoints of a training run, one directory per step."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import IOConfig
+from ..errors import CheckpointFormatError, CheckpointMismatchError, CheckpointNotFoundError
+from ..handle import AsyncIOHandle
+from . import _commit
+from ._api import DEFAULT_IO, file_metadata, restore
+from ._dist import Coordinator
+from ._read import read_file
+from ._state import flatten
+from ._write import FileWriter, Staging
+
+__all__ = ["CheckpointStatistics", "Checkpointer", "SaveResult"]
+
+log = logging.getLogger("dsio.checkpoint")
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    """What ``await task`` returns for a committed save."""
+
+    step: int
+    path: str
+    """The committed step directory."""
+    bytes: int
+    """Bytes this rank wrote."""
+    blocked_seconds: float
+    """Time ``save()`` held the caller: waiting for the previous save, then staging."""
+    write_seconds: float
+    """From the end of staging to the durable commit."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointStatistics:
+    """Counters of one ``Checkpointer`` (this rank). Throughput counts this rank's bytes."""
+
+    saves: int
+    """Saves committed."""
+    failed_saves: int
+    loads: int
+    in_flight: bool
+    """A save is being written right now."""
+    last_step: int | None
+    """Step of the last committed save."""
+    last_wait_seconds: float
+    """How long the last ``save()`` waited for the save before it (one save in flight at a time)."""
+    last_staging_seconds: float
+    """How long the last ``save()`` copied tensors into pinned memory."""
+    last_blocked_seconds: float
+    """What the last ``save()`` blocked training for: wait + staging."""
+    last_write_seconds: float
+    """From the end of staging to the durable commit of the last save."""
+    last_bytes: int
+    last_throughput_bytes_per_s: float
+    """last_bytes / (staging + write) of the last committed save."""
+    blocked_seconds_total: float
+    staging_seconds_total: float
+    write_seconds_total: float
+    bytes_written_total: int
+    load_seconds_total: float
+    bytes_read_total: int
+    staging_buffer_bytes: int
+    """Size of the pinned staging region kept between saves."""
+
+
+class Checkpointer:
+    """Checkpoints of one run in ``directory``: ``step-000001200/`` per step, ``latest``, retention.
+
+    ``task = await ckpt.save(step, state)`` returns once ``state`` is copied into pinned host
+    memory; training may then modify its tensors. ``await task`` returns a ``SaveResult`` once
+    the files and directories are fsynced and the step is committed. Only one save is in flight
+    at a time: ``save()`` first waits for the previous save to finish (that wait counts as
+    blocked time in ``statistics()``); its failure is reported by its own task, not by the next
+    ``save()``.
+
+    Under an initialized ``torch.distributed`` group every rank must construct its
+    ``Checkpointer`` and call ``save``/``load`` in the same order: each rank writes
+    ``rank-NNNNN.safetensors`` of its own state, and rank 0 commits the step only after every
+    rank's file is durable. The directory must be the same (shared) one on every rank.
+    ``load`` reads the calling rank's file and refuses a checkpoint of another world size.
+
+    ``keep_last`` keeps that many newest committed steps (older ones are deleted after each
+    commit); ``None`` keeps all. Leftover ``*.tmp`` from a crash are removed at construction.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        keep_last: int | None = None,
+        *,
+        config: IOConfig | None = None,
+        allow_pickle: bool = False,
+        process_group: Any = None,
+        preallocate: bool = True,
+    ) -> None:
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+            raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.keep_last = keep_last
+        self.config = config or DEFAULT_IO
+        self.allow_pickle = allow_pickle
+        self.preallocate = preallocate
+        self._coord = Coordinator(process_group)
+        if self._coord.rank == 0:
+            os.makedirs(self.directory, exist_ok=True)
+            removed = _commit.clean_partials(self.directory)
+            if removed:
+                log.warning("dsio.checkpoint: removed partial checkpoints left by a crash: %s", removed)
+        self._coord.barrier_now()
+        self._staging = Staging()
+        self._handle: AsyncIOHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inflight: asyncio.Task[SaveResult] | None = None
+        self._closed = False
+        self._saves = self._failed = self._loads = 0
+        self._last: dict[str, Any] = dict(
+            step=None, wait=0.0, stage=0.0, blocked=0.0, write=0.0, bytes=0, tput=0.0
+        )
+        self._tot: dict[str, Any] = dict(blocked=0.0, stage=0.0, write=0.0, bytes=0, load=0.0, read=0)
+
+    # -- introspection --------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._coord.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._coord.world_size
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return _commit.committed_steps(self.directory)
+
+    def latest_step(self) -> int | None:
+        """The step ``latest`` names, else the newest committed step, else None."""
+        step = _commit.read_latest(self.directory)
+        if step is None:
+            steps = self.steps()
+            step = steps[-1] if steps else None
+        return step
+
+    def statistics(self) -> CheckpointStatistics:
+        last, tot = self._last, self._tot
+        return CheckpointStatistics(
+            saves=self._saves,
+            failed_saves=self._failed,
+            loads=self._loads,
+            in_flight=self._inflight is not None and not self._inflight.done(),
+            last_step=last["step"],
+            last_wait_seconds=last["wait"],
+            last_staging_seconds=last["stage"],
+            last_blocked_seconds=last["blocked"],
+            last_write_seconds=last["write"],
+            last_bytes=last["bytes"],
+            last_throughput_bytes_per_s=last["tput"],
+            blocked_seconds_total=tot["blocked"],
+            staging_seconds_total=tot["stage"],
+            write_seconds_total=tot["write"],
+            bytes_written_total=tot["bytes"],
+            load_seconds_total=tot["load"],
+            bytes_read_total=tot["read"],
+            staging_buffer_bytes=self._staging.nbytes,
+        )
+
+    # -- saving ----------------------------------------------------------------------------------
+    def _io(self) -> AsyncIOHandle:
+        if self._closed:
+            from ..errors import ClosedError
+
+            raise ClosedError("the Checkpointer is closed")
+        loop = asyncio.get_running_loop()
+        if self._handle is None or self._loop is not loop:
+            if self._handle is not None:
+                self._handle.close()
+            self._handle = AsyncIOHandle(self.config)
+            self._loop = loop
+        return self._handle
+
+    async def save(self, step: int, state: Any) -> asyncio.Task[SaveResult]:
+        """Stage ``state`` for step ``step`` and return the task that makes it durable.
+
+        Waits first for a save still in flight. Returns when ``state`` has been copied; raises
+        here (nothing written, nothing committed) if the state cannot be stored.
+        """
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        t0 = time.perf_counter()
+        io = self._io()
+        prev = self._inflight
+        if prev is not None and not prev.done():
+            await asyncio.wait([prev])
+        t_wait = time.perf_counter() - t0
+        rank = self._coord.rank
+        tmpdir = os.path.join(self.directory, _commit.tmp_name(step))
+        writer: FileWriter | None = None
+        try:
+            tensors, tree = flatten(state, allow_pickle=self.allow_pickle)
+            os.makedirs(tmpdir, exist_ok=True)
+            meta = file_metadata(tree, {"dsio.step": str(step), "dsio.rank": str(rank)})
+            writer = FileWriter(
+                io,
+                os.path.join(tmpdir, rank_file(rank)),
+                tensors,
+                meta,
+                self._staging,
+                preallocate=self.preallocate,
+            )
+            await writer.stage()
+        except BaseException as e:
+            if writer is not None:
+                await writer.abort()
+            # The other ranks will wait for this one's verdict: report the failure to them.
+            self._inflight = asyncio.ensure_future(self._complete(step, None, tmpdir, 0.0, 0.0, e))
+            self._inflight.add_done_callback(_retrieve)
+            raise
+        stage_s = writer.stage_seconds
+        blocked = time.perf_counter() - t0
+        self._inflight = asyncio.ensure_future(self._complete(step, writer, tmpdir, t_wait, blocked, None))
+        self._last.update(wait=t_wait, stage=stage_s, blocked=blocked)
+        self._tot["blocked"] += blocked
+        self._tot["stage"] += stage_s
+        return self._inflight
+
+    async def _complete(
+        self,
+        step: int,
+        writer: FileWriter | None,
+        tmpdir: str,
+        t_wait: float,
+        blocked: float,
+        staging_error: BaseException | None,
+    ) -> SaveResult:
+        t0 = time.perf_counter()
+        error: BaseException | None = staging_error
+        nbytes = 0
+        if writer is not None:
+            try:
+                nbytes = await writer.finish()
+            except BaseException as e:
+                error = e
+                await writer.abort()
+        # Every rank's verdict, then rank 0 commits (or removes the partial step) and tells all.
+        verdicts = await self._coord.all_gather(None if error is None else f"rank {self.rank}: {error!r}")
+        failures = [v for v in verdicts if v is not None]
+        outcome: str | None = None
+        if self.rank == 0:
+            outcome = self._commit_or_discard(step, tmpdir, failures)
+        outcome = await self._coord.broadcast(outcome)
+        if error is None and outcome is not None:
+            error = RuntimeError(f"checkpoint of step {step} was not committed: {outcome}")
+        if error is not None:
+            self._failed += 1
+            raise error
+        write_s = time.perf_counter() - t0
+        stage_s = writer.stage_seconds if writer is not None else 0.0
+        self._saves += 1
+        tput = nbytes / (stage_s + write_s) if stage_s + write_s > 0 else 0.0
+        self._last.update(step=step, write=write_s, bytes=nbytes, tput=tput)
+        self._tot["write"] += write_s
+        self._tot["bytes"] += nbytes
+        return SaveResult(
+            step, os.path.join(self.directory, _commit.step_name(step)), nbytes, blocked, write_s
+        )
+
+    def _commit_or_discard(self, step: int, tmpdir: str, failures: list[str]) -> str | None:
+        """Rank 0: commit when every rank succeeded, else remove the partial step. None = committed."""
+        if failures:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            return "; ".join(failures)
+        try:
+            files = []
+            for r in range(self.world_size):
+                name = rank_file(r)
+                path = os.path.join(tmpdir, name)
+                files.append({"rank": r, "path": name, "bytes": os.path.getsize(path)})
+            manifest = {
+                "format": "dsio.checkpoint",
+                "version": 1,
+                "step": step,
+                "world_size": self.world_size,
+                "files": files,
+                "created_unix": time.time(),
+            }
+            _commit.write_manifest(tmpdir, manifest)
+            _commit.commit(self.directory, step)
+        except Exception as e:  # e.g. ENOSPC writing the manifest
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            return f"rank 0 could not commit: {e!r}"
+        try:
+            _commit.retire(self.directory, self.keep_last, protect=step)
+        except OSError as e:  # the new step is committed; old ones stay for the next attempt
+            log.warning("dsio.checkpoint: retention failed: %r", e)
+        return None
+
+    async def wait(self) -> SaveResult | None:
+        """Wait for the save in flight (if any) and return its result (or raise its error)."""
+        task = self._inflight
+        if task is None:
+            return None
+        return await task
+
+    # -- loading ---------------------------------------------------------------------------------
+    async def load(
+        self,
+        step: int | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        verify: bool = True,
+        allow_pickle: bool | None = None,
+    ) -> Any:
+        """The state saved at ``step`` (default: the latest committed) by this rank.
+
+        Raises ``CheckpointNotFoundError`` when there is no such committed step,
+        ``CheckpointMismatchError`` when it was written by a different world size,
+        ``ChecksumError`` / ``CheckpointFormatError`` when its file is corrupt.
+        """
+        t0 = time.perf_counter()
+        io = self._io()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
+        d = os.path.join(self.directory, _commit.step_name(step))
+        try:
+            manifest = _commit.read_manifest(d)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"step {step} is not committed in {self.directory} (committed: {self.steps()})"
+            ) from None
+        if manifest["world_size"] != self.world_size:
+            raise CheckpointMismatchError(
+                f"{d} was written by {manifest['world_size']} ranks; this job has {self.world_size} "
+                "(loading into a different world size is not supported yet)"
+            )
+        entry = next((f for f in manifest["files"] if f.get("rank") == self.rank), None)
+        if entry is None:
+            raise CheckpointFormatError(f"{d}/{_commit.MANIFEST} lists no file for rank {self.rank}")
+        path = _commit.inside(d, entry["path"], f"{d}/{_commit.MANIFEST}")
+        size = os.path.getsize(path)
+        if size != entry["bytes"]:
+            raise CheckpointFormatError(
+                f"{path}: {size} bytes, the manifest recorded {entry['bytes']} (truncated?)"
+            )
+        header, tensors = await read_file(io, path, verify=verify)
+        pickle_ok = self.allow_pickle if allow_pickle is None else allow_pickle
+        state = restore(header, tensors, device=device, allow_pickle=pickle_ok, path=path)
+        self._loads += 1
+        self._tot["load"] += time.perf_counter() - t0
+        self._tot["read"] += size
+        return state
+
+    # -- lifetime --------------------------------------------------------------------------------
+    async def aclose(self) -> None:
+        """Wait for the save in flight (its error stays with its task), then free everything."""
+        task = self._inflight
+        if task is not None and not task.done():
+            await asyncio.wait([task])
+        if self._handle is not None:
+            await self._handle.aclose()
+        self.close()
+
+    def close(self) -> None:
+        """Free the I/O handle, the pinned staging region and the coordination thread."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        self._staging.release()
+        self._coord.close()
+
+    async def __aenter__(self) -> Checkpointer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if not getattr(self, "_closed", True):
+                self.close()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
