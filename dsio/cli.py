@@ -1,0 +1,828 @@
+"""The ``dsio`` command: ``report`` (what this machine can do, and why not), ``tune`` (sweep the
+engine's knobs and write a dstrain ``"aio"`` block), ``bench`` (quick GB/s and op rate).
+
+A module of three subcommands sharing one measuring core; past the ~500-line mark because the
+tuner's early-stopping sweep, its CSV and its plot belong together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import csv
+import ctypes.util
+import dataclasses
+import itertools
+import json
+import math
+import mmap
+import os
+import platform
+import random
+import re
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main", "parse_size"]
+
+#: The keys of dstrain's ``"aio"`` config block that tune writes (dstrain/config_sections.py AioConfig).
+AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one line, exit status 1, no traceback."""
+
+
+# -- argument types ------------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    """``"1G"``, ``"512M"``, ``"64KiB"``, ``"4096"`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64K, 512M, 1G)")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def _size_arg(text: str) -> int:
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0 or n % 4096:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive multiple of 4096 bytes")
+    return n
+
+
+def _pow2_size(text: str) -> int:
+    n = _size_arg(text)
+    if n & (n - 1):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a power of two")
+    return n
+
+
+def _list_of(conv: Any) -> Any:
+    def parse(text: str) -> list[Any]:
+        items = [t for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("expected a comma-separated list")
+        return [conv(t.strip()) for t in items]
+
+    return parse
+
+
+def _pos_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _backend_name(text: str) -> str:
+    if text not in ("io_uring", "aio", "posix"):
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r} (choose from io_uring, aio, posix)")
+    return text
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+# -- report --------------------------------------------------------------------------------------
+def _mount_of(path: str) -> tuple[str, str, str]:
+    """(mount point, filesystem type, source) of the mount holding ``path``."""
+    real = os.path.realpath(path)
+    best = ("/", "?", "?")
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            mnt = left.split()[4].replace("\\040", " ")
+            fstype, source = (right.split() + ["?", "?"])[:2]
+            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+            if inside and len(mnt) >= len(best[0]):
+                best = (mnt, fstype, source)
+    return best
+
+
+def _block_sizes(path: str) -> tuple[int | None, int | None, str]:
+    """(logical, physical block size, device name) from sysfs; Nones for non-block filesystems."""
+    st = os.stat(path)
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    base = f"/sys/dev/block/{major}:{minor}"
+    if not os.path.exists(base):
+        return None, None, "no block device"
+    dev = os.path.basename(os.path.realpath(base))
+    queue = os.path.join(base, "queue")
+    if not os.path.isdir(queue):  # a partition: the queue belongs to the whole disk
+        queue = os.path.join(base, "..", "queue")
+
+    def read(name: str) -> int | None:
+        try:
+            with open(os.path.join(queue, name)) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+
+    return read("logical_block_size"), read("physical_block_size"), dev
+
+
+def probe_o_direct(directory: str) -> dict[str, Any]:
+    """Whether O_DIRECT works in ``directory`` and the smallest alignment it accepts."""
+    out: dict[str, Any] = {"directory": os.path.abspath(directory)}
+    if not os.path.isdir(directory):
+        out.update(
+            o_direct=False, reason="not a directory" if os.path.exists(directory) else "does not exist"
+        )
+        return out
+    mnt, fstype, source = _mount_of(directory)
+    logical, physical, dev = _block_sizes(directory)
+    out.update(
+        mount=mnt,
+        filesystem=fstype,
+        source=source,
+        device=dev,
+        logical_block_size=logical,
+        physical_block_size=physical,
+    )
+    name = os.path.join(directory, f".dsio-report-{os.getpid()}")
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError as e:
+        out.update(o_direct=False, reason=f"open(O_DIRECT): {e.strerror}")
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        return out
+    buf = mmap.mmap(-1, 8192)  # page-aligned
+    try:
+        view = memoryview(buf)
+        os.pwrite(fd, view[:4096], 0)
+        out["o_direct"] = True
+        out["reason"] = ""
+        for align in (512, 1024, 2048, 4096):
+            try:
+                os.pwrite(fd, view[:align], align)
+                os.preadv(fd, [view[:align]], align)
+            except OSError:
+                continue
+            out["dio_alignment"] = align
+            break
+    except OSError as e:
+        out.update(o_direct=False, reason=f"O_DIRECT write: {e.strerror}")
+    finally:
+        view.release()
+        buf.close()
+        os.close(fd)
+        os.unlink(name)
+    return out
+
+
+def _memlock() -> str:
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    text = "unlimited" if soft == resource.RLIM_INFINITY else _human(soft)
+    cap_ipc_lock = False
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                cap_ipc_lock = bool(int(line.split()[1], 16) >> 14 & 1)
+    return text + (" (not enforced: CAP_IPC_LOCK)" if cap_ipc_lock else "")
+
+
+def _cuda_status() -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {"torch_cuda": torch.version.cuda, "available": torch.cuda.is_available()}
+    if out["available"]:
+        out["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    elif torch.version.cuda is None:
+        out["reason"] = "torch is a CPU-only build"
+    else:
+        out["reason"] = "no CUDA device visible (driver missing or CUDA_VISIBLE_DEVICES empty)"
+    lib = ctypes.util.find_library("cufile")
+    loaded = None
+    for cand in ([lib] if lib else []) + ["libcufile.so.0", "libcufile.so"]:
+        try:
+            ctypes.CDLL(cand)
+        except OSError:
+            continue
+        loaded = cand
+        break
+    nvfs = os.path.exists("/proc/driver/nvidia-fs") or os.path.exists("/sys/module/nvidia_fs")
+    if loaded is None:
+        out["cufile"] = "not found (libcufile is not installed: CUDA tensors use pinned bounce buffers)"
+    elif not nvfs:
+        out["cufile"] = f"{loaded}: compat mode (nvidia-fs kernel module not loaded: cuFile does POSIX I/O)"
+    else:
+        out["cufile"] = f"{loaded}: GDS (nvidia-fs loaded)"
+    return out
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    import dsio
+
+    out = {"dsio": dsio.__version__, "python": platform.python_version()}
+    for dist in ("torch", "numpy", "prometheus-client", "uvloop"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def _report(args: argparse.Namespace) -> int:
+    from . import backend_status
+    from ._backends import load_native
+
+    backends = backend_status()
+    auto = next((b.name for b in backends if b.available), None)
+    sysctl = "/proc/sys/kernel/io_uring_disabled"
+    uring_disabled = "n/a"
+    with contextlib.suppress(OSError), open(sysctl) as f:
+        uring_disabled = f.read().strip()
+    info: dict[str, Any] = {
+        "versions": _versions(),
+        "kernel": {"release": load_native().kernel_release(), "machine": platform.machine()},
+        "backends": [dataclasses.asdict(b) for b in backends],
+        "auto_backend": auto,
+        "io_uring_disabled_sysctl": uring_disabled,
+        "memlock_limit": _memlock(),
+        "directories": [probe_o_direct(d) for d in (args.dir or [os.getcwd()])],
+        "cuda": _cuda_status(),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    v = info["versions"]
+    print("dsio report")
+    print("  versions   " + "  ".join(f"{k} {val}" for k, val in v.items()))
+    print(f"  kernel     {info['kernel']['release']} ({info['kernel']['machine']})")
+    print("  backends")
+    for b in backends:
+        state = "available" if b.available else f"unavailable: {b.reason}"
+        print(f"    {b.name:<9} {state}")
+    print(f"    auto ->   {auto or 'none'}   (kernel.io_uring_disabled = {uring_disabled})")
+    print(f"  memlock    {info['memlock_limit']} (RLIMIT_MEMLOCK; pinned pools mlock their buffers)")
+    for d in info["directories"]:
+        print(f"  directory  {d['directory']}")
+        if "filesystem" in d:
+            lbs = d.get("logical_block_size")
+            print(
+                f"    filesystem {d['filesystem']} on {d['source']} (device {d['device']}), "
+                f"logical block {lbs if lbs else '?'} B, physical {d.get('physical_block_size') or '?'} B"
+            )
+        if d.get("o_direct"):
+            print(f"    O_DIRECT   works (smallest aligned size accepted: {d.get('dio_alignment', '?')} B)")
+        else:
+            print(f"    O_DIRECT   unavailable: {d.get('reason')} (dsio falls back to buffered I/O here)")
+    c = info["cuda"]
+    if c["available"]:
+        print(f"  CUDA       available: {', '.join(c['devices'])} (CUDA {c['torch_cuda']})")
+    else:
+        print(f"  CUDA       unavailable: {c['reason']}")
+    print(f"  libcufile  {c['cufile']}")
+    return 0
+
+
+# -- measuring core ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Point:
+    backend: str
+    block_size: int
+    queue_depth: int
+    intra_op_parallelism: int
+    single_submit: bool
+    overlap_events: bool
+
+    def config(self) -> Any:
+        from .config import IOConfig
+
+        return IOConfig(
+            backend=self.backend,
+            block_size=self.block_size,
+            queue_depth=self.queue_depth,
+            intra_op_parallelism=self.intra_op_parallelism,
+            single_submit=self.single_submit,
+            overlap_events=self.overlap_events,
+            pool_bytes=1 << 20,  # tune/bench use aligned buffers: no staging needed
+            staging_buffer_bytes=1 << 20,
+        )
+
+    def aio(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in AIO_KEYS}
+
+    def label(self) -> str:
+        return (
+            f"{self.backend} bs={_human(self.block_size)} qd={self.queue_depth} par={self.intra_op_parallelism} "
+            f"ss={int(self.single_submit)} oe={int(self.overlap_events)}"
+        )
+
+
+def _check_dir(directory: str, need: int) -> str:
+    d = os.path.abspath(directory)
+    if not os.path.exists(d):
+        raise CliError(f"directory {d} does not exist")
+    if not os.path.isdir(d):
+        raise CliError(f"{d} is not a directory")
+    probe = os.path.join(d, f".dsio-probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise CliError(f"cannot write to {d}: {e.strerror}") from None
+    free = os.statvfs(d).f_bavail * os.statvfs(d).f_frsize
+    if free < need:
+        raise CliError(f"{d} has {_human(free)} free; this run needs {_human(need)} (lower --size)")
+    return d
+
+
+def _buffer(nbytes: int, gpu: bool) -> Any:
+    import torch
+
+    from ._backends import load_native
+
+    mem = load_native().AlignedBuffer(nbytes, True)
+    t = torch.frombuffer(mem, dtype=torch.uint8)
+    t.view(torch.int64)[: nbytes // 8].copy_(torch.arange(nbytes // 8, dtype=torch.int64))
+    return t.cuda() if gpu else t
+
+
+async def _timed(f: Any, op: str, view: Any, offset: int) -> float:
+    t0 = time.perf_counter()
+    if op == "write":
+        await f.pwrite(view, offset)
+    else:
+        await f.pread(view, offset)
+    return time.perf_counter() - t0
+
+
+# -- tune ----------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Result:
+    point: Point
+    op: str
+    rung: int
+    nbytes: int
+    gbps: list[float]
+    status: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.gbps)
+
+
+def _grid(args: argparse.Namespace) -> list[Point]:
+    modes = [(False, True), (True, True), (False, False)]
+    pts = [
+        Point(be, bs, qd, par, ss, oe)
+        for be, bs, qd, par, (ss, oe) in itertools.product(
+            args.backends, args.block_sizes, args.queue_depths, args.parallelism, modes
+        )
+        if bs <= args.size
+    ]
+    if not pts:
+        raise CliError("the sweep is empty: every --block-sizes value is larger than --size")
+    return pts
+
+
+async def _run_rung(
+    points: list[Point], ops: Sequence[str], nbytes: int, reps: int, path: str, size: int, buf: Any, bar: Any
+) -> dict[tuple[Point, str], list[float]]:
+    """Measure every (point, op) ``reps`` times, interleaved: rep 1 of every point, then rep 2..."""
+    from .handle import AsyncIOHandle
+
+    out: dict[tuple[Point, str], list[float]] = {}
+    slots = max(1, size // nbytes)
+    k = 0
+    for _rep in range(reps):
+        for p in points:
+            async with AsyncIOHandle(p.config()) as h, h.open(path, "r+") as f:
+                for op in ops:
+                    offset = (k % slots) * nbytes  # walk the file so no region is re-read hot
+                    k += 1
+                    dt = await _timed(f, op, buf[:nbytes], offset)
+                    out.setdefault((p, op), []).append(nbytes / dt / 1e9)
+                    bar.update(1)
+    return out
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from . import backend_status
+
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError(
+                "--gpu needs a CUDA device, and torch sees none (torch.cuda.is_available() is False)"
+            )
+    avail = {b.name: b for b in backend_status()}
+    if args.backends is None:
+        args.backends = [n for n in ("io_uring", "aio", "posix") if avail[n].available]
+    for name in args.backends:
+        if not avail[name].available:
+            raise CliError(f"backend {name} is unavailable here: {avail[name].reason}")
+    directory = _check_dir(args.dir, args.size + (64 << 20))
+    out_prefix = os.path.abspath(args.out)
+    out_dir = os.path.dirname(out_prefix)
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise CliError(f"cannot write results to {out_dir} (set --out PREFIX)")
+    points = _grid(args)
+    from tqdm import tqdm
+
+    random.Random(0).shuffle(points)  # noise must not line up with a parameter
+    path = os.path.join(directory, f".dsio-tune-{os.getpid()}.bin")
+    t_start = time.perf_counter()
+    results: list[Result] = []
+    # Successive halving: screen everything on a small transfer, then grow the transfer and keep
+    # only points within reach of the best. The final rung measures read AND write for the union
+    # of survivors, interleaved, `reps` times.
+    probe = max(args.size // 16, min(args.size, 16 << 20))
+    rungs = [(probe, 1, 0.55), (max(probe, args.size // 4), 1, 0.75), (args.size, args.reps, 0.0)]
+    try:
+        buf = _buffer(args.size, args.gpu)
+        asyncio.run(_fill(path, buf))
+        alive = {op: list(points) for op in ("read", "write")}
+        for r, (nbytes, reps, keep) in enumerate(rungs):
+            final = r == len(rungs) - 1
+            if final:
+                union = list(
+                    dict.fromkeys(alive["write"][: args.finalists] + alive["read"][: args.finalists])
+                )
+                plan: list[tuple[list[Point], tuple[str, ...]]] = [(union, ("write", "read"))]
+            else:
+                both = [p for p in points if p in alive["write"] and p in alive["read"]]
+                only = [(p, op) for op in ("write", "read") for p in alive[op] if p not in both]
+                plan = [(both, ("write", "read"))]
+                plan += [([p], (op,)) for p, op in only]
+            total = sum(len(pts) * len(ops) for pts, ops in plan) * reps
+            desc = f"rung {r + 1}/{len(rungs)}: {_human(nbytes)} x {reps}"
+            with tqdm(total=total, desc=desc, unit="op", disable=args.quiet, file=sys.stderr) as bar:
+                measured: dict[tuple[Point, str], list[float]] = {}
+                for pts, ops in plan:
+                    measured.update(asyncio.run(_run_rung(pts, ops, nbytes, reps, path, args.size, buf, bar)))
+            for op in ("write", "read"):
+                rs = [Result(p, op, r, nbytes, v) for (p, o), v in measured.items() if o == op]
+                rs.sort(key=lambda x: x.median, reverse=True)
+                best = rs[0].median if rs else 0.0
+                survivors: list[Point] = []
+                for res in rs:
+                    if final:
+                        res.status = "final"
+                    elif res.median >= keep * best and len(survivors) < max(args.finalists, len(rs) // 4):
+                        res.status = "kept"
+                        survivors.append(res.point)
+                    else:
+                        res.status = f"early-stopped ({res.median / best:.2f}x best)"
+                results.extend(rs)
+                alive[op] = survivors
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    elapsed = time.perf_counter() - t_start
+    return _tune_report(args, results, avail, elapsed, out_prefix)
+
+
+async def _fill(path: str, buf: Any) -> None:
+    """Lay the file out once (so later writes overwrite: no block allocation in the numbers)."""
+    from .handle import AsyncIOHandle
+
+    async with AsyncIOHandle() as h:
+        await h.pwrite(buf, path, fsync=True)
+
+
+def _pick(results: list[Result], backend: str | None, optimize: str) -> tuple[Point, dict[str, float]] | None:
+    final = [r for r in results if r.status == "final"]
+    by_point: dict[Point, dict[str, float]] = {}
+    for r in final:
+        by_point.setdefault(r.point, {})[r.op] = r.median
+    best = {op: max((r.median for r in final if r.op == op), default=0.0) for op in ("read", "write")}
+
+    def score(p: Point) -> float:
+        v = by_point[p]
+        if optimize in ("read", "write"):
+            return v.get(optimize, 0.0)
+        if "read" not in v or "write" not in v or not best["read"] or not best["write"]:
+            return 0.0
+        return math.sqrt(v["read"] / best["read"] * v["write"] / best["write"])
+
+    cands = [p for p in by_point if backend is None or p.backend == backend]
+    if not cands:
+        return None
+    p = max(cands, key=score)
+    return p, by_point[p]
+
+
+def _tune_report(
+    args: argparse.Namespace, results: list[Result], avail: dict[str, Any], elapsed: float, prefix: str
+) -> int:
+    final = [r for r in results if r.status == "final"]
+    print(
+        f"dsio tune: {len({r.point for r in results})} points, {len(final) // 2} finalists, {elapsed:.0f} s"
+    )
+    for op in ("write", "read"):
+        rs = sorted((r for r in final if r.op == op), key=lambda r: r.median, reverse=True)
+        if rs:
+            b = rs[0]
+            print(
+                f"  best {op:<5} {b.median:6.2f} GB/s  {b.point.label()}  (min {min(b.gbps):.2f}, max {max(b.gbps):.2f})"
+            )
+    auto = next((n for n in ("io_uring", "aio", "posix") if avail[n].available), None)
+    picked = _pick(results, auto, args.optimize)
+    overall = _pick(results, None, args.optimize)
+    if picked is None:
+        picked = overall
+    assert picked is not None
+    p, v = picked
+    block = {"aio": p.aio()}
+    with open(prefix + ".json", "w") as f:
+        json.dump(block, f, indent=2)
+        f.write("\n")
+    print(
+        f"  aio block ({args.optimize}, backend {p.backend}): write {v.get('write', 0):.2f} GB/s, "
+        f"read {v.get('read', 0):.2f} GB/s -> {prefix}.json"
+    )
+    print("  " + json.dumps(block))
+    if overall is not None and overall[0].backend != p.backend:
+        print(
+            f"  note: the {overall[0].backend} backend scored best overall; the aio block cannot choose a "
+            f"backend (dsio's auto picks {auto}); use IOConfig(backend={overall[0].backend!r}) in code for it"
+        )
+    fields = [
+        "backend",
+        *AIO_KEYS,
+        "op",
+        "rung",
+        "bytes",
+        "reps",
+        "gbps_median",
+        "gbps_min",
+        "gbps_max",
+        "status",
+    ]
+    with open(prefix + ".csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(fields)
+        for r in results:
+            pt = dataclasses.asdict(r.point)
+            w.writerow(
+                [pt["backend"], *(pt[k] for k in AIO_KEYS), r.op, r.rung + 1, r.nbytes, len(r.gbps)]
+                + [f"{r.median:.4f}", f"{min(r.gbps):.4f}", f"{max(r.gbps):.4f}", r.status]
+            )
+    _plot(results, p, prefix + ".png")
+    print(f"  every point: {prefix}.csv   plot: {prefix}.png")
+    return 0
+
+
+def _plot(results: list[Result], chosen: Point, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=False)
+    colors = {"io_uring": "tab:blue", "aio": "tab:orange", "posix": "tab:green"}
+    for ax, op in zip(axes, ("write", "read")):
+        first = {r.point: r.median for r in results if r.op == op and r.rung == 0}
+        order = sorted(first, key=lambda p: first[p], reverse=True)
+        x_of = {p: i for i, p in enumerate(order)}
+        last: dict[Point, Result] = {}
+        for r in results:
+            if r.op == op and r.point in x_of:
+                last[r.point] = r
+        for be, color in colors.items():
+            xs = [x_of[p] for p in order if p.backend == be]
+            ys = [first[p] for p in order if p.backend == be]
+            if xs:
+                ax.scatter(xs, ys, s=10, color=color, alpha=0.35, label=f"{be} (screening)")
+        for p, r in last.items():
+            if r.status == "final":
+                lo, hi = r.median - min(r.gbps), max(r.gbps) - r.median
+                ax.errorbar(
+                    x_of[p], r.median, yerr=[[lo], [hi]], fmt="o", color=colors.get(p.backend, "k"), ms=5
+                )
+        if chosen in last:
+            ax.scatter([x_of[chosen]], [last[chosen].median], marker="*", s=250, color="red", zorder=5,
+                       label="chosen: " + chosen.label())  # fmt: skip
+        ax.set_title(f"{op}: points by screening rank (dots), finalists (error bars: min-max)")
+        ax.set_xlabel("point (sorted by screening GB/s)")
+        ax.set_ylabel("GB/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- bench ---------------------------------------------------------------------------------------
+def _load_config(path: str | None, args: argparse.Namespace) -> Any:
+    from .config import IOConfig
+    from .errors import ConfigError
+
+    fields: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except OSError as e:
+            raise CliError(f"cannot read --config {path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise CliError(f"--config {path} is not JSON: {e}") from None
+        block = doc.get("aio", doc) if isinstance(doc, dict) else None
+        if not isinstance(block, dict):
+            raise CliError(f'--config {path}: expected a JSON object (an "aio" block)')
+        for key, val in block.items():
+            key = {"thread_count": "intra_op_parallelism"}.get(key, key)
+            if key == "use_gds":
+                continue
+            if key not in AIO_KEYS and key not in ("backend", "o_direct"):
+                raise CliError(f"--config {path}: unknown aio key {key!r} (accepted: {', '.join(AIO_KEYS)})")
+            fields[key] = val
+    for key in (*AIO_KEYS, "backend"):
+        val = getattr(args, key, None)
+        if val is not None:
+            fields[key] = val
+    fields.update(pool_bytes=1 << 20, staging_buffer_bytes=1 << 20)
+    try:
+        return IOConfig(**fields)
+    except ConfigError as e:
+        raise CliError(f"invalid configuration: {e}") from None
+
+
+async def _bench_rep(
+    cfg: Any, d: str, size: int, op_size: int, n_ops: int, conc: int, buf: Any
+) -> dict[str, float]:
+    from .handle import AsyncIOHandle
+
+    out: dict[str, float] = {}
+    big = os.path.join(d, f".dsio-bench-{os.getpid()}.bin")
+    small = os.path.join(d, f".dsio-bench-ops-{os.getpid()}.bin")
+    async with AsyncIOHandle(cfg) as h:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(big)
+        t0 = time.perf_counter()
+        await h.pwrite(buf, big, fsync=True)
+        out["write_new_gbps"] = size / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        await h.pwrite(buf, big, offset=0, fsync=True)
+        out["write_overwrite_gbps"] = size / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        await h.pread(buf, big)
+        out["read_gbps"] = size / (time.perf_counter() - t0) / 1e9
+        os.unlink(big)
+        sem = asyncio.Semaphore(conc)
+        piece = buf[:op_size]
+        async with h.open(small, "w+") as f:
+            f.truncate(op_size * n_ops)
+
+            async def one(op: str, i: int) -> None:
+                async with sem:
+                    await (f.pwrite(piece, i * op_size) if op == "write" else f.pread(piece, i * op_size))
+
+            for op in ("write", "read"):
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one(op, i) for i in range(n_ops)))
+                out[f"{op}_ops_per_s"] = n_ops / (time.perf_counter() - t0)
+        os.unlink(small)
+    return out
+
+
+def _bench(args: argparse.Namespace) -> int:
+    cfg = _load_config(args.config, args)
+    d = _check_dir(args.dir, args.size + args.op_size * args.ops + (16 << 20))
+    buf = _buffer(max(args.size, args.op_size), False)
+    reps: list[dict[str, float]] = []
+    try:
+        for _ in range(args.reps):
+            reps.append(
+                asyncio.run(_bench_rep(cfg, d, args.size, args.op_size, args.ops, args.concurrency, buf))
+            )
+    except OSError as e:
+        raise CliError(f"I/O failed in {d}: {e}") from None
+    summary = {
+        k: {
+            "median": statistics.median(r[k] for r in reps),
+            "min": min(r[k] for r in reps),
+            "max": max(r[k] for r in reps),
+        }
+        for k in reps[0]
+    }
+    from .handle import AsyncIOHandle
+
+    with AsyncIOHandle(cfg) as h:
+        backend = h.backend
+    conf = {"backend": backend, **{k: getattr(cfg, k) for k in AIO_KEYS}}
+    if args.json:
+        print(
+            json.dumps(
+                {"config": conf, "size": args.size, "op_size": args.op_size, "reps": args.reps, **summary},
+                indent=2,
+            )
+        )
+        return 0
+    print(f"dsio bench: {d}, {_human(args.size)} transfers, {args.ops} x {_human(args.op_size)} ops (concurrency "
+          f"{args.concurrency}), median of {args.reps} (min-max)")  # fmt: skip
+    print("  config  " + " ".join(f"{k}={v}" for k, v in conf.items()))
+    for key, label, unit in (
+        ("write_new_gbps", "write, new file", "GB/s"),
+        ("write_overwrite_gbps", "write, overwrite", "GB/s"),
+        ("read_gbps", "read", "GB/s"),
+        ("write_ops_per_s", f"{_human(args.op_size)} writes", "ops/s"),
+        ("read_ops_per_s", f"{_human(args.op_size)} reads", "ops/s"),
+    ):
+        s = summary[key]
+        fmt = "{:,.0f}" if unit == "ops/s" else "{:.2f}"
+        print(
+            f"  {label:<18} {fmt.format(s['median']):>9} {unit:<5} ({fmt.format(s['min'])}-{fmt.format(s['max'])})"
+        )
+    return 0
+
+
+# -- entry point ---------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsio", description="dsio: asyncio-native tensor I/O tools")
+    sub = p.add_subparsers(dest="command", metavar="{report,tune,bench}")
+    sub.required = True
+
+    r = sub.add_parser("report", help="what this machine supports, and why not")
+    r.add_argument(
+        "--dir", action="append", help="directory to probe for O_DIRECT (repeatable; default: cwd)"
+    )
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+    r.set_defaults(func=_report)
+
+    t = sub.add_parser("tune", help='sweep engine settings, write the best dstrain "aio" block')
+    t.add_argument("--dir", required=True, help="directory on the storage to tune for")
+    t.add_argument(
+        "--size", type=_size_arg, default=1 << 30, help="bytes per transfer in the final rung (default 1G)"
+    )
+    t.add_argument("--gpu", action="store_true", help="transfer to/from a CUDA tensor")
+    t.add_argument(
+        "--out", default="dsio_tune", help="output prefix: PREFIX.json, .csv, .png (default ./dsio_tune)"
+    )
+    t.add_argument("--backends", type=_list_of(_backend_name), help="default: every available backend")
+    t.add_argument("--block-sizes", type=_list_of(_pow2_size), default=[256 << 10, 1 << 20, 4 << 20, 8 << 20])
+    t.add_argument("--queue-depths", type=_list_of(_pos_int), default=[8, 32, 128])
+    t.add_argument(
+        "--parallelism", type=_list_of(_pos_int), default=[1, 2], help="intra_op_parallelism values"
+    )
+    t.add_argument("--reps", type=_pos_int, default=3, help="interleaved repetitions of the final rung")
+    t.add_argument("--finalists", type=_pos_int, default=6, help="points per op that reach the final rung")
+    t.add_argument("--optimize", choices=("balanced", "read", "write"), default="balanced")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=_tune)
+
+    b = sub.add_parser("bench", help="quick read/write GB/s and small-op rate")
+    b.add_argument("--dir", required=True)
+    b.add_argument("--size", type=_size_arg, default=1 << 30, help="bytes per large transfer (default 1G)")
+    b.add_argument(
+        "--config", help='JSON file with an "aio" block (dsio tune\'s output or a DeepSpeed config)'
+    )
+    b.add_argument("--backend", type=_backend_name)
+    b.add_argument("--block-size", dest="block_size", type=_pow2_size)
+    b.add_argument("--queue-depth", dest="queue_depth", type=_pos_int)
+    b.add_argument("--intra-op-parallelism", dest="intra_op_parallelism", type=_pos_int)
+    b.add_argument(
+        "--single-submit", dest="single_submit", action=argparse.BooleanOptionalAction, default=None
+    )
+    b.add_argument(
+        "--overlap-events", dest="overlap_events", action=argparse.BooleanOptionalAction, default=None
+    )
+    b.add_argument("--op-size", type=_size_arg, default=64 << 10, help="small-op size (default 64K)")
+    b.add_argument("--ops", type=_pos_int, default=2000, help="small ops per measurement (default 2000)")
+    b.add_argument("--concurrency", type=_pos_int, default=32, help="small ops in flight (default 32)")
+    b.add_argument("--reps", type=_pos_int, default=3)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dsio`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except CliError as e:
+        print(f"dsio {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"dsio {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
