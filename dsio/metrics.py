@@ -65,6 +65,7 @@ _GAUGE_NAMES = frozenset(
 )
 _GAUGE_PREFIXES = ("last_", "current_", "max_", "min_", "num_", "n_")
 _GAUGE_SUFFIXES = ("_in_flight", "_in_use", "_pending", "_queued", "_inflight", "_capacity")
+_UNIT_SUFFIXES = ("_bytes", "_seconds", "_per_s", "_ratio")
 
 
 class _HasStatistics(Protocol):
@@ -444,11 +445,26 @@ def _size_bounds() -> list[str] | None:
     return [("+Inf" if math.isinf(x) else format(float(x), ".12g")) for x in b]
 
 
-def _is_gauge(field: str) -> bool:
-    return field in _GAUGE_NAMES or field.startswith(_GAUGE_PREFIXES) or field.endswith(_GAUGE_SUFFIXES)
+def _is_gauge(field: str, value: object) -> bool:
+    """Levels (exported as gauges, live objects only) versus running totals (counters).
+
+    ``*_total`` is always a counter; booleans, ``last_*``/``current_*``..., ``in_flight``-like
+    names and bare unit suffixes (``staging_buffer_bytes``, ``last_write_seconds``) are levels;
+    any other number (``saves``, ``failed_saves``) counts events.
+    """
+    if field.endswith("_total"):
+        return False
+    return (
+        isinstance(value, bool)
+        or field in _GAUGE_NAMES
+        or field.startswith(_GAUGE_PREFIXES)
+        or field.endswith(_GAUGE_SUFFIXES)
+        or field.endswith(_UNIT_SUFFIXES)
+    )
 
 
-def _fields(snap: Any) -> Iterator[tuple[str, float]]:
+def _fields(snap: Any) -> Iterator[tuple[str, float, bool]]:
+    """(name, value, is_gauge) of each numeric field of a dataclass or mapping snapshot."""
     if dataclasses.is_dataclass(snap) and not isinstance(snap, type):
         items: Iterable[tuple[str, Any]] = ((f.name, getattr(snap, f.name)) for f in dataclasses.fields(snap))
     elif isinstance(snap, Mapping):
@@ -457,25 +473,29 @@ def _fields(snap: Any) -> Iterator[tuple[str, float]]:
         return
     for name, v in items:
         if isinstance(v, bool | int | float) and not (isinstance(v, float) and math.isnan(v)):
-            yield name, float(v)
+            yield name, float(v), _is_gauge(name, v)
 
 
 def _generic(kind: str, live: list[Any], retired: list[Any], counter, gauge) -> Iterator[Any]:
-    """``dsio_<kind>_<field>`` for each numeric field: levels as gauges (live only), the rest as
-    counters (live + retired). ``saves`` -> ``dsio_checkpoint_saves_total``,
-    ``save_seconds`` -> ``dsio_checkpoint_save_seconds_total``."""
+    """``dsio_<kind>_<field>`` for each numeric field: levels as gauges (live objects; ``last_*``
+    the max over objects, others the sum), running totals as counters (live + retired), e.g.
+    ``saves`` -> ``dsio_checkpoint_saves_total``, ``blocked_seconds_total`` ->
+    ``dsio_checkpoint_blocked_seconds_total``, ``last_write_seconds`` ->
+    ``dsio_checkpoint_last_write_seconds``."""
     kind = re.sub(r"[^a-zA-Z0-9_]", "_", kind)
     gauges: dict[str, float] = {}
     counters: dict[str, float] = {}
     for snap in live:
-        for name, v in _fields(snap):
-            if _is_gauge(name):
-                gauges[name] = gauges.get(name, 0.0) + v
-            else:
+        for name, v, is_gauge in _fields(snap):
+            if not is_gauge:
                 counters[name] = counters.get(name, 0.0) + v
+            elif name.startswith("last_") and name in gauges:
+                gauges[name] = max(gauges[name], v)
+            else:
+                gauges[name] = gauges.get(name, 0.0) + v
     for snap in retired:
-        for name, v in _fields(snap):
-            if not _is_gauge(name):
+        for name, v, is_gauge in _fields(snap):
+            if not is_gauge:
                 counters[name] = counters.get(name, 0.0) + v
     for name, v in sorted(gauges.items()):
         yield gauge(f"dsio_{kind}_{name}", f"{kind} statistics field {name} (level).", (), {(): v})

@@ -217,18 +217,17 @@ def test_pool_gauges_follow_buffers_and_waiters():
 class _CkptStats:
     saves: int
     loads: int
-    save_seconds: float
-    load_seconds: float
-    saved_bytes: int
-    loaded_bytes: int
-    staging_seconds: float
-    in_flight: int
-    last_save_seconds: float
+    in_flight: bool
+    last_step: int | None
+    last_write_seconds: float
+    staging_buffer_bytes: int
+    blocked_seconds_total: float
+    bytes_written_total: int
 
 
 class Checkpointer:  # the name decides the kind: "checkpoint"
     def __init__(self) -> None:
-        self.stats = _CkptStats(2, 1, 1.5, 0.25, 4096, 2048, 0.125, 1, 0.75)
+        self.stats = _CkptStats(2, 1, True, None, 0.75, 8192, 0.125, 4096)
 
     def statistics(self) -> _CkptStats:
         return self.stats
@@ -239,16 +238,48 @@ def test_checkpointer_is_exported_generically():
     ck = Checkpointer()
     reg.add(ck, metrics._kind_of(ck))
     assert _val(prom, "dsio_checkpoint_saves_total") == 2
-    assert _val(prom, "dsio_checkpoint_save_seconds_total") == 1.5
-    assert _val(prom, "dsio_checkpoint_saved_bytes_total") == 4096
-    assert _val(prom, "dsio_checkpoint_staging_seconds_total") == 0.125
-    assert _val(prom, "dsio_checkpoint_in_flight") == 1  # a level: gauge
-    assert _val(prom, "dsio_checkpoint_last_save_seconds") == 0.75
-    del ck
+    assert _val(prom, "dsio_checkpoint_loads_total") == 1
+    assert _val(prom, "dsio_checkpoint_blocked_seconds_total") == 0.125
+    assert _val(prom, "dsio_checkpoint_bytes_written_total") == 4096
+    assert _val(prom, "dsio_checkpoint_in_flight") == 1  # levels are gauges
+    assert _val(prom, "dsio_checkpoint_last_write_seconds") == 0.75
+    assert _val(prom, "dsio_checkpoint_staging_buffer_bytes") == 8192
+    assert prom.get_sample_value("dsio_checkpoint_last_step") is None  # None is not a number
+    ck2 = Checkpointer()
+    reg.add(ck2, "checkpoint")
+    assert _val(prom, "dsio_checkpoint_saves_total") == 4  # totals add up
+    assert _val(prom, "dsio_checkpoint_last_write_seconds") == 0.75  # last_*: max, not sum
+    del ck, ck2
     gc.collect()
-    # Running totals survive the object; levels go away with it.
-    assert _val(prom, "dsio_checkpoint_saves_total") == 2
+    # Running totals survive the objects; levels go away with them.
+    assert _val(prom, "dsio_checkpoint_saves_total") == 4
     assert prom.get_sample_value("dsio_checkpoint_in_flight") is None
+
+
+def test_real_checkpointer_statistics_are_exported(data_dir):
+    checkpoint = pytest.importorskip("dsio.checkpoint")
+    reg, prom = _registry()
+
+    async def main():
+        async with checkpoint.Checkpointer(os.path.join(data_dir, "run")) as ck:
+            reg.add(ck, metrics._kind_of(ck))
+            state = {"w": torch.arange(100_000, dtype=torch.float32)}
+            for step in (1, 2):
+                task = await ck.save(step, state)
+                await task
+            await ck.load()
+            st = ck.statistics()
+            assert _val(prom, "dsio_checkpoint_saves_total") == st.saves == 2
+            assert _val(prom, "dsio_checkpoint_loads_total") == st.loads == 1
+            assert _val(prom, "dsio_checkpoint_bytes_written_total") == st.bytes_written_total > 400_000
+            assert _val(prom, "dsio_checkpoint_blocked_seconds_total") == st.blocked_seconds_total > 0
+            assert _val(prom, "dsio_checkpoint_staging_seconds_total") == st.staging_seconds_total
+            assert _val(prom, "dsio_checkpoint_write_seconds_total") == st.write_seconds_total > 0
+            assert _val(prom, "dsio_checkpoint_load_seconds_total") == st.load_seconds_total > 0
+            assert _val(prom, "dsio_checkpoint_last_blocked_seconds") == st.last_blocked_seconds
+            assert _val(prom, "dsio_checkpoint_in_flight") == 0
+
+    run_loop("asyncio", main())
 
 
 def test_kind_names():
