@@ -46,3 +46,7 @@ bench-io: setup
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# On the GPU machine (through the device tool): build there, gpu tests, GPU benchmark.
+gpu-check:
+	bash scripts/gpu_check.sh $${OUT:-/tmp/dsio-gpu-out}

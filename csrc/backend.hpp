@@ -43,6 +43,7 @@ class Backend {
 Backend* make_io_uring(unsigned depth);
 Backend* make_aio(unsigned depth);
 Backend* make_posix();
+Backend* make_cufile();  // throws std::runtime_error when libcufile is unusable
 
 // Returns 0 when the backend can be set up here, else -errno.
 int probe_io_uring();

@@ -6,6 +6,7 @@
 
 #include <cstring>
 
+#include "cuda.hpp"
 #include "engine.hpp"
 #include "memory.hpp"
 
@@ -39,6 +40,7 @@ PYBIND11_MODULE(_C, m) {
       .def("submit", &Engine::submit, py::arg("op"), py::arg("fd"), py::arg("buf"), py::arg("nbytes"),
            py::arg("offset"), py::arg("tag"))
       .def("reap", &Engine::reap)
+      .def("notify_stream", &Engine::notify_stream, py::arg("stream"), py::arg("tag"))
       .def("wait", &Engine::wait, py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
@@ -76,6 +78,19 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("dst"), py::arg("src"), py::arg("nbytes"));
   m.def("probe_io_uring", &probe_io_uring, "0 if io_uring works here, else -errno");
   m.def("probe_aio", &probe_aio, "0 if Linux AIO works here, else -errno");
+  m.def("cuda_driver_status", [] {
+    const CudaDriver& d = cuda_driver();
+    return py::make_tuple(d.ok, d.error);
+  });
+  m.def("cufile_status", [] {
+    const CuFileLib& c = cufile();
+    return py::make_tuple(c.ok, c.error, nvidia_fs_loaded());
+  });
+  m.def("cufile_register", &cufile_register, py::arg("fd"));
+  m.def("cufile_deregister", &cufile_deregister, py::arg("fd"));
+  m.def("cufile_buf_register", &cufile_buf_register, py::arg("ptr"), py::arg("nbytes"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("cufile_buf_deregister", &cufile_buf_deregister, py::arg("ptr"), py::call_guard<py::gil_scoped_release>());
   m.def("kernel_release", [] {
     utsname u;
     uname(&u);

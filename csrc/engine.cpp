@@ -1,5 +1,7 @@
 #include "engine.hpp"
 
+#include "cuda.hpp"
+
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -45,6 +47,8 @@ Engine::Engine(const std::string& backend, uint64_t block_size, unsigned queue_d
       w->backend.reset(make_aio(queue_depth));
     else if (backend == "posix")
       w->backend.reset(make_posix());
+    else if (backend == "cufile")
+      w->backend.reset(make_cufile());
     else
       throw std::invalid_argument("unknown backend: " + backend);
     w->slots.resize(queue_depth);
@@ -241,6 +245,54 @@ void Engine::finish(Request* r) {
   }
 }
 
+namespace {
+struct HostCallback {
+  Engine* engine;
+  uint64_t tag;
+};
+void host_callback(void* p) {
+  auto* cb = static_cast<HostCallback*>(p);
+  cb->engine->post_external(cb->tag);
+  delete cb;
+}
+}  // namespace
+
+int Engine::notify_stream(uintptr_t stream, uint64_t tag) {
+  const CudaDriver& d = cuda_driver();
+  if (!d.ok) return -ENOSYS;
+  {
+    std::lock_guard<std::mutex> g(xmu_);
+    ++external_pending_;
+  }
+  auto* cb = new HostCallback{this, tag};
+  int rc = d.cuLaunchHostFunc(reinterpret_cast<void*>(stream), host_callback, cb);
+  if (rc != 0) {
+    delete cb;
+    std::lock_guard<std::mutex> g(xmu_);
+    --external_pending_;
+    return -rc;
+  }
+  return 0;
+}
+
+// Runs on a CUDA driver thread once the stream reaches the callback.
+void Engine::post_external(uint64_t tag) {
+  bool was_empty;
+  {
+    std::lock_guard<std::mutex> g(cmu_);
+    was_empty = completed_.empty();
+    completed_.emplace_back(tag, 0, -1);
+  }
+  if (was_empty) {
+    uint64_t one = 1;
+    ssize_t w;
+    do w = ::write(efd_, &one, sizeof(one));
+    while (w < 0 && errno == EINTR);
+  }
+  std::lock_guard<std::mutex> g(xmu_);
+  if (--external_pending_ == 0) xcv_.notify_all();
+}
+
 std::vector<Result> Engine::reap() {
   uint64_t count;
   ssize_t r;
@@ -265,6 +317,11 @@ bool Engine::wait(int timeout_ms) {
 }
 
 void Engine::shutdown() {
+  {
+    // Stream callbacks already queued must run before the eventfd goes away.
+    std::unique_lock<std::mutex> lk(xmu_);
+    xcv_.wait(lk, [&] { return external_pending_ == 0; });
+  }
   {
     std::lock_guard<std::mutex> g(qmu_);
     if (joined_) return;

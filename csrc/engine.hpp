@@ -69,6 +69,10 @@ class Engine {
   std::vector<Result> reap();
   // Blocks (GIL released by the binding) until the eventfd is readable or timeout_ms passes (-1: forever).
   bool wait(int timeout_ms);
+  // Completes `tag` (result 0) through the eventfd once `stream` (a CUstream) reaches this point.
+  // 0, -ENOSYS without a CUDA driver, or -CUresult.
+  int notify_stream(uintptr_t stream, uint64_t tag);
+  void post_external(uint64_t tag);
   // Lets every queued and in-flight request finish, then joins the workers. Idempotent.
   void shutdown();
   // shutdown() and close the eventfd (after the caller removed it from its event loop).
@@ -112,6 +116,10 @@ class Engine {
   bool stopping_ = false;
   bool joined_ = false;
   uint64_t retired_submit_ = 0, retired_wait_ = 0;
+
+  std::mutex xmu_;
+  std::condition_variable xcv_;
+  uint64_t external_pending_ = 0;
 
   std::mutex cmu_;
   std::vector<Result> completed_;

@@ -71,10 +71,13 @@ def backend_status() -> list[BackendStatus]:
     return out
 
 
-def open_engine(cfg: IOConfig):
-    """Create a ``_C.Engine`` for ``cfg``; ``auto`` falls back in order, an explicit backend must work."""
+def open_engine(cfg: IOConfig, backend: str | None = None):
+    """Create a ``_C.Engine`` for ``cfg``; ``auto`` falls back in order, an explicit backend must work.
+
+    ``backend`` overrides ``cfg.backend`` (the GPU path opens a ``"cufile"`` engine this way)."""
     C = load_native()
-    names = ["io_uring", "aio", "posix"] if cfg.backend == "auto" else [cfg.backend]
+    want = backend or cfg.backend
+    names = ["io_uring", "aio", "posix"] if want == "auto" else [want]
     reasons = []
     for name in names:
         if name in _disabled():

@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from .errors import ClosedError, IOFailedError, ShortIOError, WrongLoopError
+from .errors import BackendUnavailableError, ClosedError, IOFailedError, ShortIOError, WrongLoopError
 
 __all__ = ["READ", "WRITE", "FSYNC", "Dispatcher"]
 
@@ -91,6 +91,19 @@ class Dispatcher:
         except BaseException:
             del self._entries[tag]
             raise
+        return fut
+
+    def after_stream(self, stream: int) -> asyncio.Future:
+        """A future resolved (through the eventfd) once the CUDA ``stream`` reaches this point."""
+        if self.closed:
+            raise ClosedError("the handle is closed")
+        fut = self.loop().create_future()
+        tag = next(self._tags)
+        self._entries[tag] = _Entry(fut, 0, None, None, None, None)
+        rc = self.engine.notify_stream(stream, tag)
+        if rc != 0:
+            del self._entries[tag]
+            raise BackendUnavailableError(f"cannot wait on a CUDA stream (cuLaunchHostFunc: {rc})")
         return fut
 
     @property

@@ -56,6 +56,8 @@ class FileRef:
         self.fd = fd
         self._buffered = -1 if self.direct else fd
         self._refs = 1
+        self.on_close: list[Callable[[int], None]] = []
+        """Called with the fd just before it closes (e.g. cuFile deregistration)."""
 
     def buffered_fd(self) -> int:
         """An fd without O_DIRECT on the same inode (opened once, through /proc, rename-proof)."""
@@ -72,6 +74,8 @@ class FileRef:
     def release(self) -> None:
         self._refs -= 1
         if self._refs == 0:
+            for hook in self.on_close:
+                hook(self.fd)
             if self._buffered >= 0 and self._buffered != self.fd:
                 os.close(self._buffered)
             os.close(self.fd)

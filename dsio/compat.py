@@ -33,7 +33,7 @@ from .config import ALIGNMENT, IOConfig
 from .errors import ChecksumError, ClosedError
 from .handle import AsyncIOHandle
 
-__all__ = ["AsyncIOBuilder", "aio_handle"]
+__all__ = ["AsyncIOBuilder", "GDSBuilder", "aio_handle", "gds_handle"]
 
 
 class aio_handle:  # noqa: N801 - DeepSpeed's name
@@ -49,6 +49,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         intra_op_parallelism: int = 1,
         *,
         backend: str = "auto",
+        gpu_backend: str = "auto",
     ) -> None:
         cfg = IOConfig(
             block_size=block_size,
@@ -57,6 +58,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
             overlap_events=overlap_events,
             intra_op_parallelism=intra_op_parallelism,
             backend=backend,
+            gpu_backend=gpu_backend,
         )
         self._h = AsyncIOHandle(cfg)
         self._loop = asyncio.new_event_loop()
@@ -253,6 +255,71 @@ def _validate(buffer: torch.Tensor, filename: str, file_offset: int) -> None:
         raise ChecksumError(f"validation failed: {filename} at offset {file_offset} differs from the buffer")
 
 
+class gds_handle(aio_handle):  # noqa: N801 - DeepSpeed's name
+    """DeepSpeed's ``gds_handle``: the ``aio_handle`` methods for CUDA tensors, plus device-buffer
+    pinning. Uses cuFile where GPUDirect Storage is available, else dsio's pipelined bounce path
+    (``IOConfig.gpu_backend="auto"``); pass ``gpu_backend="cufile"`` to insist on cuFile."""
+
+    def __init__(
+        self,
+        block_size: int = 8 * 1024 * 1024,
+        queue_depth: int = 128,
+        single_submit: bool = False,
+        overlap_events: bool = False,
+        intra_op_parallelism: int = 1,
+        *,
+        backend: str = "auto",
+        gpu_backend: str = "auto",
+    ) -> None:
+        if not torch.cuda.is_available():
+            from .errors import BackendUnavailableError
+
+            raise BackendUnavailableError("gds_handle needs a CUDA device; torch sees none here")
+        super().__init__(
+            block_size,
+            queue_depth,
+            single_submit,
+            overlap_events,
+            intra_op_parallelism,
+            backend=backend,
+            gpu_backend=gpu_backend,
+        )
+        self._registered: dict[int, int] = {}
+
+    def new_pinned_device_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+        """A device tensor of ``num_elem`` elements, registered with cuFile where it is in use."""
+        device = example_tensor.device if example_tensor.is_cuda else torch.device("cuda")
+        t = torch.empty(int(num_elem), dtype=example_tensor.dtype, device=device)
+        self.pin_device_tensor(t)
+        return t
+
+    def free_pinned_device_tensor(self, tensor: torch.Tensor) -> bool:
+        return self.unpin_device_tensor(tensor)
+
+    def pin_device_tensor(self, tensor: torch.Tensor) -> bool:
+        """Register the tensor's memory with cuFile (``cuFileBufRegister``); True if registered."""
+        C = load_native()
+        ok, _reason, _nvfs = C.cufile_status()
+        if not ok or tensor.nbytes == 0:
+            return False
+        rc = C.cufile_buf_register(tensor.data_ptr(), tensor.nbytes)
+        if rc == 0:
+            self._registered[tensor.data_ptr()] = tensor.nbytes
+        return rc == 0
+
+    def unpin_device_tensor(self, tensor: torch.Tensor) -> bool:
+        if self._registered.pop(tensor.data_ptr(), None) is None:
+            return False
+        return load_native().cufile_buf_deregister(tensor.data_ptr()) == 0
+
+    def close(self) -> None:
+        C = load_native()
+        for ptr in list(self._registered):
+            C.cufile_buf_deregister(ptr)
+        self._registered.clear()
+        super().close()
+
+
 class _AsyncIOModule:
     """What ``AsyncIOBuilder().load()`` returns: exposes ``aio_handle`` like DeepSpeed's op module."""
 
@@ -269,3 +336,21 @@ class AsyncIOBuilder:
 
     def load(self, verbose: bool = True) -> type[_AsyncIOModule]:
         return _AsyncIOModule
+
+
+class _GDSModule:
+    """What ``GDSBuilder().load()`` returns: exposes ``gds_handle`` like DeepSpeed's op module."""
+
+    gds_handle = gds_handle
+
+
+class GDSBuilder:
+    """Stand-in for ``deepspeed.ops.op_builder.GDSBuilder``."""
+
+    NAME = "gds"
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return torch.cuda.is_available()
+
+    def load(self, verbose: bool = True) -> type[_GDSModule]:
+        return _GDSModule

@@ -76,9 +76,9 @@ class AsyncIOHandle:
         data durable before returning.
         """
         ptr, n = as_bytes(tensor)
+        self._ready()
         if tensor.is_cuda:
             return int(await self._gpu_io().pwrite(tensor, path, offset, fsync=fsync))
-        self._ready()
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset is None else 0)
         off = 0 if offset is None else check_offset(offset)
         ref = FileRef(os.fspath(path), flags, o_direct=self.config.o_direct)
@@ -98,9 +98,9 @@ class AsyncIOHandle:
         A file too short to fill the tensor raises ``ShortIOError``, never a partial result.
         """
         ptr, n = as_bytes(tensor)
+        self._ready()
         if tensor.is_cuda:
             return int(await self._gpu_io().pread(tensor, path, offset))
-        self._ready()
         off = check_offset(offset)
         ref = FileRef(os.fspath(path), os.O_RDONLY, o_direct=self.config.o_direct)
         try:
@@ -130,7 +130,7 @@ class AsyncIOHandle:
     async def _run(
         self, op: int, ref: FileRef, ptr: int, n: int, off: int, keep: object, *, sync: bool = False
     ) -> None:
-        self._in_flight += 1
+        self._begin()
         ok = False
         try:
             if op == READ:
@@ -143,18 +143,25 @@ class AsyncIOHandle:
             self._errors += 1
             raise
         finally:
-            self._in_flight -= 1
-            if not self._in_flight:
-                for w in self._idle_waiters:
-                    if not w.done():
-                        w.set_result(None)
-                self._idle_waiters.clear()
-            if op == READ:
-                self._reads += 1
-                self._read_bytes += n if ok else 0
-            else:
-                self._writes += 1
-                self._written_bytes += n if ok else 0
+            self._end(op, n, ok)
+
+    def _begin(self) -> None:
+        self._in_flight += 1
+
+    def _end(self, op: int, n: int, ok: bool) -> None:
+        """Account one finished user operation; wake aclose() once nothing is in flight."""
+        self._in_flight -= 1
+        if op == READ:
+            self._reads += 1
+            self._read_bytes += n if ok else 0
+        else:
+            self._writes += 1
+            self._written_bytes += n if ok else 0
+        if not self._in_flight:
+            for w in self._idle_waiters:
+                if not w.done():
+                    w.set_result(None)
+            self._idle_waiters.clear()
 
     def _gpu_io(self) -> Any:
         if self._gpu is None:

@@ -1,0 +1,124 @@
+"""CUDA tensors through both GPU paths (cufile, bounce) and the gds_handle; skipped without CUDA."""
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+import dsio
+from dsio import BackendUnavailableError
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(
+    not CUDA, reason="no CUDA device (GPU tests run on the H200 via make gpu-check)"
+)
+
+
+def _cufile_ok() -> tuple[bool, str]:
+    if not CUDA:
+        return False, "no CUDA"
+    from dsio.gpu import gpu_status
+
+    st = gpu_status()
+    return st.cufile, st.cufile_reason
+
+
+def gpu_backends():
+    ok, why = _cufile_ok()
+    return [
+        pytest.param("bounce", id="bounce"),
+        pytest.param(
+            "cufile", id="cufile", marks=[] if ok else [pytest.mark.skip(reason=f"cuFile unavailable: {why}")]
+        ),
+    ]
+
+
+SIZES = [1, 4095, 4096, 4097, (1 << 20) + 3, (9 << 20) + 5]
+DTYPES = [torch.uint8, torch.float32, torch.bfloat16, torch.int64]
+OFFSETS = [None, 0, 4096, 4099]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("gpu_backend", gpu_backends())
+def test_cuda_roundtrip_matrix(gpu_backend, tmp_path):
+    async def main():
+        cfg = dsio.IOConfig(gpu_backend=gpu_backend, staging_buffer_bytes=4 << 20, pool_bytes=16 << 20)
+        async with dsio.AsyncIOHandle(cfg) as h:
+            case = 0
+            for dtype in DTYPES:
+                esize = torch.empty(0, dtype=dtype).element_size()
+                for nb in SIZES:
+                    n = max(1, nb // esize)
+                    for off in OFFSETS:
+                        case += 1
+                        p = str(tmp_path / f"g{case}.bin")
+                        src = torch.randint(0, 120, (n,), device="cuda").to(dtype)
+                        assert await h.pwrite(src, p, off) == n * esize
+                        assert os.path.getsize(p) == (off or 0) + n * esize
+                        dst = torch.zeros_like(src)
+                        await h.pread(dst, p, off or 0)
+                        assert torch.equal(src, dst), (gpu_backend, dtype, nb, off)
+                        # and the same bytes as a CPU read of the file
+                        cpu = torch.empty(n, dtype=dtype)
+                        await h.pread(cpu, p, off or 0)
+                        assert torch.equal(cpu, src.cpu())
+            assert h._gpu.backend == gpu_backend
+            assert h.statistics().pool.in_use == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_open_file_concurrent_and_short_read(tmp_path):
+    async def main():
+        async with dsio.AsyncIOHandle(gpu_backend="bounce") as h:
+            parts = [torch.full((1000 + i,), i, dtype=torch.int32, device="cuda") for i in range(32)]
+            offs = [sum(x.nbytes for x in parts[:i]) for i in range(len(parts))]
+            p = str(tmp_path / "f.bin")
+            async with h.open(p, "w+") as f:
+                await asyncio.gather(*(f.pwrite(x, o) for x, o in zip(parts, offs)))
+                backs = [torch.empty_like(x) for x in parts]
+                await asyncio.gather(*(f.pread(b, o) for b, o in zip(backs, offs)))
+            assert all(torch.equal(a, b) for a, b in zip(parts, backs))
+            with pytest.raises(dsio.ShortIOError):
+                await h.pread(torch.empty(10**6, device="cuda"), p)
+
+    asyncio.run(main())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gds_handle_compat(tmp_path):
+    from dsio.compat import GDSBuilder
+
+    h = GDSBuilder().load().gds_handle(1 << 20, 32, False, False, 1)
+    try:
+        t = h.new_pinned_device_tensor(1 << 20, torch.empty(0, dtype=torch.float32, device="cuda"))
+        t.copy_(torch.randn(1 << 20, device="cuda"))
+        p = str(tmp_path / "gds.bin")
+        assert h.sync_pwrite(t, p) == 1
+        back = h.new_pinned_device_tensor(1 << 20, t)
+        h.async_pread(back, p)
+        assert h.wait() == 1
+        assert torch.equal(back, t)
+        h.free_pinned_device_tensor(back)
+        h.unpin_device_tensor(t)
+    finally:
+        h.close()
+
+
+@pytest.mark.skipif(CUDA, reason="checks the no-CUDA error path")
+def test_cuda_request_without_cuda_is_clear():
+    from dsio.compat import gds_handle
+
+    with pytest.raises(BackendUnavailableError):
+        gds_handle()
+    from dsio.gpu import GpuIO, gpu_status
+
+    assert not gpu_status().cuda and gpu_status().auto_choice.startswith("none")
+    with dsio.AsyncIOHandle(gpu_backend="cufile") as h:  # valid config everywhere; using it needs CUDA
+        with pytest.raises(BackendUnavailableError):
+            GpuIO(h)
