@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,13 +39,24 @@ class _Done:
 
 
 class Comm:
-    """Collectives over ``group`` (default: the world), or local no-ops when there is no process group."""
+    """Collectives over ``group`` (default: the world), or local no-ops when there is no process group.
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    On gloo, reduce-scatter and all-gather are carried out as all-reduces: gloo's own implementations
+    measured 1.9x (reduce-scatter of 100 MB) and 2.2x (all-gather into 100 MB) slower than an
+    all-reduce of the whole 100 MB on this machine. An all-gather becomes an all-reduce of the output
+    with every other rank's chunk zeroed, which is exact (x + 0 == x). ``emulate=False`` (or the
+    environment variable ``DSTRAIN_GLOO_NATIVE_COLLECTIVES=1``) uses gloo's collectives anyway.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, emulate: bool | None = None) -> None:
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
+        backend = dist.get_backend(group) if self.distributed else None
+        if emulate is None:
+            emulate = backend == "gloo" and os.environ.get("DSTRAIN_GLOO_NATIVE_COLLECTIVES", "0") != "1"
+        self.emulate = emulate
         self._calls = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
         self._bytes = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
         self._wait = 0.0
@@ -68,13 +81,23 @@ class Comm:
         self._count("all_reduce", t)
         return self._run(lambda async_op: dist.all_reduce(t, op=op, group=self.group, async_op=async_op), async_op)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False):  # type: ignore[no-untyped-def]
-        """Sum ``inp`` (numel = world x out.numel) over ranks; this rank's chunk lands in ``out``."""
+    def reduce_scatter(  # type: ignore[no-untyped-def]
+        self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False, scratch_input: bool = False
+    ):
+        """Sum ``inp`` (numel = world x out.numel) over ranks; this rank's chunk lands in ``out``.
+
+        ``scratch_input`` allows the implementation to overwrite ``inp``.
+        """
         if self.world_size == 1:
             out.copy_(inp)
             return _Done()
         out, inp = out.detach(), inp.detach()
         self._count("reduce_scatter", inp)
+        if self.emulate:
+            n = out.numel()
+            work = inp if scratch_input else inp.clone()
+            handle = self._run(lambda async_op: dist.all_reduce(work, group=self.group, async_op=async_op), async_op)
+            return _Then(handle, lambda: out.copy_(work[self.rank * n : (self.rank + 1) * n]))
         return self._run(
             lambda async_op: _reduce_scatter(out, inp, group=self.group, async_op=async_op), async_op
         )
@@ -87,6 +110,14 @@ class Comm:
             return _Done()
         out, inp = out.detach(), inp.detach()
         self._count("all_gather", inp)
+        if self.emulate:
+            n = inp.numel()
+            lo, hi = self.rank * n, (self.rank + 1) * n
+            if out[lo:hi].data_ptr() != inp.data_ptr():
+                out[lo:hi].copy_(inp)
+            out[:lo].zero_()
+            out[hi:].zero_()
+            return self._run(lambda async_op: dist.all_reduce(out, group=self.group, async_op=async_op), async_op)
         return self._run(
             lambda async_op: _all_gather(out, inp, group=self.group, async_op=async_op), async_op
         )
@@ -107,6 +138,23 @@ class Comm:
             all_gather_bytes=self._bytes["all_gather"],
             wait_seconds=self._wait,
         )
+
+
+class _Then:
+    """A handle that runs ``then`` once the wrapped operation completed."""
+
+    def __init__(self, handle: _Done | _Timed, then: Callable[[], object]) -> None:
+        self._handle = handle
+        self._then: Callable[[], object] | None = then
+        if isinstance(handle, _Done):
+            self.wait()
+
+    def wait(self) -> bool:
+        self._handle.wait()
+        if self._then is not None:
+            self._then()
+            self._then = None
+        return True
 
 
 class _Timed:

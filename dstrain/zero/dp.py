@@ -14,6 +14,7 @@ import torch
 from dstrain.comm import Comm
 from dstrain.config_sections import ZeroConfig
 from dstrain.zero.base import ZeroStatistics, ZeroStrategy
+from dstrain.zero.buckets import BoundaryBuckets, Stage2Buckets
 from dstrain.zero.flat import FlatLayout
 
 __all__ = ["DataParallelZero"]
@@ -81,12 +82,21 @@ class DataParallelZero(ZeroStrategy):
             for g in groups
         ]
         self._hooks: list[Any] = []
-        self._buckets: _Stage2Buckets | None = None
+        self._buckets: Stage2Buckets | None = None
+        self._boundary: list[BoundaryBuckets] = []
         if stage == 2:
-            self._buckets = _Stage2Buckets(self.groups, config, comm, dtype)
+            self._buckets = Stage2Buckets(self.groups, config, comm, dtype)
             for gi, group in enumerate(self.groups):
                 for pi, p in enumerate(group.params):
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._buckets.hook(gi, pi)))
+        elif config.overlap_comm and comm.world_size > 1:
+            # like DDP: all-reduce each bucket of the flat gradient as soon as backward has filled it
+            for group in self.groups:
+                assert group.flat_grad is not None
+                buckets = BoundaryBuckets(group.layout, group.flat_grad, config.reduce_bucket_size, comm)
+                self._boundary.append(buckets)
+                for pi, p in enumerate(group.params):
+                    self._hooks.append(p.register_post_accumulate_grad_hook(buckets.hook(pi)))
 
     @property
     def partitioned(self) -> bool:
@@ -99,6 +109,8 @@ class DataParallelZero(ZeroStrategy):
         if self.stage < 2:
             for g in self.groups:
                 g.attach_grads()
+        for buckets in self._boundary:
+            buckets.armed = boundary  # gradients are complete only in the last micro-step's backward
 
     def after_backward(self, boundary: bool) -> None:
         if self._buckets is not None:
@@ -108,11 +120,16 @@ class DataParallelZero(ZeroStrategy):
         world = self.comm.world_size
         if self.stage == 2:
             return  # reduced during backward, every micro-step
-        for g in self.groups:
+        for gi, g in enumerate(self.groups):
             assert g.flat_grad is not None
-            if self.stage == 1 and self.config.reduce_scatter and world > 1:
+            if self._boundary:
+                self._boundary[gi].finish()  # (padded,) averaged over ranks
+                if self.stage == 1:
+                    assert g.part_grad is not None
+                    g.part_grad.copy_(g.flat_grad[g.range[0] : g.range[1]])
+            elif self.stage == 1 and self.config.reduce_scatter and world > 1:
                 assert g.part_grad is not None
-                self.comm.reduce_scatter(g.part_grad, g.flat_grad)
+                self.comm.reduce_scatter(g.part_grad, g.flat_grad, scratch_input=True)
                 g.part_grad.div_(world)
             else:
                 self._all_reduce_bucketed(g.flat_grad)
@@ -191,69 +208,3 @@ class DataParallelZero(ZeroStrategy):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-
-
-class _Stage2Buckets:
-    """Stage 2: copy each gradient into a bucket as autograd produces it, reduce full buckets, keep only
-    this rank's range (in fp32 ``master.grad``), and free the parameter's gradient at once."""
-
-    def __init__(self, groups: list[_Group], config: ZeroConfig, comm: Comm, dtype: torch.dtype) -> None:
-        self.groups = groups
-        self.comm = comm
-        self.capacity = config.reduce_bucket_size
-        self.overlap = config.overlap_comm
-        self.dtype = dtype
-        self.buffer: torch.Tensor | None = None
-        self.used = 0
-        self.entries: list[tuple[int, int, int]] = []  # (group, param index, bucket offset)
-        self.pending: list[tuple[Any, torch.Tensor, list[tuple[int, int, int]]]] = []
-
-    def hook(self, gi: int, pi: int):  # type: ignore[no-untyped-def]
-        def on_grad(p: torch.Tensor) -> None:
-            assert p.grad is not None
-            self.add(gi, pi, p.grad)
-            p.grad = None
-
-        return on_grad
-
-    def add(self, gi: int, pi: int, grad: torch.Tensor) -> None:
-        n = grad.numel()
-        if self.used and self.used + n > (self.buffer.numel() if self.buffer is not None else 0):
-            self.flush()
-        if self.buffer is None:
-            self.buffer = torch.empty(max(self.capacity, n), dtype=self.dtype, device=grad.device)
-        self.buffer[self.used : self.used + n].copy_(grad.reshape(-1))
-        self.entries.append((gi, pi, self.used))
-        self.used += n
-
-    def flush(self) -> None:
-        if not self.used or self.buffer is None:
-            return
-        data = self.buffer[: self.used]
-        handle = self.comm.all_reduce(data, async_op=self.overlap)
-        self.pending.append((handle, data, self.entries))
-        self.buffer, self.used, self.entries = None, 0, []
-        if not self.overlap or len(self.pending) > 1:
-            self._finish(keep=1 if self.overlap else 0)
-
-    def _finish(self, keep: int = 0) -> None:
-        world = self.comm.world_size
-        while len(self.pending) > keep:
-            handle, data, entries = self.pending.pop(0)
-            handle.wait()
-            for gi, pi, boff in entries:
-                group = self.groups[gi]
-                span = group.layout.overlap(pi)
-                if span is None:
-                    continue
-                start, end = span
-                off = group.layout.offsets[pi]
-                lo = group.range[0]
-                assert group.master.grad is not None
-                piece = data[boff + start - off : boff + end - off]
-                group.master.grad[start - lo : end - lo].add_(piece, alpha=1.0 / world)
-
-    def drain(self) -> None:
-        """End of a backward: reduce the last bucket and wait for every reduction."""
-        self.flush()
-        self._finish(keep=0)

@@ -114,7 +114,7 @@ class Stage3Zero(ZeroStrategy):
     def _reduce(self, unit: Unit) -> None:
         flat = unit.pop_flat_grad(self.dtype)  # (padded,)
         out = torch.empty(unit.layout.shard, dtype=self.dtype, device=flat.device)
-        handle = self.comm.reduce_scatter(out, flat, async_op=self.config.overlap_comm)
+        handle = self.comm.reduce_scatter(out, flat, async_op=self.config.overlap_comm, scratch_input=True)
         self._pending.append((handle, out, unit))
         del flat  # the pending handle keeps the input alive inside the process group
         if not self.config.overlap_comm or len(self._pending) > 2:

@@ -188,7 +188,9 @@ def train_scenario(config: dict[str, Any], steps: int = 20) -> dict[str, Any]:
     return {"losses": losses, "stats": stats, "checksum": checksum, "dtypes": dtypes, "master_dtypes": master_dtypes}
 
 
-def run_scenarios(scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def run_scenarios(scenarios: dict[str, dict[str, Any]], native_collectives: bool = False) -> dict[str, Any]:
+    if native_collectives:  # gloo's own reduce-scatter / all-gather instead of dstrain's all-reduce forms
+        os.environ["DSTRAIN_GLOO_NATIVE_COLLECTIVES"] = "1"
     return {name: train_scenario(cfg) for name, cfg in scenarios.items()}
 
 

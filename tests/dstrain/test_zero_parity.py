@@ -25,6 +25,12 @@ def scenarios(world: int) -> dict[str, dict[str, Any]]:
         out[f"stage{stage}_sgd"]["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
     out["stage1_allreduce"] = base_config(1, world=world, micro=micro)
     out["stage1_allreduce"]["zero_optimization"]["reduce_scatter"] = False
+    for stage in (0, 1):
+        # DDP-like: bucketed all-reduce launched from gradient hooks during the last micro-step's backward
+        name = f"stage{stage}_overlap_sgd"
+        out[name] = base_config(stage, world=world, micro=micro // 2, gas=2)
+        out[name]["zero_optimization"].update(reduce_bucket_size=300, overlap_comm=True)
+        out[name]["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
     out["stage0_small_buckets"] = base_config(0, world=world, micro=micro)
     out["stage0_small_buckets"]["zero_optimization"]["reduce_bucket_size"] = 100
     out["stage2_buckets_overlap"] = base_config(2, world=world, micro=micro)
@@ -63,6 +69,24 @@ def world1() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def world2() -> list[dict[str, Any]]:
     return spawn(run_scenarios, scenarios(2), world=2)
+
+
+NATIVE = ["stage1", "stage2", "stage3", "stage3_overlap_prefetch", "stage1_gas2"]
+
+
+@pytest.fixture(scope="module")
+def world2_native() -> list[dict[str, Any]]:
+    chosen = {k: v for k, v in scenarios(2).items() if k in NATIVE}
+    return spawn(run_scenarios, chosen, True, world=2)
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_world2_gloo_native_collectives_match_too(
+    name: str, world2_native: list[dict[str, Any]], reference: list[float]
+) -> None:
+    rank0, rank1 = world2_native
+    assert rank0[name]["losses"] == pytest.approx(reference, **TOL)
+    assert rank1[name]["checksum"] == pytest.approx(rank0[name]["checksum"], rel=1e-12)
 
 
 NAMES = list(scenarios(1))
@@ -118,6 +142,9 @@ def test_world2_communication_matches_stage(world2: list[dict[str, Any]]) -> Non
     assert comm[2].all_reduce_calls > 0 and comm[2].all_gather_calls == STEPS
     assert comm[3].reduce_scatter_calls > 0 and comm[3].all_gather_calls > STEPS
     assert rank0["stage1_allreduce"]["stats"].comm.reduce_scatter_calls == 0
+    # overlapped stage 0/1: several bucket all-reduces per step instead of one reduction
+    assert rank0["stage0_overlap_sgd"]["stats"].comm.all_reduce_calls > 2 * STEPS
+    assert rank0["stage1_overlap_sgd"]["stats"].comm.all_reduce_calls > 2 * STEPS
     # small buckets split the reduction into many collectives
     assert rank0["stage2_buckets_overlap"]["stats"].comm.all_reduce_calls > comm[2].all_reduce_calls
     assert rank0["stage0_small_buckets"]["stats"].comm.all_reduce_calls > comm[0].all_reduce_calls
