@@ -225,6 +225,20 @@ def _cuda_status() -> dict[str, Any]:
         out["cufile"] = f"{loaded}: compat mode (nvidia-fs kernel module not loaded: cuFile does POSIX I/O)"
     else:
         out["cufile"] = f"{loaded}: GDS (nvidia-fs loaded)"
+    try:  # the engine's own view (driver opened, cuFile driver opened) where dsio.gpu is built
+        from .gpu import gpu_status
+
+        g = gpu_status()
+        out["gpu_status"] = dataclasses.asdict(g)
+        out["gpu_path"] = g.auto_choice
+        if g.cuda and g.cufile:
+            out["cufile"] = (
+                "GDS (nvidia-fs loaded)" if g.nvidia_fs else "compat mode (nvidia-fs module not loaded)"
+            )
+        elif g.cuda and loaded is not None:
+            out["cufile"] = f"{loaded}: unusable: {g.cufile_reason}"
+    except Exception as e:  # report what we know rather than fail
+        out["gpu_path"] = f"unknown (dsio.gpu: {e})"
     return out
 
 
@@ -293,6 +307,7 @@ def _report(args: argparse.Namespace) -> int:
     else:
         print(f"  CUDA       unavailable: {c['reason']}")
     print(f"  libcufile  {c['cufile']}")
+    print(f"  GPU path   {c.get('gpu_path', '?')}")
     return 0
 
 
