@@ -81,7 +81,11 @@ def build_model(args: argparse.Namespace) -> Any:
             return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
     torch.manual_seed(0)
-    return GPT()
+    model = GPT()
+    for m in model.modules():  # GPT-2 initialisation
+        if isinstance(m, nn.Linear | nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+    return model
 
 
 # -- one (method, rep) inside a torchrun rank --------------------------------------------------
@@ -134,7 +138,13 @@ def worker(args: argparse.Namespace) -> None:
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": int(method[-1]) if method[-1].isdigit() else 0},
+        # the same ZeRO settings for dstrain and DeepSpeed; 1e7-element buckets are close to DDP's 25 MB
+        "zero_optimization": {
+            "stage": int(method[-1]) if method[-1].isdigit() else 0,
+            "overlap_comm": True,
+            "reduce_bucket_size": 10_000_000,
+            "allgather_bucket_size": 10_000_000,
+        },
         "steps_per_print": 10**9,
     }
     if method == "ddp":
