@@ -443,3 +443,46 @@ def test_tensor_memory_is_not_retained(data_dir):
             assert r() is None
 
     run_loop("asyncio", main())
+
+
+@dataclass(frozen=True, slots=True)
+class _FutureOpStats:
+    """OpStatistics as the engine will report it once it keeps size buckets and errno counts."""
+
+    ops: int
+    bytes: int
+    errors: int
+    latency_seconds_total: float
+    latency_buckets: tuple[int, ...]
+    size_buckets: tuple[int, ...]
+    errors_by_errno: dict[int, int]
+
+
+def test_size_buckets_and_errno_counts_are_used_when_the_engine_has_them(monkeypatch):
+    """Forward compatibility: per-errno counts become errno labels (the rest of the errors are
+    "short"), and engine size buckets become a real size histogram."""
+    from dsio import _stats
+
+    monkeypatch.setattr(_stats, "SIZE_BUCKET_BOUNDS_BYTES", (4096.0, 65536.0, float("inf")), raising=False)
+    lat = (0,) * len(dsio.LATENCY_BUCKET_BOUNDS_S)
+    read = _FutureOpStats(10, 10 * 65536, 4, 0.01, (10,) + lat[1:], (0, 10, 0), {5: 2, 28: 1})
+    idle = _FutureOpStats(0, 0, 0, 0.0, lat, (0, 0, 0), {})
+    pool = dsio.PoolStatistics(1, 4096, 0, 0, 0, 0, 0.0, True, False)
+    eng = dsio.EngineStatistics("io_uring", read, idle, idle, 0, 10, 10, 10, 1, 10, 10)  # type: ignore[arg-type]
+    st = dsio.HandleStatistics("io_uring", 10, 0, 10 * 65536, 0, 4, 0, 0, 0, 0, eng, pool)
+
+    class FakeHandle:
+        def statistics(self):
+            return st
+
+    reg, prom = _registry()
+    h = FakeHandle()
+    reg.add(h, "handle")
+    labels = {"op": "read", "backend": "io_uring"}
+    assert _val(prom, "dsio_request_errors_total", errno="EIO", **labels) == 2
+    assert _val(prom, "dsio_request_errors_total", errno="ENOSPC", **labels) == 1
+    assert _val(prom, "dsio_request_errors_total", errno="short", **labels) == 1
+    assert _val(prom, "dsio_request_size_bytes_bucket", le="4096", **labels) == 0
+    assert _val(prom, "dsio_request_size_bytes_bucket", le="65536", **labels) == 10
+    assert _val(prom, "dsio_request_size_bytes_bucket", le="+Inf", **labels) == 10
+    assert _val(prom, "dsio_request_size_bytes_sum", **labels) == 10 * 65536
