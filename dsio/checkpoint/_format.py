@@ -24,7 +24,7 @@ import torch
 
 from ..config import ALIGNMENT
 from ..errors import CheckpointFormatError, ChecksumError
-from ._integrity import HEADER_CRC_KEY, dump_header_json, header_crc
+from ._integrity import FORMAT_KEY, HEADER_CRC_KEY, dump_header_json, header_crc
 
 __all__ = [
     "DTYPES",
@@ -182,6 +182,8 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Header:
     ):
         raise CheckpointFormatError(f"{path}: __metadata__ must map strings to strings")
     sealed = meta_raw.pop(HEADER_CRC_KEY, None)
+    if sealed is None and FORMAT_KEY in meta_raw:
+        raise ChecksumError(f"{path}: header checksum missing from a dsio file (header corrupted)")
     if sealed is not None and sealed != header_crc(obj):
         raise ChecksumError(f"{path}: header checksum mismatch (names, shapes or metadata corrupted)")
     obj.pop("__metadata__", None)

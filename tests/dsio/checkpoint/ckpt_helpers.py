@@ -16,7 +16,8 @@ class TinyGPT(torch.nn.Module):
         super().__init__()
         self.wte = torch.nn.Embedding(vocab, dim)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True) for _ in range(layers)
+            torch.nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True)
+            for _ in range(layers)
         )
         self.ln_f = torch.nn.LayerNorm(dim)
         self.head = torch.nn.Linear(dim, vocab, bias=False)
@@ -71,8 +72,13 @@ def assert_same(a: Any, b: Any, where: str = "state") -> None:
     """Equal values of exactly the same types, recursively; tensors bit-identical."""
     assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a.view(torch.uint8) if a.numel() and a.dim() else a, b.view(torch.uint8) if b.numel() and b.dim() else b), where
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        )
+        assert torch.equal(
+            a.view(torch.uint8) if a.numel() and a.dim() else a,
+            b.view(torch.uint8) if b.numel() and b.dim() else b,
+        ), where
     elif isinstance(a, np.ndarray):
         assert a.dtype == b.dtype and np.array_equal(a, b), where
     elif isinstance(a, dict):

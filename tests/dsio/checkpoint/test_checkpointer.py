@@ -47,12 +47,18 @@ def test_layout_latest_steps_and_retention(tmp_path):
             assert ck.steps() == [30, 40]
             assert ck.latest_step() == 40
             assert sorted(os.listdir(tmp_path)) == ["latest", "step-000000030", "step-000000040"]
-            assert open(tmp_path / "latest").read() == "step-000000040\n"
+            assert (tmp_path / "latest").read_text() == "step-000000040\n"
             d = tmp_path / "step-000000040"
             assert sorted(os.listdir(d)) == ["manifest.json", "rank-00000.safetensors"]
             m = json.loads((d / "manifest.json").read_text())
             assert m["world_size"] == 1 and m["step"] == 40
-            assert m["files"] == [{"rank": 0, "path": "rank-00000.safetensors", "bytes": os.path.getsize(d / "rank-00000.safetensors")}]
+            assert m["files"] == [
+                {
+                    "rank": 0,
+                    "path": "rank-00000.safetensors",
+                    "bytes": os.path.getsize(d / "rank-00000.safetensors"),
+                }
+            ]
             # Each rank file is a stock safetensors file.
             assert torch.equal(st.load_file(str(d / "rank-00000.safetensors"))["w"], torch.full((3,), 40.0))
             assert (await ck.load(step=30))["step"] == 30
@@ -155,7 +161,9 @@ def test_world_size_mismatch_is_a_clear_error(tmp_path):
     run(main())
 
 
-@pytest.mark.parametrize("bad", ["../outside.safetensors", "/etc/passwd", "sub/../../x", "..", "link.safetensors"])
+@pytest.mark.parametrize(
+    "bad", ["../outside.safetensors", "/etc/passwd", "sub/../../x", "..", "link.safetensors"]
+)
 def test_manifest_naming_a_path_outside_is_rejected(tmp_path, bad):
     async def main():
         root = tmp_path / "run"

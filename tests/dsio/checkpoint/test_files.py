@@ -47,7 +47,9 @@ def test_file_is_stock_safetensors_with_aligned_data(tmp_path):
     back = st.load_file(path)
     assert set(back) == set(tensors)
     for k, v in tensors.items():
-        assert back[k].dtype == v.dtype and torch.equal(back[k].view(torch.uint8) if v.dim() else back[k], v.view(torch.uint8) if v.dim() else v), k
+        assert back[k].dtype == v.dtype and torch.equal(
+            back[k].view(torch.uint8) if v.dim() else back[k], v.view(torch.uint8) if v.dim() else v
+        ), k
     with safetensors.safe_open(path, "pt") as f:
         meta = f.metadata()
     assert meta["dsio.format"] == "1" and "dsio.crc32c" in meta
@@ -61,7 +63,9 @@ def test_reads_stock_safetensors_files(tmp_path):
     assert isinstance(back, dict) and set(back) == set(tensors)
     for k, v in tensors.items():
         assert back[k].dtype == v.dtype and back[k].shape == v.shape
-        assert torch.equal(back[k].view(torch.uint8) if v.dim() else back[k], v.view(torch.uint8) if v.dim() else v), k
+        assert torch.equal(
+            back[k].view(torch.uint8) if v.dim() else back[k], v.view(torch.uint8) if v.dim() else v
+        ), k
 
 
 def test_realistic_state_round_trip(tmp_path):
