@@ -30,10 +30,10 @@ class IOConfig:
     block_size: int = 1 << 20
     """Bytes per piece a request is split into: a power of two, at least 4096."""
 
-    queue_depth: int = 32
+    queue_depth: int = 64
     """Pieces each worker keeps in flight in the kernel (at least 1)."""
 
-    intra_op_parallelism: int = 1
+    intra_op_parallelism: int = 2
     """Worker threads; each owns one io_uring ring or one AIO context (at least 1)."""
 
     single_submit: bool = False

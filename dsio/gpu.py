@@ -173,7 +173,12 @@ class GpuIO:
         assert disp is not None
         rc = self._C.cufile_register(ref.fd)
         if rc != 0:
-            raise BackendUnavailableError(f"cuFileHandleRegister failed for {ref.path} ({rc})")
+            code = -rc - 1000 if rc <= -1000 else rc
+            raise BackendUnavailableError(
+                f"cuFileHandleRegister failed for {ref.path}: CUfileOpError {code} "
+                "(cuFile could not set up this file's filesystem; its cufile.log says why). "
+                "gpu_backend='bounce' works everywhere."
+            )
         if self._C.cufile_deregister not in ref.on_close:
             ref.on_close.append(self._C.cufile_deregister)
         # cuFile reads device memory synchronously: let the producing stream finish first.
