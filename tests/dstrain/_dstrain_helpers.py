@@ -65,17 +65,17 @@ def base_config(stage: int, *, world: int, micro: int = 4, gas: int = 1, **extra
 
 
 def reference_losses(
-    steps: int, batch: int, *, lr: float = 1e-2, clip: float = 0.0, sgd: bool = False
+    steps: int, batch: int, *, lr: float = 1e-2, clip: float = 0.0, sgd: bool = False, device: str = "cpu"
 ) -> list[float]:
     """A plain single-process PyTorch loop on the global batch (AdamW, or SGD: sensitive to gradient scale)."""
-    model = make_model()
+    model = make_model().to(device)
     if sgd:
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     for step in range(steps):
-        idx, targets = global_batch(step, batch)
+        idx, targets = (t.to(device) for t in global_batch(step, batch))
         loss = model(idx, targets)
         opt.zero_grad()
         loss.backward()
@@ -93,10 +93,11 @@ def engine_losses(
     cfg = engine.config
     world, rank = engine.comm.world_size, engine.comm.rank
     mb, gas = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    device = next(engine.module.parameters()).device
     losses = []
     for step in range(start, start + steps):
-        idx, targets = global_batch(step, cfg.train_batch_size)
-        total = torch.zeros(())
+        idx, targets = (t.to(device) for t in global_batch(step, cfg.train_batch_size))
+        total = torch.zeros((), device=device)
         for micro in range(gas):
             lo = (micro * world + rank) * mb
             loss = engine(idx[lo : lo + mb], targets[lo : lo + mb])
@@ -119,13 +120,15 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out_dir: str
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out_dir: str, backend: str
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         result = fn(*args)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
     except BaseException:
@@ -136,12 +139,12 @@ def _entry(
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], *args: Any, world: int = 2) -> list[Any]:
-    """Run ``fn(*args)`` on ``world`` fresh processes forming a gloo group; returns each rank's result."""
+def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` fresh processes forming a process group; returns each rank's result."""
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _entry,
-            args=(world, free_port(), fn, args, out_dir),
+            args=(world, free_port(), fn, args, out_dir, backend),
             nprocs=world,
             join=False,
             start_method="spawn",
@@ -182,7 +185,7 @@ def train_scenario(config: dict[str, Any], steps: int = 20) -> dict[str, Any]:
     engine.close()
     if engine.zero.stage == 3:
         engine.zero.gathered_module()  # type: ignore[attr-defined]
-    checksum = float(sum(p.detach().double().sum() for p in engine.module.parameters()))
+    checksum = float(sum(p.detach().double().sum().cpu() for p in engine.module.parameters()))
     dtypes = sorted({str(p.dtype) for p in engine.module.parameters()})
     master_dtypes = sorted({str(p.dtype) for g in engine.optimizer.param_groups for p in g["params"]})
     return {"losses": losses, "stats": stats, "checksum": checksum, "dtypes": dtypes, "master_dtypes": master_dtypes}
@@ -206,7 +209,8 @@ def overflow_run(stage: int, hysteresis: int, inject: list[int], inject_rank: in
     out: dict[str, list[Any]] = {"scale": [], "skipped": [], "changed": [], "lr": []}
     for step in range(6):
         before = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
-        idx, targets = global_batch(step, cfg["train_batch_size"])
+        device = next(engine.module.parameters()).device
+        idx, targets = (t.to(device) for t in global_batch(step, cfg["train_batch_size"]))
         lo = rank * 2
         loss = engine(idx[lo : lo + 2], targets[lo : lo + 2])
         if step in inject and rank == inject_rank:
