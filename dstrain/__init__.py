@@ -3,7 +3,7 @@
 Move a DeepSpeed script over by replacing ``import deepspeed`` with ``import dstrain``.
 """
 
-from dstrain.checkpoint import CheckpointStore, TorchSaveStore
+from dstrain.checkpoint import CheckpointStore, DsioStore, TorchSaveStore
 from dstrain.comm import CommStatistics
 from dstrain.config import (
     AioConfig,
@@ -31,6 +31,7 @@ __all__ = [
     "CommStatistics",
     "ConfigError",
     "DSConfig",
+    "DsioStore",
     "DstrainError",
     "Engine",
     "EngineStatistics",

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from dstrain.checkpoint import CheckpointStore, TorchSaveStore
+from dstrain.checkpoint import CheckpointStore, default_store
 from dstrain.comm import Comm
 from dstrain.config import DSConfig
 from dstrain.engine import Engine
@@ -146,6 +146,6 @@ def initialize(
         zero=zero,
         optimizer=torch_optimizer,
         lr_scheduler=schedule,
-        store=checkpoint_store or TorchSaveStore(),
+        store=checkpoint_store or default_store(),
     )
     return engine, torch_optimizer, loader, schedule

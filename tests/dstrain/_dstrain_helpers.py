@@ -256,13 +256,26 @@ def memory_run(stage: int, dim: int) -> dict[str, Any]:
 CLIENT_STATE = {"epoch": 3, "note": "resume me", "history": [1.5, 2.5], "nested": {"k": [1, 2]}}
 
 
-def checkpoint_save_run(root: str, scenarios: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
+def make_store(kind: str | None) -> Any:
+    """None: dstrain's default (dsio.checkpoint where it works, else torch.save)."""
+    import dstrain
+
+    if kind is None:
+        return None
+    return dstrain.TorchSaveStore() if kind == "torch" else dstrain.DsioStore()
+
+
+def checkpoint_save_run(
+    root: str, scenarios: dict[str, dict[str, Any]], store: str | None = None
+) -> dict[str, Any]:
     """Per scenario: train 10 steps, save, train 10 more; returns all 20 losses."""
     import dstrain
 
     out = {}
     for name, cfg in scenarios.items():
-        engine, _, _, _ = dstrain.initialize(model=make_model(), config=cfg)
+        engine, _, _, _ = dstrain.initialize(
+            model=make_model(), config=cfg, checkpoint_store=make_store(store)
+        )
         first = engine_losses(engine, 10)
         engine.save_checkpoint(os.path.join(root, name), client_state=CLIENT_STATE)
         rng = torch.rand(4)  # the RNG stream right after the save point
@@ -271,13 +284,17 @@ def checkpoint_save_run(root: str, scenarios: dict[str, dict[str, Any]]) -> dict
     return out
 
 
-def checkpoint_resume_run(root: str, scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def checkpoint_resume_run(
+    root: str, scenarios: dict[str, dict[str, Any]], store: str | None = None
+) -> dict[str, Any]:
     """Per scenario: a differently initialised model, load the checkpoint, train the last 10 steps."""
     import dstrain
 
     out = {}
     for name, cfg in scenarios.items():
-        engine, _, _, _ = dstrain.initialize(model=make_model(seed=123), config=cfg)
+        engine, _, _, _ = dstrain.initialize(
+            model=make_model(seed=123), config=cfg, checkpoint_store=make_store(store)
+        )
         torch.manual_seed(999)
         _, client = engine.load_checkpoint(os.path.join(root, name))
         steps, rng = engine.global_steps, torch.rand(4)

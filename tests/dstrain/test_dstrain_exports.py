@@ -13,6 +13,7 @@ EXPECTED = {
     "CommStatistics",
     "ConfigError",
     "DSConfig",
+    "DsioStore",
     "DstrainError",
     "Engine",
     "EngineStatistics",

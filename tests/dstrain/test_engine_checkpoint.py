@@ -53,11 +53,28 @@ def test_resume_in_new_processes_reproduces_losses(name: str, world2: tuple[list
         assert resumed[rank][name]["client_state"] == CLIENT_STATE
 
 
+def _dsio_store_missing() -> str | None:
+    try:
+        dstrain.DsioStore()
+    except Exception as e:
+        return f"dsio.checkpoint unavailable here: {type(e).__name__}: {e}"
+    return None
+
+
+STORES = [
+    pytest.param("torch", id="torch.save"),
+    pytest.param(
+        "dsio", id="dsio", marks=pytest.mark.skipif(_dsio_store_missing() is not None, reason=str(_dsio_store_missing()))
+    ),
+]
+
+
+@pytest.mark.parametrize("store", STORES)
 @pytest.mark.parametrize("name", list(_scenarios(1)))
-def test_resume_world1(name: str, tmp_path: Path) -> None:
+def test_resume_world1(name: str, store: str, tmp_path: Path) -> None:
     cfg = _scenarios(1)[name]
-    uninterrupted = checkpoint_save_run(str(tmp_path), {name: cfg})[name]
-    resumed = checkpoint_resume_run(str(tmp_path), {name: cfg})[name]
+    uninterrupted = checkpoint_save_run(str(tmp_path), {name: cfg}, store)[name]
+    resumed = checkpoint_resume_run(str(tmp_path), {name: cfg}, store)[name]
     assert resumed["losses"] == pytest.approx(uninterrupted["losses"][10:], rel=1e-6, abs=1e-6)
     assert torch.equal(resumed["rng"], uninterrupted["rng"])
     assert resumed["client_state"] == CLIENT_STATE
@@ -68,9 +85,10 @@ def test_layout_latest_and_tags(tmp_path: Path) -> None:
     engine_losses(engine, 2)
     engine.save_checkpoint(tmp_path)
     engine.save_checkpoint(tmp_path, tag="named", save_latest=False)
+    suffix = engine.store.suffix
     assert (tmp_path / "latest").read_text() == "global_step2"
-    assert (tmp_path / "global_step2" / "rank00000.pt").exists()
-    assert (tmp_path / "named" / "rank00000.pt").exists()
+    assert (tmp_path / "global_step2" / f"rank00000{suffix}").exists()
+    assert (tmp_path / "named" / f"rank00000{suffix}").exists()
     assert not list(tmp_path.rglob("*.tmp"))
     path, client = engine.load_checkpoint(tmp_path, tag="named")
     assert path.parent.name == "named" and client == {}
@@ -94,10 +112,31 @@ def test_loading_into_another_stage_is_refused(tmp_path: Path) -> None:
         other.load_checkpoint(tmp_path)
 
 
-def test_checkpoint_files_load_without_unpickling(tmp_path: Path) -> None:
-    engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(3, world=1))
+def test_torch_save_files_load_without_unpickling(tmp_path: Path) -> None:
+    engine, _, _, _ = dstrain.initialize(
+        model=make_model(), config=base_config(3, world=1), checkpoint_store=dstrain.TorchSaveStore()
+    )
     engine_losses(engine, 1)
     path = engine.save_checkpoint(tmp_path, client_state={"epoch": 1})
     state = torch.load(path, weights_only=True)  # raises if anything needs arbitrary unpickling
     assert state["global_steps"] == 1 and state["client_state"] == {"epoch": 1}
     engine.close()
+
+
+@pytest.mark.skipif(_dsio_store_missing() is not None, reason=str(_dsio_store_missing()))
+def test_dsio_files_are_safetensors_and_torch_save_ones_stay_loadable(tmp_path: Path) -> None:
+    safetensors = pytest.importorskip("safetensors.torch")
+    old, _, _, _ = dstrain.initialize(
+        model=make_model(), config=base_config(2, world=1), checkpoint_store=dstrain.TorchSaveStore()
+    )
+    engine_losses(old, 2)
+    old.save_checkpoint(tmp_path / "old")
+    new, _, _, _ = dstrain.initialize(
+        model=make_model(seed=5), config=base_config(2, world=1), checkpoint_store=dstrain.DsioStore()
+    )
+    new.load_checkpoint(tmp_path / "old")  # a .pt written before dsio: read with torch.load
+    assert new.global_steps == 2
+    path = new.save_checkpoint(tmp_path / "new")
+    assert path.suffix == ".safetensors"
+    tensors = safetensors.load_file(str(path))
+    assert any(t.numel() == new.zero.groups[0].master.numel() for t in tensors.values())
