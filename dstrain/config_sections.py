@@ -85,11 +85,12 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000
     """Elements per gradient-reduction bucket."""
     allgather_bucket_size: int = 500_000_000
-    """Elements per parameter all-gather bucket after the optimizer step (stages 1-2)."""
+    """Accepted for compatibility: dstrain gathers parameters in place into their flat buffer after the
+    step, so it needs no staging bucket of this size."""
     overlap_comm: bool = False
     """Stage 2/3: launch gradient reductions asynchronously during backward."""
     contiguous_gradients: bool = True
-    """Copy gradients into a contiguous bucket as they are produced (always on in dstrain)."""
+    """Accepted for compatibility: dstrain's gradients are always contiguous (flat buffers / buckets)."""
     reduce_scatter: bool = True
     """Stage 1: reduce gradients with reduce-scatter (True) or all-reduce (False)."""
     stage3_prefetch_bucket_size: int = 50_000_000
@@ -99,7 +100,8 @@ class ZeroConfig:
     stage3_max_live_parameters: int = 1_000_000_000
     """Stage 3: gathered (non-persistent) elements allowed before prefetching stops."""
     sub_group_size: int = 1_000_000_000
-    """Elements per optimizer sub-group (matters with offload; accepted for compatibility)."""
+    """Accepted for compatibility: it sizes offloaded optimizer sub-groups, and offload is not implemented
+    yet; without offload each param group's partition is stepped as one tensor."""
     offload_param: dict[str, Any] | None = None
     """ZeRO-Infinity parameter offload; only ``null`` or ``{"device": "none"}`` is accepted yet."""
     offload_optimizer: dict[str, Any] | None = None

@@ -192,6 +192,21 @@ class Engine:
     def zero_optimization_stage(self) -> int:
         return self.zero.stage
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state as detached CPU copies, on every rank (a collective at stage 3).
+
+        At stage 3 ``module.state_dict()`` holds released parameters; this gathers them first.
+        """
+        gather = getattr(self.zero, "gathered_module", None)
+        if gather is not None:
+            gather()
+        try:
+            return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        finally:
+            release = getattr(self.zero, "release_all", None)
+            if release is not None:
+                release()
+
     def statistics(self) -> EngineStatistics:
         """A snapshot of counters and timings."""
         return EngineStatistics(

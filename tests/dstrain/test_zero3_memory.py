@@ -40,3 +40,21 @@ def test_stage0_keeps_the_whole_model(rank: int, world2: list[dict[int, Any]]) -
 def test_stage3_world1_keeps_everything() -> None:
     out = memory_run(3, 16)
     assert out["after_train"] == pytest.approx(out["model"], abs=1)
+
+
+def test_full_state_dict_gathers_stage3_weights() -> None:
+    import dstrain
+    from _dstrain_helpers import base_config, engine_losses, make_model
+
+    states = {}
+    for stage in (0, 3):
+        engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(stage, world=1))
+        engine_losses(engine, 3)
+        states[stage] = engine.full_state_dict()
+        if stage == 3:  # released again afterwards
+            assert engine.statistics().zero.resident_param_numel == engine.statistics().zero.master_numel
+        engine.close()
+    assert states[3].keys() == states[0].keys()
+    for key in states[0]:
+        assert states[3][key].shape == states[0][key].shape
+        assert states[3][key].allclose(states[0][key], rtol=1e-5, atol=1e-6)
