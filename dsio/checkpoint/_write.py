@@ -177,11 +177,12 @@ class FileWriter:
         if not writes:
             return
         await asyncio.wait(writes)
-        for w in writes:
-            if not w.cancelled() and w.exception() is not None:
-                raise w.exception()  # type: ignore[misc]
-            if w.cancelled():
-                raise asyncio.CancelledError()
+        errors = [w.exception() for w in writes if not w.cancelled()]  # retrieves every one
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        if any(w.cancelled() for w in writes):
+            raise asyncio.CancelledError()
 
     async def abort(self) -> None:
         """Wait out writes still in flight, close and remove the partial file."""

@@ -226,9 +226,12 @@ class Checkpointer:
         except BaseException as e:
             if writer is not None:
                 await writer.abort()
-            # The other ranks will wait for this one's verdict: report the failure to them.
-            self._inflight = asyncio.ensure_future(self._complete(step, None, tmpdir, 0.0, 0.0, e))
-            self._inflight.add_done_callback(_retrieve)
+            # The other ranks wait for this one's verdict: report the failure to them, and let
+            # rank 0 remove the partial step before the error reaches the caller.
+            task = asyncio.ensure_future(self._complete(step, None, tmpdir, 0.0, 0.0, e))
+            task.add_done_callback(_retrieve)
+            self._inflight = task
+            await asyncio.wait([task])
             raise
         stage_s = writer.stage_seconds
         blocked = time.perf_counter() - t0
