@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
@@ -56,7 +55,9 @@ def build_model(args: argparse.Namespace) -> Any:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             B, T, C = x.shape
             q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)  # each (B, T, C)
-            q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+            q, k, v = (
+                t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v)
+            )  # (B, H, T, D)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
             x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
             return x + self.out(F.gelu(self.fc(self.ln2(x))))
@@ -194,7 +195,9 @@ def worker(args: argparse.Namespace) -> None:
         raise SystemExit(f"unknown method {method}")
 
     g = torch.Generator().manual_seed(1234 + rank)
-    batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g) for _ in range(args.steps + 1)]
+    batches = [
+        torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g) for _ in range(args.steps + 1)
+    ]
     step(batches[0][:, :-1], batches[0][:, 1:])  # warm-up (allocates optimizer state)
     _reset_peak()
     times, losses = [], []
@@ -223,13 +226,27 @@ def worker(args: argparse.Namespace) -> None:
 def _ds_available(python: str) -> bool:
     if not Path(python).exists():
         return False
-    probe = subprocess.run([python, "-c", "import deepspeed"], capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    probe = subprocess.run(
+        [python, "-c", "import deepspeed"], capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"}
+    )
     return probe.returncode == 0
 
 
 def _launch(python: str, method: str, out: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.world),
-           str(Path(__file__).resolve()), "--worker", "--method", method, "--out", str(out)]
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.world),
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--method",
+        method,
+        "--out",
+        str(out),
+    ]
     for key in ("layers", "dim", "heads", "vocab", "seq", "batch", "steps"):
         cmd += [f"--{key}", str(getattr(args, key))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
@@ -244,7 +261,9 @@ def _fmt(values: list[float], spec: str) -> str:
     return f"{statistics.median(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
 
 
-def report(results: dict[str, list[list[dict[str, Any]]]], args: argparse.Namespace, skipped: list[str]) -> str:
+def report(
+    results: dict[str, list[list[dict[str, Any]]]], args: argparse.Namespace, skipped: list[str]
+) -> str:
     now = datetime.datetime.now(datetime.timezone.utc)
     first = next(r for reps in results.values() for rep in reps for r in rep)
     lines = [
@@ -275,8 +294,13 @@ def report(results: dict[str, list[list[dict[str, Any]]]], args: argparse.Namesp
         ratio_t = f"{med[method][0] / base[0]:.2f}x" if base else "-"
         ratio_m = f"{med[method][1] / base[1]:.2f}x" if base else "-"
         lines.append(f"| {method} | {_fmt(steps, '.3f')} | {ratio_t} | {_fmt(rss, '.0f')} | {ratio_m} |")
-    pairs = [("dstrain0", "ddp", 1.05, "stage 0 within 5% of DDP"), ("dstrain3", "fsdp2", 1.15, "stage 3 within 15% of FSDP2")]
-    pairs += [(f"dstrain{s}", f"deepspeed{s}", 1.0, f"stage {s} at least as fast as DeepSpeed's") for s in range(4)]
+    pairs = [
+        ("dstrain0", "ddp", 1.05, "stage 0 within 5% of DDP"),
+        ("dstrain3", "fsdp2", 1.15, "stage 3 within 15% of FSDP2"),
+    ]
+    pairs += [
+        (f"dstrain{s}", f"deepspeed{s}", 1.0, f"stage {s} at least as fast as DeepSpeed's") for s in range(4)
+    ]
     lines += ["", "Targets (issue 6):", ""]
     for ours, theirs, limit, text in pairs:
         if ours in med and theirs in med:
@@ -337,7 +361,10 @@ def main() -> None:
                     results[method].append(out)
                     t = max(r["median_step_s"] for r in out)
                     m = max(r["peak_rss_mib"] for r in out)
-                    print(f"rep {rep + 1} {method}: step {t:.3f}s, peak RSS {m:.0f} MiB ({time.time() - start:.0f}s)", flush=True)
+                    print(
+                        f"rep {rep + 1} {method}: step {t:.3f}s, peak RSS {m:.0f} MiB ({time.time() - start:.0f}s)",
+                        flush=True,
+                    )
     text = report(results, args, skipped)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     path = Path(args.output) if args.output else ROOT / "bench" / "results" / f"train-{date}.md"

@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dstrain.errors import ConfigError, NotImplementedConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "build",
@@ -18,7 +21,7 @@ __all__ = [
     "reject_unknown",
 ]
 
-T = TypeVar("T")
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def reject_unknown(

@@ -135,7 +135,9 @@ def default_store() -> CheckpointStore:
         return DsioStore()
     except Exception as e:  # ImportError, dsio's BackendUnavailableError, ...
         if not _fallback_logged:
-            log.warning("dsio.checkpoint unavailable (%s: %s); checkpoints use torch.save", type(e).__name__, e)
+            log.warning(
+                "dsio.checkpoint unavailable (%s: %s); checkpoints use torch.save", type(e).__name__, e
+            )
             _fallback_logged = True
         return TorchSaveStore()
 

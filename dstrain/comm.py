@@ -65,7 +65,7 @@ class Comm:
         self._calls[kind] += 1
         self._bytes[kind] += t.numel() * t.element_size()
 
-    def _run(self, fn, async_op: bool):  # type: ignore[no-untyped-def]
+    def _run(self, fn, async_op: bool):
         if async_op:
             return _Timed(fn(async_op=True), self)
         start = time.perf_counter()
@@ -73,15 +73,19 @@ class Comm:
         self._wait += time.perf_counter() - start
         return _Done()
 
-    def all_reduce(self, t: torch.Tensor, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False):  # type: ignore[no-untyped-def]
+    def all_reduce(
+        self, t: torch.Tensor, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False
+    ):
         """In-place all-reduce of ``t``; returns a handle with ``wait()``."""
         if self.world_size == 1:
             return _Done()
         t = t.detach()  # collectives write in place; never through autograd views
         self._count("all_reduce", t)
-        return self._run(lambda async_op: dist.all_reduce(t, op=op, group=self.group, async_op=async_op), async_op)
+        return self._run(
+            lambda async_op: dist.all_reduce(t, op=op, group=self.group, async_op=async_op), async_op
+        )
 
-    def reduce_scatter(  # type: ignore[no-untyped-def]
+    def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False, scratch_input: bool = False
     ):
         """Sum ``inp`` (numel = world x out.numel) over ranks; this rank's chunk lands in ``out``.
@@ -96,13 +100,15 @@ class Comm:
         if self.emulate:
             n = out.numel()
             work = inp if scratch_input else inp.clone()
-            handle = self._run(lambda async_op: dist.all_reduce(work, group=self.group, async_op=async_op), async_op)
+            handle = self._run(
+                lambda async_op: dist.all_reduce(work, group=self.group, async_op=async_op), async_op
+            )
             return _Then(handle, lambda: out.copy_(work[self.rank * n : (self.rank + 1) * n]))
         return self._run(
             lambda async_op: _reduce_scatter(out, inp, group=self.group, async_op=async_op), async_op
         )
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False):  # type: ignore[no-untyped-def]
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False):
         """Concatenate every rank's ``inp`` into ``out`` (numel = world x inp.numel)."""
         if self.world_size == 1:
             if out.data_ptr() != inp.data_ptr():
@@ -117,7 +123,9 @@ class Comm:
                 out[lo:hi].copy_(inp)
             out[:lo].zero_()
             out[hi:].zero_()
-            return self._run(lambda async_op: dist.all_reduce(out, group=self.group, async_op=async_op), async_op)
+            return self._run(
+                lambda async_op: dist.all_reduce(out, group=self.group, async_op=async_op), async_op
+            )
         return self._run(
             lambda async_op: _all_gather(out, inp, group=self.group, async_op=async_op), async_op
         )

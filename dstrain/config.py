@@ -206,8 +206,4 @@ def _resolve_batch(data: Mapping[str, Any], world_size: int) -> tuple[int, int, 
     if mbs is not None:
         gas = 1 if gas is None else gas
         return mbs * gas * world_size, int(mbs), int(gas)
-    raise ConfigError(
-        "train_batch_size", "set at least train_batch_size or train_micro_batch_size_per_gpu"
-    )
-
-
+    raise ConfigError("train_batch_size", "set at least train_batch_size or train_micro_batch_size_per_gpu")

@@ -206,9 +206,7 @@ _OPTIMIZER_UNIMPLEMENTED = (
 )
 
 
-def _check_params(
-    prefix: str, params: object, known: tuple[str, ...], numeric_min: dict[str, float]
-) -> None:
+def _check_params(prefix: str, params: object, known: tuple[str, ...], numeric_min: dict[str, float]) -> None:
     if not isinstance(params, Mapping):
         raise ConfigError(f"{prefix}.params", f"expected an object, got {params!r}")
     reject_unknown(params, known, (), f"{prefix}.params")

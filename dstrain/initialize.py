@@ -37,9 +37,7 @@ def init_distributed(backend: str | None = None) -> bool:
     return True
 
 
-def _param_groups(
-    module: torch.nn.Module, model_parameters: Iterable[Any] | None
-) -> list[dict[str, Any]]:
+def _param_groups(module: torch.nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
     """Optimizer groups of trainable parameters; every parameter must belong to ``module``."""
     items = list(module.parameters() if model_parameters is None else model_parameters)
     if items and isinstance(items[0], dict):
@@ -124,7 +122,9 @@ def initialize(
     torch_optimizer = build_optimizer(zero.param_groups(), cfg.optimizer, optimizer)
     if lr_scheduler is not None:
         if not callable(lr_scheduler) or isinstance(lr_scheduler, LRSchedule):
-            raise ValueError("lr_scheduler must be a callable taking the optimizer (it is rebuilt over ZeRO's)")
+            raise ValueError(
+                "lr_scheduler must be a callable taking the optimizer (it is rebuilt over ZeRO's)"
+            )
         schedule: LRSchedule | None = lr_scheduler(torch_optimizer)
     elif cfg.scheduler is not None:
         schedule = build_scheduler(torch_optimizer, cfg.scheduler)
@@ -132,11 +132,14 @@ def initialize(
         schedule = None
     loader = None
     if training_data is not None:
-        sampler = DistributedSampler(
+        sampler: DistributedSampler[Any] = DistributedSampler(
             training_data, num_replicas=comm.world_size, rank=comm.rank, shuffle=True, seed=cfg.seed or 0
         )
         loader = DataLoader(
-            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
+            training_data,
+            batch_size=cfg.train_micro_batch_size_per_gpu,
+            sampler=sampler,
+            collate_fn=collate_fn,
         )
     engine = Engine(
         module=model,

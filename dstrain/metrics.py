@@ -42,13 +42,21 @@ class EngineCollector:
         yield counter("dstrain_skipped_steps", "Steps skipped on fp16 overflow", s.skipped_steps)
         yield counter("dstrain_micro_steps", "Forward/backward micro-steps", s.micro_steps)
         yield counter("dstrain_samples", "Samples processed by this rank", s.samples)
-        phase = CounterMetricFamily("dstrain_phase_seconds", "Time per training phase", labels=["rank", "phase"])
-        for name, value in (("forward", s.forward_seconds), ("backward", s.backward_seconds), ("step", s.step_seconds)):
+        phase = CounterMetricFamily(
+            "dstrain_phase_seconds", "Time per training phase", labels=["rank", "phase"]
+        )
+        for name, value in (
+            ("forward", s.forward_seconds),
+            ("backward", s.backward_seconds),
+            ("step", s.step_seconds),
+        ):
             phase.add_metric([rank, name], value)
         yield phase
         yield gauge("dstrain_last_step_seconds", "Wall time of the last optimizer step", s.last_step_seconds)
         yield gauge("dstrain_loss_scale", "Current fp16 loss scale", s.loss_scale)
-        comm_bytes = CounterMetricFamily("dstrain_comm_bytes", "Bytes sent into collectives", labels=["rank", "op"])
+        comm_bytes = CounterMetricFamily(
+            "dstrain_comm_bytes", "Bytes sent into collectives", labels=["rank", "op"]
+        )
         comm_calls = CounterMetricFamily("dstrain_comm_calls", "Collectives issued", labels=["rank", "op"])
         for op in ("all_reduce", "reduce_scatter", "all_gather"):
             comm_bytes.add_metric([rank, op], getattr(s.comm, f"{op}_bytes"))
@@ -57,7 +65,9 @@ class EngineCollector:
         yield comm_calls
         yield counter("dstrain_comm_wait_seconds", "Time blocked on collectives", s.comm.wait_seconds)
         yield gauge(
-            "dstrain_resident_param_elements", "Parameter elements held by this rank", s.zero.resident_param_numel
+            "dstrain_resident_param_elements",
+            "Parameter elements held by this rank",
+            s.zero.resident_param_numel,
         )
 
 

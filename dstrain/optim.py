@@ -32,7 +32,7 @@ def build_optimizer(
             return type(client)(param_groups, **client.defaults)
         return client(param_groups)
     if config is None:
-        raise ValueError("no optimizer: set \"optimizer\" in the config or pass optimizer= to initialize")
+        raise ValueError('no optimizer: set "optimizer" in the config or pass optimizer= to initialize')
     params = dict(config.params)
     params.pop("torch_adam", None)
     params.setdefault("weight_decay", 0.0)

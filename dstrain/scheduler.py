@@ -34,7 +34,9 @@ class LRSchedule:
         self.last_batch_iteration = (
             self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
         )
-        for group, lr in zip(self.optimizer.param_groups, self.lrs_at(self.last_batch_iteration), strict=True):
+        for group, lr in zip(
+            self.optimizer.param_groups, self.lrs_at(self.last_batch_iteration), strict=True
+        ):
             group["lr"] = lr
 
     def get_lr(self) -> list[float]:
@@ -95,7 +97,9 @@ class WarmupDecayLR(WarmupLR):
     def gamma(self, step: int) -> float:
         if step < self.warmup_num_steps:
             return super().gamma(step)
-        return max(0.0, (self.total_num_steps - step) / max(1.0, self.total_num_steps - self.warmup_num_steps))
+        return max(
+            0.0, (self.total_num_steps - step) / max(1.0, self.total_num_steps - self.warmup_num_steps)
+        )
 
 
 class WarmupCosineLR(LRSchedule):
@@ -139,4 +143,4 @@ _SCHEDULES: dict[str, type[LRSchedule]] = {
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: SchedulerConfig) -> LRSchedule:
     """The schedule ``config`` names, bound to ``optimizer``."""
-    return _SCHEDULES[config.type](optimizer, **config.params)  # type: ignore[call-arg]
+    return _SCHEDULES[config.type](optimizer, **config.params)

@@ -55,9 +55,11 @@ class ZeroStrategy(ABC):
 
     def before_backward(self, boundary: bool) -> None:
         """Called before each micro-step's backward."""
+        return None
 
     def after_backward(self, boundary: bool) -> None:
         """Called after each micro-step's backward."""
+        return None
 
     @abstractmethod
     def reduce_gradients(self) -> None:
@@ -89,3 +91,4 @@ class ZeroStrategy(ABC):
 
     def close(self) -> None:
         """Remove hooks; the model keeps its current parameter values."""
+        return None

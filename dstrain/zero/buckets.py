@@ -43,7 +43,7 @@ class BoundaryBuckets:
         self.ready = [0] * len(self.ranges)
         self.handles: list[Any] = [None] * len(self.ranges)
 
-    def hook(self, index: int):  # type: ignore[no-untyped-def]
+    def hook(self, index: int):
         def on_grad(p: torch.Tensor) -> None:
             if not self.armed:
                 return
@@ -73,7 +73,7 @@ class BoundaryBuckets:
 
 class Stage2Buckets:
     """Stage 2: copy each gradient into a bucket as autograd produces it, reduce full buckets, keep only
-    this rank's range (in fp32 ``master.grad``), and free the parameter's gradient at once."""
+    this rank's range (in fp32 ``master_grad``), and free the parameter's gradient at once."""
 
     def __init__(self, groups: list[_Group], config: ZeroConfig, comm: Comm, dtype: torch.dtype) -> None:
         self.groups = groups
@@ -86,7 +86,7 @@ class Stage2Buckets:
         self.entries: list[tuple[int, int, int]] = []  # (group, param index, bucket offset)
         self.pending: list[tuple[Any, torch.Tensor, list[tuple[int, int, int]]]] = []
 
-    def hook(self, gi: int, pi: int):  # type: ignore[no-untyped-def]
+    def hook(self, gi: int, pi: int):
         def on_grad(p: torch.Tensor) -> None:
             assert p.grad is not None
             self.add(gi, pi, p.grad)
@@ -127,9 +127,8 @@ class Stage2Buckets:
                 start, end = span
                 off = group.layout.offsets[pi]
                 lo = group.range[0]
-                assert group.master.grad is not None
                 piece = data[boff + start - off : boff + end - off]
-                group.master.grad[start - lo : end - lo].add_(piece, alpha=1.0 / world)
+                group.master_grad[start - lo : end - lo].add_(piece, alpha=1.0 / world)
 
     def drain(self) -> None:
         """End of a backward: reduce the last bucket and wait for every reduction."""

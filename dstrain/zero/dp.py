@@ -15,7 +15,7 @@ from dstrain.comm import Comm
 from dstrain.config_sections import ZeroConfig
 from dstrain.zero.base import ZeroStatistics, ZeroStrategy
 from dstrain.zero.buckets import BoundaryBuckets, Stage2Buckets
-from dstrain.zero.flat import FlatLayout
+from dstrain.zero.flat import STEP_CHUNK, FlatLayout, optimizer_views
 
 __all__ = ["DataParallelZero"]
 
@@ -24,7 +24,13 @@ class _Group:
     """One param group: flat params, its master range and gradient storage."""
 
     def __init__(
-        self, options: dict[str, Any], params: list[torch.nn.Parameter], stage: int, comm: Comm, dtype: torch.dtype
+        self,
+        options: dict[str, Any],
+        params: list[torch.nn.Parameter],
+        stage: int,
+        comm: Comm,
+        dtype: torch.dtype,
+        chunk: int,
     ) -> None:
         self.options = options
         self.params = params
@@ -37,7 +43,6 @@ class _Group:
         self.alias = dtype == torch.float32
         # fp32: the optimizer updates the flat buffer in place; otherwise an fp32 copy of our range
         self.master = self.flat[lo:hi] if self.alias else self.flat[lo:hi].float()
-        self.master.requires_grad_(True)
         self.flat_grad: torch.Tensor | None = None  # (padded,) stages 0-1: autograd accumulates here
         self.part_grad: torch.Tensor | None = None  # (shard,) stage 1 reduce-scatter output
         if stage < 2:
@@ -48,13 +53,15 @@ class _Group:
             self.part_grad = torch.zeros(hi - lo, dtype=dtype, device=self.flat.device)
         if self.alias and stage == 0:
             assert self.flat_grad is not None
-            self.master.grad = self.flat_grad
+            self.master_grad = self.flat_grad
         elif self.alias and stage == 1:
-            self.master.grad = torch.zeros(hi - lo, dtype=torch.float32, device=self.flat.device)
-            self.part_grad = self.master.grad
+            self.master_grad = torch.zeros(hi - lo, dtype=torch.float32, device=self.flat.device)
+            self.part_grad = self.master_grad
         else:
             # stage 2 accumulates reduced gradients of every micro-step here, in fp32
-            self.master.grad = torch.zeros(hi - lo, dtype=torch.float32, device=self.flat.device)
+            self.master_grad = torch.zeros(hi - lo, dtype=torch.float32, device=self.flat.device)
+        # what the optimizer steps: pieces of the master range, with views of master_grad as .grad
+        self.views = optimizer_views(self.master, self.master_grad, chunk)
 
     def attach_grads(self) -> None:
         """Point every ``param.grad`` at its view of ``flat_grad`` (autograd then adds in place)."""
@@ -78,7 +85,14 @@ class DataParallelZero(ZeroStrategy):
         self.config = config
         self.dtype = dtype
         self.groups = [
-            _Group({k: v for k, v in g.items() if k != "params"}, list(g["params"]), stage, comm, dtype)
+            _Group(
+                {k: v for k, v in g.items() if k != "params"},
+                list(g["params"]),
+                stage,
+                comm,
+                dtype,
+                min(config.sub_group_size, STEP_CHUNK),
+            )
             for g in groups
         ]
         self._hooks: list[Any] = []
@@ -103,7 +117,7 @@ class DataParallelZero(ZeroStrategy):
         return self.stage > 0 and self.comm.world_size > 1
 
     def param_groups(self) -> list[dict[str, Any]]:
-        return [{"params": [g.master], **g.options} for g in self.groups]
+        return [{"params": g.views, **g.options} for g in self.groups]
 
     def before_backward(self, boundary: bool) -> None:
         if self.stage < 2:
@@ -137,22 +151,24 @@ class DataParallelZero(ZeroStrategy):
                     assert g.part_grad is not None
                     g.part_grad.copy_(g.flat_grad[g.range[0] : g.range[1]])
             src = g.flat_grad if self.stage == 0 else g.part_grad
-            assert src is not None and g.master.grad is not None
-            if g.master.grad.data_ptr() != src.data_ptr():
-                g.master.grad.copy_(src)
+            assert src is not None
+            if g.master_grad.data_ptr() != src.data_ptr():
+                g.master_grad.copy_(src)
 
     def _all_reduce_bucketed(self, flat: torch.Tensor) -> None:
         world = self.comm.world_size
         if world == 1:
             return
         size = self.config.reduce_bucket_size
-        handles = [self.comm.all_reduce(flat[i : i + size], async_op=True) for i in range(0, flat.numel(), size)]
+        handles = [
+            self.comm.all_reduce(flat[i : i + size], async_op=True) for i in range(0, flat.numel(), size)
+        ]
         for h in handles:
             h.wait()
         flat.div_(world)
 
     def master_grads(self) -> list[torch.Tensor]:
-        return [g.master.grad for g in self.groups if g.master.grad is not None]
+        return [g.master_grad for g in self.groups]
 
     def after_step(self, stepped: bool) -> None:
         if not stepped:
@@ -170,8 +186,7 @@ class DataParallelZero(ZeroStrategy):
                 g.flat_grad.zero_()
             if g.part_grad is not None:
                 g.part_grad.zero_()
-            if g.master.grad is not None:
-                g.master.grad.zero_()
+            g.master_grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -27,7 +27,11 @@ class GatherScheduler:
     """Owns the forward / pre-backward hooks of every module that has trainable parameters."""
 
     def __init__(
-        self, root: torch.nn.Module, module_units: dict[torch.nn.Module, list[Unit]], units: list[Unit], config: ZeroConfig
+        self,
+        root: torch.nn.Module,
+        module_units: dict[torch.nn.Module, list[Unit]],
+        units: list[Unit],
+        config: ZeroConfig,
     ) -> None:
         self.root = root
         self.units = units
@@ -55,13 +59,13 @@ class GatherScheduler:
         self.pos = 0
         self.following = self.trace is not None
 
-    def _pre_forward(self, needed: list[Unit]):  # type: ignore[no-untyped-def]
+    def _pre_forward(self, needed: list[Unit]):
         def hook(module: torch.nn.Module, args: Any) -> None:
             self.need(needed)
 
         return hook
 
-    def _post_forward(self, needed: list[Unit]):  # type: ignore[no-untyped-def]
+    def _post_forward(self, needed: list[Unit]):
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             for unit in needed:
                 unit.release()
@@ -72,7 +76,7 @@ class GatherScheduler:
 
         return hook
 
-    def _pre_backward(self, needed: list[Unit]):  # type: ignore[no-untyped-def]
+    def _pre_backward(self, needed: list[Unit]):
         def hook(grad: torch.Tensor) -> None:
             self.need(needed)
 

@@ -16,6 +16,7 @@ import torch
 from dstrain.comm import Comm
 from dstrain.config_sections import ZeroConfig
 from dstrain.zero.base import ZeroStatistics, ZeroStrategy
+from dstrain.zero.flat import STEP_CHUNK, optimizer_views
 from dstrain.zero.gather import GatherScheduler
 from dstrain.zero.units import Unit
 
@@ -25,7 +26,14 @@ __all__ = ["Stage3Zero"]
 class _Group:
     """A param group's units; their shards are views of one buffer that the optimizer steps."""
 
-    def __init__(self, options: dict[str, Any], units: list[Unit], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        options: dict[str, Any],
+        units: list[Unit],
+        dtype: torch.dtype,
+        device: torch.device,
+        chunk: int,
+    ) -> None:
         self.options = options
         self.units = units
         total = sum(u.layout.shard for u in units)
@@ -38,8 +46,8 @@ class _Group:
             off += u.layout.shard
         self.alias = dtype == torch.float32
         self.master = self.shards if self.alias else self.shards.float()
-        self.master.requires_grad_(True)
-        self.master.grad = torch.zeros(total, dtype=torch.float32, device=device)
+        self.master_grad = torch.zeros(total, dtype=torch.float32, device=device)
+        self.views = optimizer_views(self.master, self.master_grad, chunk)
 
 
 class Stage3Zero(ZeroStrategy):
@@ -81,7 +89,13 @@ class Stage3Zero(ZeroStrategy):
                 module_units[sub] = needed
         self.units = units
         self.groups = [
-            _Group({k: v for k, v in g.items() if k != "params"}, per_group[gi], dtype, self.device)
+            _Group(
+                {k: v for k, v in g.items() if k != "params"},
+                per_group[gi],
+                dtype,
+                self.device,
+                min(config.sub_group_size, STEP_CHUNK),
+            )
             for gi, g in enumerate(groups)
         ]
         for unit in units:
@@ -98,11 +112,11 @@ class Stage3Zero(ZeroStrategy):
         return self.comm.world_size > 1
 
     def param_groups(self) -> list[dict[str, Any]]:
-        return [{"params": [g.master], **g.options} for g in self.groups]
+        return [{"params": g.views, **g.options} for g in self.groups]
 
     # -- gradients ---------------------------------------------------------------------------
 
-    def _grad_hook(self, unit: Unit):  # type: ignore[no-untyped-def]
+    def _grad_hook(self, unit: Unit):
         def hook(p: torch.Tensor) -> None:
             unit.grads_ready += 1
             if unit.grads_ready == len(unit.params):
@@ -127,8 +141,7 @@ class Stage3Zero(ZeroStrategy):
             handle.wait()
             group = self._unit_group[unit.index]
             off = group.offsets[unit.index]
-            assert group.master.grad is not None
-            group.master.grad[off : off + unit.layout.shard].add_(out, alpha=1.0 / world)
+            group.master_grad[off : off + unit.layout.shard].add_(out, alpha=1.0 / world)
 
     def after_backward(self, boundary: bool) -> None:
         for unit in self.units:
@@ -142,7 +155,7 @@ class Stage3Zero(ZeroStrategy):
         return  # reduce-scattered during backward, every micro-step
 
     def master_grads(self) -> list[torch.Tensor]:
-        return [g.master.grad for g in self.groups if g.master.grad is not None]
+        return [g.master_grad for g in self.groups]
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -157,8 +170,7 @@ class Stage3Zero(ZeroStrategy):
 
     def zero_grad(self) -> None:
         for g in self.groups:
-            assert g.master.grad is not None
-            g.master.grad.zero_()
+            g.master_grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
         return {

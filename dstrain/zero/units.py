@@ -28,7 +28,9 @@ class Unit:
         self.layout = FlatLayout(params, comm.world_size, comm.rank)
         self.full = self.layout.flatten(params, dtype)  # (padded,) full values, freed when released
         self._nbytes = self.full.untyped_storage().nbytes()
-        self.shard: torch.Tensor = self.full[self.layout.lo : self.layout.hi].clone()  # replaced by a view later
+        self.shard: torch.Tensor = self.full[
+            self.layout.lo : self.layout.hi
+        ].clone()  # replaced by a view later
         for p, view in zip(params, self.layout.views(self.full), strict=True):
             p.data = view
         self.gathered = True

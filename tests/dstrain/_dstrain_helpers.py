@@ -120,7 +120,13 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out_dir: str, backend: str
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    out_dir: str,
+    backend: str,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ["LOCAL_RANK"] = str(rank)
@@ -188,7 +194,14 @@ def train_scenario(config: dict[str, Any], steps: int = 20) -> dict[str, Any]:
     checksum = float(sum(p.detach().double().sum().cpu() for p in engine.module.parameters()))
     dtypes = sorted({str(p.dtype) for p in engine.module.parameters()})
     master_dtypes = sorted({str(p.dtype) for g in engine.optimizer.param_groups for p in g["params"]})
-    return {"losses": losses, "stats": stats, "checksum": checksum, "dtypes": dtypes, "master_dtypes": master_dtypes}
+    return {
+        "losses": losses,
+        "stats": stats,
+        "checksum": checksum,
+        "dtypes": dtypes,
+        "master_dtypes": master_dtypes,
+        "n_optimizer_tensors": sum(len(g["params"]) for g in engine.optimizer.param_groups),
+    }
 
 
 def run_scenarios(scenarios: dict[str, dict[str, Any]], native_collectives: bool = False) -> dict[str, Any]:
@@ -204,7 +217,10 @@ def overflow_run(stage: int, hysteresis: int, inject: list[int], inject_rank: in
     world, rank = world_rank()
     fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": hysteresis, "loss_scale_window": 1000}
     cfg = base_config(stage, world=world, micro=2, fp16=fp16)
-    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 100, "warmup_min_lr": 0.001, "warmup_max_lr": 0.01}}
+    cfg["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {"warmup_num_steps": 100, "warmup_min_lr": 0.001, "warmup_max_lr": 0.01},
+    }
     engine, optimizer, _, sched = dstrain.initialize(model=make_model(), config=cfg)
     out: dict[str, list[Any]] = {"scale": [], "skipped": [], "changed": [], "lr": []}
     for step in range(6):

@@ -20,7 +20,10 @@ def test_metrics_follow_training() -> None:
     assert registry.get_sample_value("dstrain_steps_total", {"rank": "0"}) == 3
     assert registry.get_sample_value("dstrain_micro_steps_total", {"rank": "0"}) == 3
     assert registry.get_sample_value("dstrain_phase_seconds_total", {"rank": "0", "phase": "forward"}) > 0
-    assert registry.get_sample_value("dstrain_resident_param_elements", {"rank": "0"}) == engine.statistics().zero.resident_param_numel
+    assert (
+        registry.get_sample_value("dstrain_resident_param_elements", {"rank": "0"})
+        == engine.statistics().zero.resident_param_numel
+    )
     text = prometheus_client.generate_latest(registry).decode()
     assert "dstrain_comm_bytes_total" in text and "dstrain_loss_scale" in text
     engine.close()

@@ -29,8 +29,13 @@ def _scenarios(world: int) -> dict[str, dict[str, Any]]:
         "stage1_fp16_sched": base_config(
             1, world=world, micro=micro, fp16={"enabled": True, "initial_scale_power": 8}, scheduler=warmup
         ),
-        "stage2_bf16_clip": base_config(2, world=world, micro=micro, bf16={"enabled": True}, gradient_clipping=0.5),
+        "stage2_bf16_clip": base_config(
+            2, world=world, micro=micro, bf16={"enabled": True}, gradient_clipping=0.5
+        ),
         "stage3_gas2": base_config(3, world=world, micro=micro // 2, gas=2),
+        "stage2_subgroups": base_config(
+            2, world=world, micro=micro, zero_optimization={"stage": 2, "sub_group_size": 300}
+        ),
     }
 
 
@@ -64,7 +69,9 @@ def _dsio_store_missing() -> str | None:
 STORES = [
     pytest.param("torch", id="torch.save"),
     pytest.param(
-        "dsio", id="dsio", marks=pytest.mark.skipif(_dsio_store_missing() is not None, reason=str(_dsio_store_missing()))
+        "dsio",
+        id="dsio",
+        marks=pytest.mark.skipif(_dsio_store_missing() is not None, reason=str(_dsio_store_missing())),
     ),
 ]
 

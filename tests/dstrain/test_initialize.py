@@ -26,7 +26,11 @@ def test_deepspeed_style_loop_with_dataloader() -> None:
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.mse_loss(self.inner(x), y)
 
-    cfg = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    cfg = {
+        "train_batch_size": 8,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
     engine, optimizer, loader, sched = dstrain.initialize(
         model=Wrapped(), model_parameters=model.parameters(), config=cfg, training_data=data
     )
@@ -121,12 +125,16 @@ def test_warmup_lr_log_and_linear() -> None:
 
 
 def test_warmup_decay_and_cosine() -> None:
-    d = WarmupDecayLR(_Opt(1.0), total_num_steps=20, warmup_num_steps=10, warmup_max_lr=1.0, warmup_type="linear")  # type: ignore[arg-type]
+    d = WarmupDecayLR(
+        _Opt(1.0), total_num_steps=20, warmup_num_steps=10, warmup_max_lr=1.0, warmup_type="linear"
+    )  # type: ignore[arg-type]
     d.step(15)
     assert d.get_lr()[0] == pytest.approx(0.5)
     d.step(25)
     assert d.get_lr()[0] == 0.0
-    c = WarmupCosineLR(_Opt(0.5), total_num_steps=110, warmup_num_steps=10, cos_min_ratio=0.0, warmup_type="linear")  # type: ignore[arg-type]
+    c = WarmupCosineLR(
+        _Opt(0.5), total_num_steps=110, warmup_num_steps=10, cos_min_ratio=0.0, warmup_type="linear"
+    )  # type: ignore[arg-type]
     c.step(60)
     assert c.get_lr()[0] == pytest.approx(0.25)
     c.step(110)

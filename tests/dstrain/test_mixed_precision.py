@@ -89,7 +89,9 @@ def world2_overflow() -> list[dict[int, Any]]:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_inf_on_one_rank_skips_the_step_on_all_ranks(stage: int, world2_overflow: list[dict[int, Any]]) -> None:
+def test_inf_on_one_rank_skips_the_step_on_all_ranks(
+    stage: int, world2_overflow: list[dict[int, Any]]
+) -> None:
     rank0, rank1 = world2_overflow[0][stage], world2_overflow[1][stage]
     for out in (rank0, rank1):
         assert out["changed"] == [True, False, False, True, True, True]
@@ -138,7 +140,10 @@ def world2_precision() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("name", list(_precision_scenarios(1)))
 def test_half_precision_tracks_fp32_with_fp32_masters(
-    name: str, world1_precision: dict[str, Any], world2_precision: list[dict[str, Any]], reference: list[float]
+    name: str,
+    world1_precision: dict[str, Any],
+    world2_precision: list[dict[str, Any]],
+    reference: list[float],
 ) -> None:
     dtype = "torch.float16" if name.startswith("fp16") else "torch.bfloat16"
     tol = 0.01 if name.startswith("fp16") else 0.02
@@ -156,7 +161,11 @@ def test_half_precision_tracks_fp32_with_fp32_masters(
 
 def test_fp16_inputs_are_cast_and_fp32_loss_scaled() -> None:
     model = torch.nn.Linear(4, 1)
-    cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "fp16": {"enabled": True}}
+    cfg = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "fp16": {"enabled": True},
+    }
     engine, _, _, _ = dstrain.initialize(model=model, config=cfg)
     out = engine(torch.ones(2, 4))  # fp32 input, fp16 model
     assert out.dtype == torch.float16

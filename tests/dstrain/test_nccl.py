@@ -19,7 +19,9 @@ def _scenarios() -> dict[str, dict[str, Any]]:
     for stage in range(4):
         out[f"stage{stage}"] = base_config(stage, world=2, micro=2)
         out[f"stage{stage}_gas2_overlap"] = base_config(stage, world=2, micro=1, gas=2)
-        out[f"stage{stage}_gas2_overlap"]["zero_optimization"].update(overlap_comm=True, reduce_bucket_size=300)
+        out[f"stage{stage}_gas2_overlap"]["zero_optimization"].update(
+            overlap_comm=True, reduce_bucket_size=300
+        )
         out[f"bf16_stage{stage}"] = base_config(stage, world=2, micro=2, bf16={"enabled": True})
     return out
 
@@ -41,7 +43,9 @@ def reference() -> list[float]:
 
 
 @pytest.mark.parametrize("name", list(_scenarios()))
-def test_nccl_matches_single_gpu_pytorch(name: str, nccl: list[dict[str, Any]], reference: list[float]) -> None:
+def test_nccl_matches_single_gpu_pytorch(
+    name: str, nccl: list[dict[str, Any]], reference: list[float]
+) -> None:
     rank0, rank1 = nccl
     tol = 0.02 if name.startswith("bf16") else 1e-4
     assert rank0[name]["losses"] == pytest.approx(reference, rel=tol, abs=tol)

@@ -43,8 +43,9 @@ def test_stage3_world1_keeps_everything() -> None:
 
 
 def test_full_state_dict_gathers_stage3_weights() -> None:
-    import dstrain
     from _dstrain_helpers import base_config, engine_losses, make_model
+
+    import dstrain
 
     states = {}
     for stage in (0, 3):

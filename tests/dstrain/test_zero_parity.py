@@ -23,6 +23,10 @@ def scenarios(world: int) -> dict[str, dict[str, Any]]:
         # SGD, unlike Adam, is sensitive to the scale of the gradients (a missing 1/world shows)
         out[f"stage{stage}_sgd"] = base_config(stage, world=world, micro=micro // 2, gas=2)
         out[f"stage{stage}_sgd"]["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
+    for stage in (0, 2, 3):
+        # the optimizer steps the master partition in sub-groups of at most sub_group_size elements
+        out[f"stage{stage}_subgroups"] = base_config(stage, world=world, micro=micro)
+        out[f"stage{stage}_subgroups"]["zero_optimization"]["sub_group_size"] = 500
     out["stage1_allreduce"] = base_config(1, world=world, micro=micro)
     out["stage1_allreduce"]["zero_optimization"]["reduce_scatter"] = False
     for stage in (0, 1):
@@ -148,6 +152,12 @@ def test_world2_communication_matches_stage(world2: list[dict[str, Any]]) -> Non
     # small buckets split the reduction into many collectives
     assert rank0["stage2_buckets_overlap"]["stats"].comm.all_reduce_calls > comm[2].all_reduce_calls
     assert rank0["stage0_small_buckets"]["stats"].comm.all_reduce_calls > comm[0].all_reduce_calls
+
+
+def test_sub_groups_split_the_optimizer_step(world1: dict[str, Any]) -> None:
+    # sub_group_size=500 over a ~2.8k-element partition: the optimizer steps several views
+    assert world1["stage2_subgroups"]["n_optimizer_tensors"] > 4
+    assert world1["stage2"]["n_optimizer_tensors"] == 1
 
 
 def test_world2_stage3_prefetches_from_recorded_order(world2: list[dict[str, Any]]) -> None:
