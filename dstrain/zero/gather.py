@@ -37,8 +37,9 @@ class GatherScheduler:
         self.units = units
         self.prefetch_numel = config.stage3_prefetch_bucket_size
         self.max_live = config.stage3_max_live_parameters
-        self.trace: list[int] | None = None  # unit indices in demand order, recorded on the first pass
-        self.recording: list[int] = []
+        self.trace: list[int] | None = None  # unit indices in demand order, as recorded
+        self.recording: list[int] = []  # this pass's demands (forward, then backward)
+        self.deviated = False  # this pass left the trace: re-record
         self.pos = 0
         self.following = False
         self.gathers = 0
@@ -53,9 +54,11 @@ class GatherScheduler:
     # -- hooks -------------------------------------------------------------------------------
 
     def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
-        """A new pass starts: adopt the recording as the trace, follow it from the start."""
-        if self.trace is None and self.recording:
+        """A new pass starts: (re)adopt the last pass as the trace if needed, follow it from the start."""
+        if self.recording and (self.trace is None or self.deviated):
             self.trace = self.recording
+        self.recording = []
+        self.deviated = False
         self.pos = 0
         self.following = self.trace is not None
 
@@ -97,13 +100,14 @@ class GatherScheduler:
         self._prefetch()
 
     def _advance(self, index: int) -> None:
+        self.recording.append(index)
         if self.trace is None:
-            self.recording.append(index)
             return
         if self.following and self.pos < len(self.trace) and self.trace[self.pos] == index:
             self.pos += 1
         else:
             self.following = False  # this pass differs from the recorded one: stop prefetching
+            self.deviated = True
 
     def _prefetch(self) -> None:
         if not self.following or self.trace is None or self.prefetch_numel == 0:

@@ -59,3 +59,27 @@ def test_full_state_dict_gathers_stage3_weights() -> None:
     for key in states[0]:
         assert states[3][key].shape == states[0][key].shape
         assert states[3][key].allclose(states[0][key], rtol=1e-5, atol=1e-6)
+
+
+def _prefetches_per_two_steps(eval_first: bool) -> int:
+    import torch
+    from _dstrain_helpers import base_config, engine_losses, global_batch, make_model
+
+    import dstrain
+
+    cfg = base_config(3, world=1)
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=cfg)
+    if eval_first:  # a forward-only pass is recorded first: training must re-record, not stop prefetching
+        with torch.no_grad():
+            engine(*global_batch(0, 4))
+    engine_losses(engine, 3)
+    before = engine.statistics().zero.prefetches
+    engine_losses(engine, 2, start=3)
+    engine.close()
+    return engine.statistics().zero.prefetches - before
+
+
+def test_stage3_prefetch_follows_the_recorded_order_and_adapts() -> None:
+    plain = _prefetches_per_two_steps(eval_first=False)
+    assert plain > 0
+    assert _prefetches_per_two_steps(eval_first=True) == plain
