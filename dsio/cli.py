@@ -456,7 +456,7 @@ def _tune(args: argparse.Namespace) -> int:
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise CliError(f"cannot write results to {out_dir} (set --out PREFIX)")
     points = _grid(args)
-    from tqdm import tqdm
+    tqdm = _progress_bar()
 
     random.Random(0).shuffle(points)  # noise must not line up with a parameter
     path = os.path.join(directory, f".dsio-tune-{os.getpid()}.bin")
@@ -597,9 +597,31 @@ def _tune_report(
                 [pt["backend"], *(pt[k] for k in AIO_KEYS), r.op, r.rung + 1, r.nbytes, len(r.gbps)]
                 + [f"{r.median:.4f}", f"{min(r.gbps):.4f}", f"{max(r.gbps):.4f}", r.status]
             )
-    _plot(results, p, prefix + ".png")
-    print(f"  every point: {prefix}.csv   plot: {prefix}.png")
+    try:
+        _plot(results, p, prefix + ".png")
+        print(f"  every point: {prefix}.csv   plot: {prefix}.png")
+    except ImportError:
+        print(f"  every point: {prefix}.csv   (no plot: matplotlib is not installed; pip install matplotlib)")
     return 0
+
+
+def _progress_bar() -> Any:
+    """tqdm when installed, else a silent stand-in (progress is a nicety, not a dependency)."""
+    try:
+        from tqdm import tqdm
+
+        return tqdm
+    except ImportError:
+
+        class _Quiet:
+            def __init__(self, *a: Any, **k: Any) -> None: ...
+            def update(self, n: int = 1) -> None: ...
+            def __enter__(self) -> _Quiet:
+                return self
+
+            def __exit__(self, *exc: object) -> None: ...
+
+        return _Quiet
 
 
 def _plot(results: list[Result], chosen: Point, path: str) -> None:
@@ -788,15 +810,41 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--out", default="dsio_tune", help="output prefix: PREFIX.json, .csv, .png (default ./dsio_tune)"
     )
-    t.add_argument("--backends", type=_list_of(_backend_name), help="default: every available backend")
-    t.add_argument("--block-sizes", type=_list_of(_pow2_size), default=[256 << 10, 1 << 20, 4 << 20, 8 << 20])
-    t.add_argument("--queue-depths", type=_list_of(_pos_int), default=[8, 32, 128])
     t.add_argument(
-        "--parallelism", type=_list_of(_pos_int), default=[1, 2], help="intra_op_parallelism values"
+        "--backends",
+        type=_list_of(_backend_name),
+        metavar="LIST",
+        help="io_uring,aio,posix (default: all available)",
+    )
+    t.add_argument(
+        "--block-sizes",
+        type=_list_of(_pow2_size),
+        default=[256 << 10, 1 << 20, 4 << 20, 8 << 20],
+        metavar="LIST",
+        help="block_size values (default 256K,1M,4M,8M)",
+    )
+    t.add_argument(
+        "--queue-depths",
+        type=_list_of(_pos_int),
+        default=[8, 32, 128],
+        metavar="LIST",
+        help="default 8,32,128",
+    )
+    t.add_argument(
+        "--parallelism",
+        type=_list_of(_pos_int),
+        default=[1, 2],
+        metavar="LIST",
+        help="intra_op_parallelism values (default 1,2)",
     )
     t.add_argument("--reps", type=_pos_int, default=3, help="interleaved repetitions of the final rung")
     t.add_argument("--finalists", type=_pos_int, default=6, help="points per op that reach the final rung")
-    t.add_argument("--optimize", choices=("balanced", "read", "write"), default="balanced")
+    t.add_argument(
+        "--optimize",
+        choices=("balanced", "read", "write"),
+        default="balanced",
+        help="what the aio block is best at (balanced: geometric mean of read and write vs the best of each)",
+    )
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_tune)
 
