@@ -105,47 +105,24 @@ class Aio final : public Backend {
   std::vector<Completion> backlog_;
 };
 
-// Synchronous pread/pwrite, one piece at a time, in the worker thread: for
-// filesystems or kernels where neither io_uring nor AIO is usable.
-class Posix final : public Backend {
+// Synchronous pread/pwrite in the worker thread: for filesystems or kernels where neither
+// io_uring nor AIO is usable.
+class Posix final : public SyncBackend {
  public:
-  void prepare(uint32_t slot, Op op, int fd, void* buf, uint64_t len, int64_t off) override {
-    pending_.push_back(P{slot, op, fd, buf, len, off});
-  }
-  int submit(bool, std::vector<uint32_t>&) override {
-    for (const P& p : pending_) {
-      ssize_t r;
-      do {
-        switch (p.op) {
-          case Op::Read: r = pread(p.fd, p.buf, p.len, p.off); break;
-          case Op::Write: r = pwrite(p.fd, p.buf, p.len, p.off); break;
-          default: r = fsync(p.fd); break;
-        }
-      } while (r < 0 && errno == EINTR);
-      ++submit_syscalls;
-      done_.push_back(Completion{p.slot, r < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(r)});
-    }
-    pending_.clear();
-    return 0;
-  }
-  int reap(unsigned, std::vector<Completion>& out) override {
-    out.insert(out.end(), done_.begin(), done_.end());
-    done_.clear();
-    return 0;
-  }
   const char* name() const override { return "posix"; }
 
- private:
-  struct P {
-    uint32_t slot;
-    Op op;
-    int fd;
-    void* buf;
-    uint64_t len;
-    int64_t off;
-  };
-  std::vector<P> pending_;
-  std::vector<Completion> done_;
+ protected:
+  int64_t run(const Piece& p) override {
+    ssize_t r;
+    do {
+      switch (p.op) {
+        case Op::Read: r = pread(p.fd, p.buf, p.len, p.off); break;
+        case Op::Write: r = pwrite(p.fd, p.buf, p.len, p.off); break;
+        default: r = fsync(p.fd); break;
+      }
+    } while (r < 0 && errno == EINTR);
+    return r < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(r);
+  }
 };
 
 }  // namespace

@@ -38,6 +38,44 @@ class Backend {
   std::atomic<uint64_t> wait_syscalls{0};
 };
 
+// Runs each piece to completion inside submit() with a blocking call (posix pread/pwrite,
+// cuFileRead/Write): parallelism comes from the engine's workers, not from the kernel queue.
+class SyncBackend : public Backend {
+ public:
+  void prepare(uint32_t slot, Op op, int fd, void* buf, uint64_t len, int64_t off) override {
+    pending_.push_back(Piece{slot, op, fd, buf, len, off});
+  }
+  int submit(bool, std::vector<uint32_t>&) override {
+    for (const Piece& p : pending_) {
+      ++submit_syscalls;
+      done_.push_back(Completion{p.slot, run(p)});
+    }
+    pending_.clear();
+    return 0;
+  }
+  int reap(unsigned, std::vector<Completion>& out) override {
+    out.insert(out.end(), done_.begin(), done_.end());
+    done_.clear();
+    return 0;
+  }
+
+ protected:
+  struct Piece {
+    uint32_t slot;
+    Op op;
+    int fd;
+    void* buf;
+    uint64_t len;
+    int64_t off;
+  };
+  // Bytes transferred, or -errno.
+  virtual int64_t run(const Piece& p) = 0;
+
+ private:
+  std::vector<Piece> pending_;
+  std::vector<Completion> done_;
+};
+
 // Throws std::system_error when the kernel refuses (ENOSYS, EPERM under
 // seccomp or io_uring_disabled, ENOMEM...).
 Backend* make_io_uring(unsigned depth);
