@@ -171,13 +171,19 @@ class _Registry:
         for key, obj, kind in entries:
             if obj is None:
                 continue
+            # statistics() runs on the exporter's thread while the owner's thread mutates the
+            # object; a snapshot that fails (e.g. a deque mutated mid-iteration) is retried, then
+            # replaced by the last good one, so totals never dip (a dip reads as a counter reset).
             snap = _snapshot(obj)
             if snap is None:
-                continue
-            live.setdefault(kind, []).append(snap)
+                snap = _snapshot(obj)
             with self._lock:
-                if key in self._live:
+                if snap is None:
+                    snap = self._last.get(key)
+                elif key in self._live:
                     self._last[key] = snap
+            if snap is not None:
+                live.setdefault(kind, []).append(snap)
         del entries  # drop the strong references before returning
         return live, retired
 

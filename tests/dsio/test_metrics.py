@@ -486,3 +486,31 @@ def test_size_buckets_and_errno_counts_are_used_when_the_engine_has_them(monkeyp
     assert _val(prom, "dsio_request_size_bytes_bucket", le="65536", **labels) == 10
     assert _val(prom, "dsio_request_size_bytes_bucket", le="+Inf", **labels) == 10
     assert _val(prom, "dsio_request_size_bytes_sum", **labels) == 10 * 65536
+
+
+def test_a_failing_snapshot_falls_back_to_the_last_good_one():
+    """statistics() runs on the exporter thread; if it fails once, totals must not dip."""
+    reg, prom = _registry()
+
+    @dataclass(frozen=True, slots=True)
+    class S:
+        ops_total: int
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.n = 0
+            self.fail = False
+
+        def statistics(self) -> S:
+            if self.fail:
+                raise RuntimeError("deque mutated during iteration")
+            self.n += 5
+            return S(self.n)
+
+    f = Flaky()
+    reg.add(f, "flaky")
+    assert _val(prom, "dsio_flaky_ops_total") == 5
+    f.fail = True
+    assert _val(prom, "dsio_flaky_ops_total") == 5  # the last good snapshot, not a reset to nothing
+    f.fail = False
+    assert _val(prom, "dsio_flaky_ops_total") == 10
