@@ -26,11 +26,13 @@ from dstrain.errors import CheckpointNotFoundError, DstrainError
 
 __all__ = [
     "CheckpointStore",
+    "PendingSave",
     "DsioStore",
     "TorchSaveStore",
     "default_store",
     "load_rank_state",
     "save_rank_state",
+    "snapshot",
 ]
 
 log = logging.getLogger(__name__)
@@ -158,6 +160,54 @@ def _validate_tag(tag: str, comm: Comm, mode: str) -> None:
         log.warning(message)
 
 
+def snapshot(value: Any) -> Any:
+    """A deep copy of a state's tensors on the CPU, so training can go on while it is written."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: snapshot(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(snapshot(v) for v in value)
+    return value
+
+
+class PendingSave:
+    """This rank's checkpoint file, possibly still being written; `commit` finishes the save."""
+
+    def __init__(
+        self,
+        future: concurrent.futures.Future[None],
+        root: Path,
+        tag: str,
+        path: Path,
+        save_latest: bool,
+        comm: Comm,
+    ) -> None:
+        self.future = future
+        self.root = root
+        self.tag = tag
+        self.path = path
+        self.save_latest = save_latest
+        self.comm = comm
+
+    def commit(self) -> Path:
+        """Wait for this rank's file; once every rank has its file, rank 0 points ``latest`` at the tag.
+
+        A collective: every rank calls it.
+        """
+        self.future.result()
+        self.comm.barrier()
+        if self.save_latest and self.comm.rank == 0:
+            tmp = self.root / "latest.tmp"
+            tmp.write_text(self.tag)
+            with open(tmp) as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, self.root / "latest")
+            _fsync_dir(self.root)
+        self.comm.barrier()
+        return self.path
+
+
 def save_rank_state(
     store: CheckpointStore,
     save_dir: str | os.PathLike[str],
@@ -167,23 +217,24 @@ def save_rank_state(
     *,
     save_latest: bool = True,
     tag_validation: str = "Warn",
-) -> Path:
-    """Every rank writes its ``state``; after a barrier rank 0 points ``latest`` at ``tag``."""
+    background: bool = False,
+) -> PendingSave:
+    """Every rank writes its ``state`` (on a background thread if ``background``; the caller must
+    not change ``state`` until committed: see `snapshot`). Call `PendingSave.commit` to finish."""
     _validate_tag(tag, comm, tag_validation)
     root = Path(save_dir)
     (root / tag).mkdir(parents=True, exist_ok=True)
     path = _rank_file(root, tag, comm.rank, store.suffix)
-    store.write(path, state)
-    comm.barrier()
-    if save_latest and comm.rank == 0:
-        tmp = root / "latest.tmp"
-        tmp.write_text(tag)
-        with open(tmp) as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, root / "latest")
-        _fsync_dir(root)
-    comm.barrier()
-    return path
+    future: concurrent.futures.Future[None]
+    if background:
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dstrain-ckpt")
+        future = pool.submit(store.write, path, state)
+        pool.shutdown(wait=False)  # the thread exits once the write is done
+    else:
+        future = concurrent.futures.Future()
+        store.write(path, state)
+        future.set_result(None)
+    return PendingSave(future, root, tag, path, save_latest, comm)
 
 
 def load_rank_state(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dstrain.checkpoint import CheckpointStore, load_rank_state, save_rank_state
+from dstrain.checkpoint import CheckpointStore, PendingSave, load_rank_state, save_rank_state, snapshot
 from dstrain.comm import Comm, CommStatistics
 from dstrain.config import DSConfig
 from dstrain.errors import DstrainError
@@ -86,6 +86,7 @@ class Engine:
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._last_step_end: float | None = None
         self._last_step_seconds = 0.0
+        self._pending_save: PendingSave | None = None
 
     # -- training ----------------------------------------------------------------------------
 
@@ -239,8 +240,15 @@ class Engine:
         tag: str | None = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
+        async_save: bool = False,
     ) -> Path:
-        """Every rank saves its partitions, optimizer state and counters to ``<save_dir>/<tag>``."""
+        """Every rank saves its partitions, optimizer state and counters to ``<save_dir>/<tag>``.
+
+        With ``async_save`` the state is copied (CPU snapshot) and written on a background thread while
+        training goes on; the save completes (``latest`` updated) at `wait_checkpoint`, or at the next
+        `save_checkpoint`, `load_checkpoint` or `close` (all collective: call them on every rank).
+        """
+        self.wait_checkpoint()
         tag = tag or f"global_step{self.global_steps}"
         extra, full = self._module_states()
         state = {
@@ -257,15 +265,25 @@ class Engine:
             "module": full,
             "client_state": client_state or {},
         }
-        return save_rank_state(
+        pending = save_rank_state(
             self.store,
             save_dir,
             tag,
-            state,
+            snapshot(state) if async_save else state,
             self.comm,
             save_latest=save_latest,
             tag_validation=self.config.checkpoint.tag_validation,
+            background=async_save,
         )
+        if async_save:
+            self._pending_save = pending
+            return pending.path
+        return pending.commit()
+
+    def wait_checkpoint(self) -> Path | None:
+        """Finish an asynchronous save (a collective); returns its file, or None when none was pending."""
+        pending, self._pending_save = self._pending_save, None
+        return pending.commit() if pending is not None else None
 
     def load_checkpoint(
         self,
@@ -275,6 +293,7 @@ class Engine:
         load_lr_scheduler_states: bool = True,
     ) -> tuple[Path, dict[str, Any]]:
         """Restore what `save_checkpoint` wrote (same stage and world size); returns (path, client_state)."""
+        self.wait_checkpoint()
         path, state = load_rank_state(self.store, load_dir, tag, self.comm)
         if state.get("format") != _FORMAT:
             raise DstrainError(f"{path}: unknown checkpoint format {state.get('format')!r}")
@@ -300,7 +319,8 @@ class Engine:
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Remove the ZeRO strategy's hooks (the model keeps its current weights)."""
+        """Finish a pending asynchronous save, remove the ZeRO strategy's hooks (the model keeps its weights)."""
+        self.wait_checkpoint()
         self.zero.close()
 
     def __enter__(self) -> Engine:

@@ -293,7 +293,9 @@ def checkpoint_save_run(
             model=make_model(), config=cfg, checkpoint_store=make_store(store)
         )
         first = engine_losses(engine, 10)
-        engine.save_checkpoint(os.path.join(root, name), client_state=CLIENT_STATE)
+        # asynchronous where the scenario says so: the next 10 steps run while the file is written
+        async_save = name.endswith("_async")
+        engine.save_checkpoint(os.path.join(root, name), client_state=CLIENT_STATE, async_save=async_save)
         rng = torch.rand(4)  # the RNG stream right after the save point
         out[name] = {"losses": first + engine_losses(engine, 10, start=10), "rng": rng}
         engine.close()

@@ -33,6 +33,8 @@ def _scenarios(world: int) -> dict[str, dict[str, Any]]:
             2, world=world, micro=micro, bf16={"enabled": True}, gradient_clipping=0.5
         ),
         "stage3_gas2": base_config(3, world=world, micro=micro // 2, gas=2),
+        "stage3_async": base_config(3, world=world, micro=micro),
+        "stage1_bf16_async": base_config(1, world=world, micro=micro, bf16={"enabled": True}),
         "stage2_subgroups": base_config(
             2, world=world, micro=micro, zero_optimization={"stage": 2, "sub_group_size": 300}
         ),
@@ -147,3 +149,18 @@ def test_dsio_files_are_safetensors_and_torch_save_ones_stay_loadable(tmp_path: 
     assert path.suffix == ".safetensors"
     tensors = safetensors.load_file(str(path))
     assert any(t.numel() == new.zero.groups[0].master.numel() for t in tensors.values())
+
+
+def test_async_save_commits_latest_at_wait(tmp_path: Path) -> None:
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(2, world=1))
+    engine_losses(engine, 2)
+    path = engine.save_checkpoint(tmp_path, client_state={"k": 1}, async_save=True)
+    assert not (tmp_path / "latest").exists()  # published only once every rank's file is complete
+    engine_losses(engine, 2, start=2)  # training goes on; the snapshot is what gets written
+    assert engine.wait_checkpoint() == path
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert engine.wait_checkpoint() is None
+    other, _, _, _ = dstrain.initialize(model=make_model(seed=9), config=base_config(2, world=1))
+    _, client = other.load_checkpoint(tmp_path)
+    assert client == {"k": 1} and other.global_steps == 2
+    engine.close()
