@@ -18,7 +18,8 @@ Families (prefix ``dsio_``; units in names; counters end in ``_total``):
 - ``dsio_requests_total{op,backend}``, ``dsio_bytes_total{op,backend}``,
   ``dsio_request_errors_total{op,backend,errno}``: engine requests (op: read, write, fsync).
   ``errno`` is ``"unreported"`` until the engine keeps per-errno counts.
-- ``dsio_request_latency_seconds{op,backend}`` (histogram, buckets kept by the engine),
+- ``dsio_request_latency_seconds{op,backend}`` (histogram, buckets kept by the engine: powers of
+  two of microseconds; the engine's bucket i counts latencies < 2**i us, exported as ``le``),
   ``dsio_request_size_bytes{op,backend}`` (histogram; only ``+Inf`` until the engine keeps size
   buckets).
 - ``dsio_requests_in_flight{backend}``, ``dsio_calls_in_flight{backend}``, ``dsio_calls_total{op,backend}``,
@@ -27,7 +28,11 @@ Families (prefix ``dsio_``; units in names; counters end in ``_total``):
 - ``dsio_pool_buffers``, ``dsio_pool_buffers_in_use``, ``dsio_pool_waiters``, ``dsio_pool_bytes``,
   ``dsio_pool_acquisitions_total``, ``dsio_pool_waits_total``, ``dsio_pool_wait_seconds_total``.
 - ``dsio_<kind>_<field>`` for other tracked objects (``kind`` from the class name, e.g.
-  ``Checkpointer`` -> ``checkpoint``): numeric fields of the snapshot; cumulative ones as counters.
+  ``Checkpointer`` -> ``checkpoint``): numeric fields of the snapshot; ``*_total`` and bare event
+  counts (``saves``) as counters, levels (``in_flight``, ``last_*``, ``*_bytes``) as gauges:
+  ``dsio_checkpoint_saves_total``, ``dsio_checkpoint_blocked_seconds_total``,
+  ``dsio_checkpoint_bytes_written_total``, ``dsio_checkpoint_last_write_seconds``... dstrain uses
+  ``track(obj, kind=..., namespace="dstrain")`` for ``dstrain_<kind>_<field>``.
 - ``dsio_tracked_objects{kind}``, ``dsio_backend_available{backend}``, ``dsio_info{version}``.
 """
 
@@ -218,16 +223,21 @@ def _kind_of(obj: Any) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
-def track(obj: _HasStatistics, *, kind: str | None = None) -> None:
+def track(obj: _HasStatistics, *, kind: str | None = None, namespace: str = "dsio") -> None:
     """Export ``obj.statistics()`` at every scrape while ``obj`` lives (held weakly; idempotent).
 
     ``kind`` defaults from the class: ``AsyncIOHandle`` -> ``handle`` (its pool is included),
     ``PinnedPool`` -> ``pool``, ``Checkpointer`` -> ``checkpoint``, others their snake-case name.
+    Kinds other than handle and pool are exported field by field as ``<namespace>_<kind>_<field>``
+    (e.g. ``namespace="dstrain", kind="swapper"`` -> ``dstrain_swapper_...``).
     Costs one weak reference; nothing runs per I/O operation.
     """
     if not callable(getattr(obj, "statistics", None)):
         raise TypeError(f"{type(obj).__name__} has no statistics() method to export")
-    _REG.add(obj, kind or _kind_of(obj))
+    if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", namespace):
+        raise ValueError(f"namespace must be a Prometheus name prefix like 'dstrain', got {namespace!r}")
+    k = kind or _kind_of(obj)
+    _REG.add(obj, k if namespace == "dsio" else f"{namespace}:{k}")
 
 
 def untrack(obj: Any) -> None:
@@ -488,7 +498,8 @@ def _generic(kind: str, live: list[Any], retired: list[Any], counter, gauge) -> 
     ``saves`` -> ``dsio_checkpoint_saves_total``, ``blocked_seconds_total`` ->
     ``dsio_checkpoint_blocked_seconds_total``, ``last_write_seconds`` ->
     ``dsio_checkpoint_last_write_seconds``."""
-    kind = re.sub(r"[^a-zA-Z0-9_]", "_", kind)
+    namespace, _, kind = kind.rpartition(":")
+    prefix = (namespace or "dsio") + "_" + re.sub(r"[^a-zA-Z0-9_]", "_", kind)
     gauges: dict[str, float] = {}
     counters: dict[str, float] = {}
     for snap in live:
@@ -504,10 +515,10 @@ def _generic(kind: str, live: list[Any], retired: list[Any], counter, gauge) -> 
             if not is_gauge:
                 counters[name] = counters.get(name, 0.0) + v
     for name, v in sorted(gauges.items()):
-        yield gauge(f"dsio_{kind}_{name}", f"{kind} statistics field {name} (level).", (), {(): v})
+        yield gauge(f"{prefix}_{name}", f"{kind} statistics field {name} (level).", (), {(): v})
     for name, v in sorted(counters.items()):
         base = name[: -len("_total")] if name.endswith("_total") else name
-        yield counter(f"dsio_{kind}_{base}", f"{kind} statistics field {name} (running total).", (), {(): v})
+        yield counter(f"{prefix}_{base}", f"{kind} statistics field {name} (running total).", (), {(): v})
 
 
 # -- registration and the HTTP exporter ------------------------------------------------------------

@@ -514,3 +514,29 @@ def test_a_failing_snapshot_falls_back_to_the_last_good_one():
     assert _val(prom, "dsio_flaky_ops_total") == 5  # the last good snapshot, not a reset to nothing
     f.fail = False
     assert _val(prom, "dsio_flaky_ops_total") == 10
+
+
+def test_other_namespaces_for_dstrain():
+    @dataclass(frozen=True, slots=True)
+    class SwapStats:
+        swaps: int
+        swapped_bytes_total: int
+        in_flight: int
+
+    class Swapper:
+        def statistics(self) -> SwapStats:
+            return SwapStats(3, 1 << 20, 2)
+
+    s = Swapper()
+    metrics.track(s, kind="swapper", namespace="dstrain")
+    try:
+        prom = CollectorRegistry()
+        metrics.register(prom)
+        assert _val(prom, "dstrain_swapper_swaps_total") == 3
+        assert _val(prom, "dstrain_swapper_swapped_bytes_total") == 1 << 20
+        assert _val(prom, "dstrain_swapper_in_flight") == 2
+        assert _val(prom, "dsio_tracked_objects", kind="dstrain:swapper") == 1
+    finally:
+        metrics.untrack(s)
+    with pytest.raises(ValueError):
+        metrics.track(s, namespace="bad-name")
