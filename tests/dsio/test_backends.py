@@ -89,3 +89,37 @@ def test_overlap_events_false_is_lockstep(backend, data_dir):
     assert lock.submit_syscalls == 2 * 64 // 8  # one submit per batch of 8, writes and reads
     over = asyncio.run(main(True))
     assert over.pieces == lock.pieces == 128
+
+
+@pytest.fixture
+def ramfs_dir(tmp_path):
+    """A ramfs mount: a real filesystem without O_DIRECT (tmpfs has it since Linux 6.6)."""
+    import subprocess
+
+    d = tmp_path / "ramfs"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount ramfs here: {r.stderr.strip()}")
+    yield str(d)
+    subprocess.run(["umount", str(d)], check=False)
+
+
+def test_filesystem_without_o_direct_falls_back_with_a_logged_reason(monkeypatch, caplog, run, ramfs_dir):
+    monkeypatch.setattr(_backends, "_warned", set())
+    path = os.path.join(ramfs_dir, "t.bin")
+
+    async def main():
+        async with dsio.AsyncIOHandle() as h:
+            t = torch.arange(10_000, dtype=torch.float32)
+            with caplog.at_level(logging.WARNING, logger="dsio"):
+                await h.pwrite(t, path)
+                async with h.open(path, "r") as f:
+                    assert not f.direct
+            back = torch.empty_like(t)
+            await h.pread(back, path)
+            assert torch.equal(back, t)
+            assert h.statistics().buffered_bytes >= 2 * t.nbytes and h.statistics().direct_bytes == 0
+
+    run(main())
+    assert "O_DIRECT not supported" in caplog.text
