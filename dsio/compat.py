@@ -137,13 +137,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         **kw: bool,
     ) -> int:
         """DeepSpeed's ``pwrite(buffer, filename, validate, async, file_offset)``."""
-        if kw.pop("async", async_op):
-            return self.async_pwrite(buffer, filename, file_offset)
-        _no_more(kw)
-        n = self.sync_pwrite(buffer, filename, file_offset)
-        if validate:
-            _validate(buffer, filename, file_offset)
-        return n
+        return self._parallel(True, buffer, filename, validate, async_op, file_offset, kw)
 
     def pread(
         self,
@@ -155,10 +149,25 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         **kw: bool,
     ) -> int:
         """DeepSpeed's ``pread(buffer, filename, validate, async, file_offset)``."""
-        if kw.pop("async", async_op):
-            return self.async_pread(buffer, filename, file_offset)
-        _no_more(kw)
-        n = self.sync_pread(buffer, filename, file_offset)
+        return self._parallel(False, buffer, filename, validate, async_op, file_offset, kw)
+
+    def _parallel(
+        self,
+        write: bool,
+        buffer: torch.Tensor,
+        filename: str,
+        validate: bool,
+        async_op: bool,
+        file_offset: int,
+        kw: dict[str, bool],
+    ) -> int:
+        is_async = kw.pop("async", async_op)  # DeepSpeed's keyword is the reserved word `async`
+        if kw:
+            raise TypeError(f"unexpected keyword argument(s): {', '.join(kw)}")
+        if is_async:
+            start = self.async_pwrite if write else self.async_pread
+            return start(buffer, filename, file_offset)
+        n = (self.sync_pwrite if write else self.sync_pread)(buffer, filename, file_offset)
         if validate:
             _validate(buffer, filename, file_offset)
         return n
@@ -237,11 +246,6 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         if not getattr(self, "_closed", True):
             with contextlib.suppress(Exception):
                 self.close()
-
-
-def _no_more(kw: dict) -> None:
-    if kw:
-        raise TypeError(f"unexpected keyword argument(s): {', '.join(kw)}")
 
 
 def _validate(buffer: torch.Tensor, filename: str, file_offset: int) -> None:
