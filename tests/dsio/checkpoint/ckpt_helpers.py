@@ -93,3 +93,70 @@ def assert_same(a: Any, b: Any, where: str = "state") -> None:
         assert math.isnan(b), where
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+# -- multi-process: real torch.distributed groups (gloo) on this machine ------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, world: int, port: int, fn: Any, args: tuple, out_dir: str) -> None:
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(*args)
+        torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Any, *args: Any, world: int = 2) -> list[Any]:
+    """Run ``fn(*args)`` in ``world`` fresh processes forming a gloo group; each rank's result."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _entry,
+            args=(world, _free_port(), fn, args, out_dir),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        try:
+            while not ctx.join():
+                pass
+        except Exception:
+            pass
+        results, errors = [], []
+        for rank in range(world):
+            path = os.path.join(out_dir, f"{rank}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank} died without a result")
+                continue
+            data = torch.load(path, weights_only=False)
+            if "error" in data:
+                errors.append(f"rank {rank} failed:\n{data['error']}")
+            else:
+                results.append(data["ok"])
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results

@@ -1,0 +1,28 @@
+"""The public surface of dsio.checkpoint is pinned."""
+
+import dsio.checkpoint as C
+
+
+def test_public_surface():
+    assert sorted(C.__all__) == sorted(
+        [
+            "DEFAULT_IO",
+            "CheckpointFormatError",
+            "CheckpointMismatchError",
+            "CheckpointNotFoundError",
+            "CheckpointStatistics",
+            "Checkpointer",
+            "ChecksumError",
+            "DsioStorageReader",
+            "DsioStorageWriter",
+            "SaveResult",
+            "UnsupportedStateError",
+            "load",
+            "save",
+        ]
+    )
+    for name in C.__all__:
+        assert getattr(C, name) is not None
+    from dsio.checkpoint import dcp
+
+    assert C.DsioStorageWriter is dcp.DsioStorageWriter and dcp.__all__
