@@ -477,6 +477,17 @@ def _tune(args: argparse.Namespace) -> int:
                 union = list(
                     dict.fromkeys(alive["write"][: args.finalists] + alive["read"][: args.finalists])
                 )
+                # The aio block cannot name a backend, so the one "auto" picks must reach the final
+                # rung: add its best point of the last rung it ran in, for each op, if none survived.
+                auto = next((n for n in ("io_uring", "aio", "posix") if avail[n].available), None)
+                for op in ("write", "read"):
+                    mine = [x for x in results if x.op == op and x.point.backend == auto]
+                    prev = [x for x in mine if x.rung == max(y.rung for y in mine)] if mine else []
+                    if prev and not any(p.backend == auto for p in alive[op][: args.finalists]):
+                        best_auto = max(prev, key=lambda x: x.median)
+                        best_auto.status = f"kept (best {auto}: the backend the aio block gets)"
+                        if best_auto.point not in union:
+                            union.append(best_auto.point)
                 plan: list[tuple[list[Point], tuple[str, ...]]] = [(union, ("write", "read"))]
             else:
                 both = [p for p in points if p in alive["write"] and p in alive["read"]]
@@ -875,12 +886,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dsio`` console script; returns the exit status."""
+    from .errors import DsioError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
     except CliError as e:
         print(f"dsio {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except (OSError, DsioError) as e:  # e.g. ENOSPC in the middle of a sweep: one line, no traceback
+        print(f"dsio {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"dsio {args.command}: interrupted", file=sys.stderr)

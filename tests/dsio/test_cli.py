@@ -131,6 +131,7 @@ def test_tune_optimize_read_picks_best_read_on_auto_backend(data_dir, tmp_path):
     rows = list(csv.DictReader(out.with_suffix(".csv").read_text().splitlines()))
     auto = next(b.name for b in dsio.backend_status() if b.available)
     final = [r for r in rows if r["status"] == "final" and r["op"] == "read" and r["backend"] == auto]
+    assert final, "the backend auto picks must always reach the final rung"
     best = max(final, key=lambda r: float(r["gbps_median"]))
     aio = json.loads(out.with_suffix(".json").read_text())["aio"]
     assert aio["block_size"] == int(best["block_size"])
@@ -254,3 +255,52 @@ def test_console_entry_point(data_dir):
     if os.path.exists(script):
         r = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and "report" in r.stdout and "tune" in r.stdout
+
+
+def test_io_failure_mid_run_is_one_line(data_dir, monkeypatch, capsys):
+    """An I/O error in the middle of a sweep (here: injected ENOSPC) is a message, not a traceback."""
+    import errno
+
+    from dsio import cli
+
+    async def boom(*_a, **_k):
+        raise dsio.IOFailedError(errno.ENOSPC, "/x", 0)
+
+    monkeypatch.setattr(cli, "_timed", boom)
+    assert main(["tune", "--dir", data_dir, "--out", os.path.join(data_dir, "t"), *SMALL_TUNE]) == 1
+    err = capsys.readouterr().err
+    assert "dsio tune: error: IOFailedError" in err and "No space left" in err
+    assert not [f for f in os.listdir(data_dir) if f.startswith(".dsio")], "scratch file left behind"
+
+
+def test_successive_halving_with_known_speeds(data_dir, tmp_path, monkeypatch, capsys):
+    """Fake timings (aio 3 GB/s > posix 2 > io_uring 1; bigger blocks a little faster): early
+    stopping drops the slow points, aio wins overall, and the backend "auto" picks still reaches
+    the final rung so the aio block is tuned for the backend it will run on."""
+    from dsio import cli
+
+    avail = [b.name for b in dsio.backend_status() if b.available]
+    if avail[:1] != ["io_uring"] or "aio" not in avail:
+        pytest.skip(f"needs io_uring (auto's choice) and aio; available here: {avail}")
+    speed = {"io_uring": 1.0, "aio": 3.0, "posix": 2.0}
+
+    async def fake(f, op, view, offset):
+        cfg = f._h.config
+        gbps = speed[cfg.backend] * (1 + cfg.block_size / (8 << 20)) * (1.1 if op == "read" else 1.0)
+        return view.numel() / (gbps * 1e9)
+
+    monkeypatch.setattr(cli, "_timed", fake)
+    out = tmp_path / "fake"
+    assert main(["tune", "--dir", data_dir, "--out", str(out), *SMALL_TUNE]) == 0
+    text = capsys.readouterr().out
+    rows = list(csv.DictReader(out.with_suffix(".csv").read_text().splitlines()))
+    screening = [r for r in rows if r["rung"] == "1"]
+    stopped = {r["backend"] for r in screening if r["status"].startswith("early-stopped")}
+    assert "io_uring" in stopped  # 1/3.6 of the best: clearly worse
+    final = [r for r in rows if r["status"] == "final"]
+    assert {r["backend"] for r in final} >= {"aio", "io_uring"}
+    best_write = max((r for r in final if r["op"] == "write"), key=lambda r: float(r["gbps_median"]))
+    assert best_write["backend"] == "aio" and best_write["block_size"] == str(1 << 20)
+    aio = json.loads(out.with_suffix(".json").read_text())["aio"]
+    assert aio["block_size"] == 1 << 20  # io_uring's best, for the backend auto runs
+    assert "the aio backend scored best overall" in text
