@@ -44,7 +44,8 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # torch.distributed.checkpoint is heavy to import: only when the DCP plugin is asked for.
     if name in ("DsioStorageReader", "DsioStorageWriter", "dcp"):
-        from . import dcp
+        import importlib
 
+        dcp = importlib.import_module(f"{__name__}.dcp")
         return dcp if name == "dcp" else getattr(dcp, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,514 @@
+"""Checkpoint benchmark: dsio.checkpoint vs torch.save, safetensors, DCP, and dsio's raw I/O.
+
+    .venv/bin/python bench/checkpoint.py                 # ~3 GiB GPT-like model + AdamW, 3 reps
+    .venv/bin/python bench/checkpoint.py --layers 2 --reps 1 --no-write   # quick smoke run
+
+Every method runs once per rep, methods interleaved rep by rep (the disk here is noisy: see
+../shared/ANCHORS.md); medians with min-max. Every save is durable (fsync) and writes a new
+file; loads start from a dropped page cache (``sync; echo 3 > /proc/sys/vm/drop_caches``).
+The ceiling is dsio's raw sequential write/read of the same number of bytes from/into
+page-aligned memory. Results go to bench/results/checkpoint-<date>.md (+ .png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+import dsio
+import dsio.checkpoint as C
+from dsio import _C
+from dsio.checkpoint._integrity import crc_of
+from dsio.checkpoint._state import flatten
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+GB = 1e9
+
+
+# -- the state ------------------------------------------------------------------------------------
+def gpt_state(layers: int, dim: int, vocab: int, ctx: int) -> dict[str, Any]:
+    """GPT-2-like parameters (fp32) + AdamW state (exp_avg, exp_avg_sq, step) + scheduler + RNG."""
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    model: dict[str, torch.Tensor] = {"wte.weight": rnd(vocab, dim), "wpe.weight": rnd(ctx, dim)}
+    for i in range(layers):
+        p = f"h.{i}."
+        model |= {
+            p + "ln_1.weight": rnd(dim),
+            p + "ln_1.bias": rnd(dim),
+            p + "attn.c_attn.weight": rnd(3 * dim, dim),
+            p + "attn.c_attn.bias": rnd(3 * dim),
+            p + "attn.c_proj.weight": rnd(dim, dim),
+            p + "attn.c_proj.bias": rnd(dim),
+            p + "ln_2.weight": rnd(dim),
+            p + "ln_2.bias": rnd(dim),
+            p + "mlp.c_fc.weight": rnd(4 * dim, dim),
+            p + "mlp.c_fc.bias": rnd(4 * dim),
+            p + "mlp.c_proj.weight": rnd(dim, 4 * dim),
+            p + "mlp.c_proj.bias": rnd(dim),
+        }
+    model |= {"ln_f.weight": rnd(dim), "ln_f.bias": rnd(dim)}
+    opt_state = {
+        i: {"step": torch.tensor(100.0), "exp_avg": rnd(*t.shape), "exp_avg_sq": rnd(*t.shape).abs()}
+        for i, t in enumerate(model.values())
+    }
+    groups = [
+        {
+            "lr": 3e-4,
+            "betas": (0.9, 0.95),
+            "eps": 1e-8,
+            "weight_decay": 0.1,
+            "amsgrad": False,
+            "foreach": None,
+            "maximize": False,
+            "capturable": False,
+            "differentiable": False,
+            "fused": None,
+            "params": list(range(len(model))),
+        }
+    ]
+    return {
+        "model": model,
+        "optimizer": {"state": opt_state, "param_groups": groups},
+        "scheduler": {"last_epoch": 100, "base_lrs": [3e-4], "_step_count": 101},
+        "rng": torch.get_rng_state(),
+        "step": 100,
+    }
+
+
+def nbytes_of(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    for d, _, files in os.walk(root):
+        for f in files:
+            fsync_path(os.path.join(d, f))
+        fsync_path(d)
+
+
+def rm(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
+def machine(workdir: str) -> dict[str, str]:
+    def sh(cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:
+            return "?"
+
+    cpu = sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2")
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "cpu": f"{os.cpu_count()} x {cpu}",
+        "memory": sh("free -g | awk '/Mem:/{print $2\" GiB\"}'"),
+        "filesystem": sh(f"df -T {workdir} | tail -1 | awk '{{print $1, $2}}'"),
+        "torch": torch.__version__,
+        "load average at the end (other jobs share these 2 cores)": sh("cut -d' ' -f1-3 /proc/loadavg"),
+        "python": platform.python_version(),
+    }
+
+
+# -- the methods ----------------------------------------------------------------------------------
+class Bench:
+    def __init__(self, state: dict[str, Any], workdir: str) -> None:
+        self.state = state
+        self.dir = workdir
+        self.flat, _ = flatten(state)  # what safetensors.save_file gets: the same tensors, flat
+        self.nbytes = nbytes_of(self.flat)
+        self.times: dict[str, list[float]] = defaultdict(list)
+        self.handle = dsio.AsyncIOHandle(C.DEFAULT_IO)
+        self.ckpt = C.Checkpointer(os.path.join(workdir, "ckpt"))
+        self.step = 0
+        mem = _C.AlignedBuffer(-(-self.nbytes // 4096) * 4096, True)
+        self.raw = torch.frombuffer(mem, dtype=torch.uint8)[: self.nbytes]
+        self.raw.random_(0, 256)
+        self.dcp_target: dict[str, Any] | None = None
+
+    def p(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    # saves ---------------------------------------------------------------------------------------
+    async def raw_write(self) -> float:
+        path = self.p("raw.bin")
+        rm(path)
+        t = time.perf_counter()
+        await self.handle.pwrite(self.raw, path, fsync=True)
+        fsync_path(self.dir)
+        return time.perf_counter() - t
+
+    async def dsio_checkpointer(self) -> float:
+        """Checkpointer.save: blocked time recorded separately; returns the durable time."""
+        self.step += 1
+        t = time.perf_counter()
+        task = await self.ckpt.save(self.step, self.state)
+        self.times["dsio async save: blocked"].append(time.perf_counter() - t)
+        await task
+        total = time.perf_counter() - t
+        rm(os.path.join(self.ckpt.directory, f"step-{self.step - 1:09d}"))
+        return total
+
+    async def dsio_save_file(self) -> float:
+        path = self.p("dsio.safetensors")
+        rm(path)
+        t = time.perf_counter()
+        await C.save(self.state, path, handle=self.handle)
+        fsync_path(self.dir)
+        return time.perf_counter() - t
+
+    async def torch_save(self) -> float:
+        path = self.p("torch.pt")
+        rm(path)
+        t = time.perf_counter()
+        with open(path, "wb") as f:
+            torch.save(self.state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(self.dir)
+        return time.perf_counter() - t
+
+    async def safetensors_save(self) -> float:
+        import safetensors.torch as st
+
+        path = self.p("st.safetensors")
+        rm(path)
+        t = time.perf_counter()
+        st.save_file(self.flat, path)
+        fsync_path(path)
+        fsync_path(self.dir)
+        return time.perf_counter() - t
+
+    async def dcp_save(self) -> float:
+        import torch.distributed.checkpoint as dcp
+
+        path = self.p("dcp")
+        rm(path)
+        t = time.perf_counter()
+        dcp.save(self.state, checkpoint_id=path)  # FileSystemWriter, sync_files=True
+        fsync_path(self.dir)
+        return time.perf_counter() - t
+
+    async def dcp_async_save(self) -> float:
+        import torch.distributed.checkpoint as dcp
+
+        path = self.p("dcp_async")
+        rm(path)
+        t = time.perf_counter()
+        fut = dcp.async_save(self.state, checkpoint_id=path)
+        self.times["DCP async_save: blocked"].append(time.perf_counter() - t)
+        fut.result()
+        fsync_path(self.dir)
+        return time.perf_counter() - t
+
+    async def dcp_dsio_save(self) -> float:
+        import torch.distributed.checkpoint as dcp
+
+        path = self.p("dcp_dsio")
+        rm(path)
+        t = time.perf_counter()
+        dcp.save(self.state, storage_writer=C.DsioStorageWriter(path))
+        fsync_path(self.dir)
+        return time.perf_counter() - t
+
+    # loads (cold cache) ----------------------------------------------------------------------------
+    async def raw_read(self) -> float:
+        path = self.p("raw.bin")
+        drop_caches()
+        t = time.perf_counter()
+        base = torch.empty(self.nbytes + 4096, dtype=torch.uint8)  # fresh memory, as a load needs
+        s = (-base.data_ptr()) % 4096
+        await self.handle.pread(base[s : s + self.nbytes], path)
+        return time.perf_counter() - t
+
+    async def dsio_load(self) -> float:
+        drop_caches()
+        t = time.perf_counter()
+        await self.ckpt.load(self.step)
+        return time.perf_counter() - t
+
+    async def dsio_load_noverify(self) -> float:
+        drop_caches()
+        t = time.perf_counter()
+        await self.ckpt.load(self.step, verify=False)
+        return time.perf_counter() - t
+
+    async def torch_load(self) -> float:
+        drop_caches()
+        t = time.perf_counter()
+        torch.load(self.p("torch.pt"), weights_only=True)
+        return time.perf_counter() - t
+
+    async def safetensors_load(self) -> float:
+        import safetensors.torch as st
+
+        drop_caches()
+        t = time.perf_counter()
+        st.load_file(self.p("st.safetensors"))
+        return time.perf_counter() - t
+
+    def _target(self) -> dict[str, Any]:
+        if self.dcp_target is None:  # DCP loads in place: a preallocated state (not timed)
+            self.dcp_target = {
+                "model": {k: torch.empty_like(v) for k, v in self.state["model"].items()},
+                "optimizer": {
+                    "state": {
+                        i: {k: torch.empty_like(v) for k, v in s.items()}
+                        for i, s in self.state["optimizer"]["state"].items()
+                    },
+                    "param_groups": self.state["optimizer"]["param_groups"],
+                },
+                "scheduler": dict(self.state["scheduler"]),
+                "rng": torch.empty_like(self.state["rng"]),
+                "step": 0,
+            }
+        return self.dcp_target
+
+    async def dcp_load(self) -> float:
+        import torch.distributed.checkpoint as dcp
+
+        target = self._target()
+        drop_caches()
+        t = time.perf_counter()
+        dcp.load(target, checkpoint_id=self.p("dcp"))
+        return time.perf_counter() - t
+
+    async def dcp_dsio_load(self) -> float:
+        import torch.distributed.checkpoint as dcp
+
+        target = self._target()
+        drop_caches()
+        t = time.perf_counter()
+        dcp.load(target, storage_reader=C.DsioStorageReader(self.p("dcp_dsio")))
+        return time.perf_counter() - t
+
+
+SAVES: list[tuple[str, str]] = [
+    ("dsio raw write (new file, ceiling)", "raw_write"),
+    ("dsio Checkpointer save (durable)", "dsio_checkpointer"),
+    ("dsio.checkpoint.save (durable, fresh staging)", "dsio_save_file"),
+    ("torch.save + fsync", "torch_save"),
+    ("safetensors save_file + fsync", "safetensors_save"),
+    ("DCP save (FileSystemWriter)", "dcp_save"),
+    ("DCP async_save (FileSystemWriter)", "dcp_async_save"),
+    ("DCP save (DsioStorageWriter)", "dcp_dsio_save"),
+]
+LOADS: list[tuple[str, str]] = [
+    ("dsio raw read (ceiling)", "raw_read"),
+    ("dsio Checkpointer load (crc32c verified)", "dsio_load"),
+    ("dsio Checkpointer load (verify=False)", "dsio_load_noverify"),
+    ("torch.load", "torch_load"),
+    ("safetensors load_file", "safetensors_load"),
+    ("DCP load (FileSystemReader)", "dcp_load"),
+    ("DCP load (DsioStorageReader)", "dcp_dsio_load"),
+]
+
+
+def crc_rate(flat: dict[str, torch.Tensor]) -> float:
+    t = time.perf_counter()
+    n = 0
+    for v in flat.values():
+        v = v.contiguous()
+        crc_of(v.data_ptr(), v.numel() * v.element_size())
+        n += v.numel() * v.element_size()
+    return n / (time.perf_counter() - t)
+
+
+# -- report ---------------------------------------------------------------------------------------
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def row(name: str, xs: list[float], nbytes: int) -> str:
+    if not xs:
+        return f"| {name} | - | - |"
+    m, lo, hi = med(xs), min(xs), max(xs)
+    return f"| {name} | {m:.2f} ({lo:.2f}-{hi:.2f}) | {nbytes / m / GB:.2f} ({nbytes / hi / GB:.2f}-{nbytes / lo / GB:.2f}) |"
+
+
+def report(b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse.Namespace) -> str:
+    T, n = b.times, b.nbytes
+    lines = [
+        f"# dsio.checkpoint benchmark, {mach['date']}",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in mach.items() if k != "date"),
+        "",
+        f"State: GPT-like model (layers={args.layers}, dim={args.dim}, vocab={args.vocab}) + AdamW "
+        f"(exp_avg, exp_avg_sq, step) + scheduler + RNG: {len(b.flat)} tensors, {n / 2**30:.2f} GiB. "
+        f"{reps} reps, methods interleaved rep by rep; median (min-max). Every save writes a new file "
+        "and is fsynced (data + directory); every load starts after `sync; echo 3 > /proc/sys/vm/drop_caches` "
+        "(the virtio disk sits on the host page cache, which cannot be dropped from here).",
+        "",
+        f"crc32c (`crc32c` package) over the state: {crc / GB:.1f} GB/s on one core.",
+        "",
+        "## Saves",
+        "",
+        "| method | seconds | GB/s |",
+        "| --- | --- | --- |",
+    ]
+    for name, _ in SAVES:
+        lines.append(row(name, T[name], n))
+        if name.startswith("dsio Checkpointer"):
+            lines.append(
+                row("dsio Checkpointer save: time training is blocked", T["dsio async save: blocked"], n)
+            )
+        if name.startswith("DCP async_save"):
+            lines.append(row("DCP async_save: time training is blocked", T["DCP async_save: blocked"], n))
+    lines += ["", "## Loads (cold page cache)", "", "| method | seconds | GB/s |", "| --- | --- | --- |"]
+    for name, _ in LOADS:
+        lines.append(row(name, T[name], n))
+
+    def r(a: str, b_: str) -> float:
+        return med(T[b_]) / med(T[a]) if T[a] and T[b_] else float("nan")
+
+    durable = "dsio Checkpointer save (durable)"
+    load = "dsio Checkpointer load (crc32c verified)"
+    blocked_ratio = med(T["dsio async save: blocked"]) / med(T[durable]) if T[durable] else float("nan")
+    lines += [
+        "",
+        "## Against the targets (ratios of medians, same run)",
+        "",
+        "| target | measured | met |",
+        "| --- | --- | --- |",
+        f"| durable save >= 0.9x dsio raw new-file write | {r(durable, 'dsio raw write (new file, ceiling)'):.2f}x "
+        f"| {'yes' if r(durable, 'dsio raw write (new file, ceiling)') >= 0.9 else 'no'} |",
+        f"| durable save >= 4x safetensors + fsync | {r(durable, 'safetensors save_file + fsync'):.2f}x "
+        f"| {'yes' if r(durable, 'safetensors save_file + fsync') >= 4 else 'no'} |",
+        f"| async save blocked <= 10% of a synchronous save | {blocked_ratio * 100:.1f}% "
+        f"| {'yes' if blocked_ratio <= 0.10 else 'no'} |",
+        f"| load >= 0.9x dsio raw read | {r(load, 'dsio raw read (ceiling)'):.2f}x "
+        f"| {'yes' if r(load, 'dsio raw read (ceiling)') >= 0.9 else 'no'} |",
+        f"| load >= safetensors load_file | {r(load, 'safetensors load_file'):.2f}x "
+        f"| {'yes' if r(load, 'safetensors load_file') >= 1 else 'no'} |",
+        f"| checksum verification < 10% of load time | "
+        f"{(med(T[load]) / med(T['dsio Checkpointer load (verify=False)']) - 1) * 100:.1f}% | "
+        f"{'yes' if med(T[load]) / med(T['dsio Checkpointer load (verify=False)']) < 1.10 else 'no'} |",
+        "",
+        "Other ratios: dsio durable save vs torch.save + fsync "
+        f"{r(durable, 'torch.save + fsync'):.2f}x, vs DCP save {r(durable, 'DCP save (FileSystemWriter)'):.2f}x; "
+        f"dsio load vs torch.load {r(load, 'torch.load'):.2f}x, vs DCP load {r(load, 'DCP load (FileSystemReader)'):.2f}x.",
+        "",
+        "Raw per-rep seconds:",
+        "",
+    ]
+    for k, v in T.items():
+        lines.append(f"- {k}: {', '.join(f'{x:.2f}' for x in v)}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(b: Bench, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    for ax, group, title in ((axes[0], SAVES, "durable save"), (axes[1], LOADS, "load (cold cache)")):
+        names = [n for n, _ in group if b.times[n]]
+        rates = [b.nbytes / med(b.times[n]) / GB for n in names]
+        ax.barh(names, rates, color=["#2a7" if n.startswith("dsio") else "#889" for n in names])
+        ax.invert_yaxis()
+        ax.set_xlabel("GB/s (median)")
+        ax.set_title(f"{title}, {b.nbytes / 2**30:.2f} GiB state")
+        for y, v in enumerate(rates):
+            ax.text(v, y, f" {v:.2f}", va="center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    warnings.filterwarnings("ignore")
+    os.makedirs(args.dir, exist_ok=True)
+    print("building the state...", file=sys.stderr)
+    state = gpt_state(args.layers, args.dim, args.vocab, 1024)
+    b = Bench(state, args.dir)
+    print(f"{len(b.flat)} tensors, {b.nbytes / 2**30:.2f} GiB", file=sys.stderr)
+    crc = crc_rate(b.flat)
+    saves = [(n, getattr(b, m)) for n, m in SAVES if args.methods is None or m in args.methods]
+    loads = [(n, getattr(b, m)) for n, m in LOADS if args.methods is None or m in args.methods]
+    # Warm-up (not recorded): allocate the Checkpointer's staging region, build the raw file.
+    await b.dsio_checkpointer()
+    await b.raw_write()
+    b.times.clear()
+    steps: list[tuple[str, Callable]] = saves + loads
+    with tqdm(total=args.reps * len(steps), desc="checkpoint bench", unit="op") as bar:
+        for rep in range(args.reps):
+            for name, fn in steps:
+                bar.set_postfix_str(f"rep {rep + 1}: {name[:40]}")
+                b.times[name].append(await fn())
+                bar.update()
+    b.ckpt.close()
+    b.handle.close()
+    mach = machine(args.dir)
+    text = report(b, mach, args.reps, crc, args)
+    print(text)
+    if args.write:
+        os.makedirs(RESULTS, exist_ok=True)
+        stem = os.path.join(RESULTS, f"checkpoint-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}")
+        with open(stem + ".md", "w") as f:
+            f.write(text + f"\n![results](checkpoint-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}.png)\n")
+        plot(b, stem + ".png")
+        print(f"wrote {stem}.md and .png", file=sys.stderr)
+    if not args.keep:
+        shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/var/tmp/dsio-bench-checkpoint", help="working directory (ext4 here)")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--methods", nargs="*", default=None, help="method names to run (default: all)")
+    ap.add_argument("--no-write", dest="write", action="store_false", help="do not write bench/results")
+    ap.add_argument("--keep", action="store_true", help="keep the working directory")
+    args = ap.parse_args()
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
