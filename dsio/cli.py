@@ -196,7 +196,7 @@ def _memlock() -> str:
         for line in f:
             if line.startswith("CapEff:"):
                 cap_ipc_lock = bool(int(line.split()[1], 16) >> 14 & 1)
-    return text + (" (not enforced: CAP_IPC_LOCK)" if cap_ipc_lock else "")
+    return text + (" (not enforced: CAP_IPC_LOCK)" if cap_ipc_lock and soft != resource.RLIM_INFINITY else "")
 
 
 def _cuda_status() -> dict[str, Any]:
