@@ -256,8 +256,9 @@ def _add(acc: dict[tuple[str, ...], float], key: tuple[str, ...], v: float) -> N
 
 
 def _errno_name(code: object) -> str:
+    """``5`` -> ``"EIO"``; ``0`` is the engine's slot for errno values past its table: ``"other"``."""
     if isinstance(code, int):
-        return _errno.errorcode.get(code, str(code))
+        return "other" if code == 0 else _errno.errorcode.get(code, str(code))
     return str(code)
 
 

@@ -465,7 +465,7 @@ def test_size_buckets_and_errno_counts_are_used_when_the_engine_has_them(monkeyp
 
     monkeypatch.setattr(_stats, "SIZE_BUCKET_BOUNDS_BYTES", (4096.0, 65536.0, float("inf")), raising=False)
     lat = (0,) * len(dsio.LATENCY_BUCKET_BOUNDS_S)
-    read = _FutureOpStats(10, 10 * 65536, 4, 0.01, (10,) + lat[1:], (0, 10, 0), {5: 2, 28: 1})
+    read = _FutureOpStats(10, 10 * 65536, 5, 0.01, (10,) + lat[1:], (0, 10, 0), {5: 2, 28: 1, 0: 1})
     idle = _FutureOpStats(0, 0, 0, 0.0, lat, (0, 0, 0), {})
     pool = dsio.PoolStatistics(1, 4096, 0, 0, 0, 0, 0.0, True, False)
     eng = dsio.EngineStatistics("io_uring", read, idle, idle, 0, 10, 10, 10, 1, 10, 10)  # type: ignore[arg-type]
@@ -481,6 +481,7 @@ def test_size_buckets_and_errno_counts_are_used_when_the_engine_has_them(monkeyp
     labels = {"op": "read", "backend": "io_uring"}
     assert _val(prom, "dsio_request_errors_total", errno="EIO", **labels) == 2
     assert _val(prom, "dsio_request_errors_total", errno="ENOSPC", **labels) == 1
+    assert _val(prom, "dsio_request_errors_total", errno="other", **labels) == 1  # errno past the table
     assert _val(prom, "dsio_request_errors_total", errno="short", **labels) == 1
     assert _val(prom, "dsio_request_size_bytes_bucket", le="4096", **labels) == 0
     assert _val(prom, "dsio_request_size_bytes_bucket", le="65536", **labels) == 10
