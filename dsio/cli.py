@@ -600,7 +600,7 @@ def _tune_report(
         "status",
     ]
     with open(prefix + ".csv", "w", newline="") as f:
-        w = csv.writer(f)
+        w = csv.writer(f, lineterminator="\n")
         w.writerow(fields)
         for r in results:
             pt = dataclasses.asdict(r.point)

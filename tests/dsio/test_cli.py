@@ -57,7 +57,7 @@ def test_report_says_why(data_dir, capsys):
     for b in dsio.backend_status():
         line = next(ln for ln in out.splitlines() if ln.strip().startswith(b.name + " "))
         assert ("available" in line) if b.available else (b.reason in line)
-    assert "O_DIRECT   works" in out  # ext4 here
+    assert "O_DIRECT   works" in out or "O_DIRECT   unavailable" in out
     assert "does not exist" in out
     assert "CUDA" in out and "libcufile" in out
     assert os.uname().release in out
@@ -69,9 +69,18 @@ def test_report_json(data_dir, capsys):
     assert {b["name"] for b in info["backends"]} == {"io_uring", "aio", "posix"}
     assert all(b["available"] or b["reason"] for b in info["backends"])
     (d,) = info["directories"]
-    assert d["o_direct"] is True and d["dio_alignment"] in (512, 1024, 2048, 4096)
-    assert d["filesystem"] == "ext4"
-    assert d["logical_block_size"] in (512, 4096)
+    try:  # what the kernel says, independently of dsio
+        os.close(os.open(os.path.join(data_dir, "probe"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+        direct = True
+    except OSError:
+        direct = False
+    os.unlink(os.path.join(data_dir, "probe"))
+    assert d["o_direct"] is direct
+    if direct:
+        assert d["dio_alignment"] in (512, 1024, 2048, 4096)
+    assert d["filesystem"] not in ("", "?") and os.path.realpath(data_dir).startswith(d["mount"])
+    if d["device"] != "no block device":
+        assert d["logical_block_size"] in (512, 1024, 2048, 4096)
     assert not os.listdir(data_dir), "report must clean up its probe file"
     assert info["cuda"]["available"] in (True, False)
     assert "reason" in info["cuda"] or info["cuda"]["available"]
