@@ -208,13 +208,14 @@ def _get(url: str, timeout: float = 10) -> Any:
         return json.loads(r.read().decode())
 
 
-def _wait(pred: Any, timeout: float, what: str, procs: list[subprocess.Popen[Any]]) -> Any:
+def _wait(pred: Any, timeout: float, what: str, procs: list[tuple[subprocess.Popen[Any], Path]]) -> Any:
+    """Poll ``pred`` until truthy; fail with the log of any process (Popen, log file) that died."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
-        for p in procs:
+        for p, log in procs:
             if p.poll() is not None:
-                out = p.stdout.read() if p.stdout else ""
+                out = log.read_text(errors="replace") if log.is_file() else ""
                 pytest.fail(f"{p.args[0]} exited ({p.returncode}) while waiting for {what}:\n{out[-3000:]}")
         try:
             last = pred()
@@ -232,16 +233,26 @@ def test_every_dashboard_query_returns_data_from_a_live_process(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     port_file = tmp_path / "port"
+    # Output goes to files, not pipes: a full pipe nobody reads would stall the process under test.
+    load_log_path, prom_log_path = tmp_path / "load.log", tmp_path / "prometheus.log"
+    load_log, prom_log = load_log_path.open("w"), prom_log_path.open("w")
     load = subprocess.Popen(
-        [sys.executable, "-c", LOAD, str(port_file), str(data), "60"],
-        stdout=subprocess.PIPE,
+        [
+            sys.executable,
+            "-c",
+            LOAD,
+            str(port_file),
+            str(data),
+            "180",
+        ],  # outlives the test; killed at the end
+        stdout=load_log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         text=True,
     )
     prom: subprocess.Popen[str] | None = None
     try:
-        _wait(port_file.exists, 60, "the dsio load process to serve metrics", [load])
+        _wait(port_file.exists, 60, "the dsio load process to serve metrics", [(load, load_log_path)])
         target = f"127.0.0.1:{int(port_file.read_text())}"
         cfg = tmp_path / "prometheus.yml"
         cfg.write_text(
@@ -258,7 +269,7 @@ def test_every_dashboard_query_returns_data_from_a_live_process(tmp_path):
                 "--storage.tsdb.retention.time=1h",
                 "--log.level=warn",
             ],
-            stdout=subprocess.PIPE,
+            stdout=prom_log,
             stderr=subprocess.STDOUT,
             text=True,
         )
@@ -267,14 +278,19 @@ def test_every_dashboard_query_returns_data_from_a_live_process(tmp_path):
         def query(expr: str) -> dict[str, Any]:
             return _get(f"{api}/query?" + urllib.parse.urlencode({"query": expr}))
 
-        _wait(lambda: urllib.request.urlopen(f"http://{web}/-/ready", timeout=2).status == 200, 60,
-              "Prometheus to be ready", [load, prom])  # fmt: skip
-        # Enough samples for every rate window: 12 scrapes of the target.
+        procs = [(load, load_log_path), (prom, prom_log_path)]
+        _wait(
+            lambda: urllib.request.urlopen(f"http://{web}/-/ready", timeout=2).status == 200,
+            60,
+            "Prometheus to be ready",
+            procs,
+        )
+        # Enough samples in every rate window: at least 8 scrapes of the target within it.
         _wait(
             lambda: query(f"count_over_time(dsio_info[{RATE_INTERVAL}]) >= 8")["data"]["result"],
             60,
             "Prometheus to scrape the dsio process",
-            [load, prom],
+            procs,
         )
         targets = _get(f"{api}/targets")["data"]["activeTargets"]
         assert [t["health"] for t in targets] == ["up"], targets
@@ -326,5 +342,5 @@ def test_every_dashboard_query_returns_data_from_a_live_process(tmp_path):
                 p.kill()
             if p is not None:
                 p.wait(timeout=30)
-                if p.stdout:
-                    p.stdout.close()
+        load_log.close()
+        prom_log.close()
