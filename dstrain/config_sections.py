@@ -187,8 +187,18 @@ class CheckpointConfig:
 
 
 _OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
-    "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"),
-    "adamw": ("lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam"),
+    "adam": (
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "amsgrad",
+        "adam_w_mode",
+        "torch_adam",
+        "fused",
+        "foreach",
+    ),
+    "adamw": ("lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "fused", "foreach"),
     "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
 }
 _OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
@@ -220,6 +230,8 @@ class OptimizerConfig:
     """``"optimizer"``: ``{"type": "Adam" | "AdamW" | "SGD", "params": {...}}``.
 
     As in DeepSpeed, ``Adam`` decouples weight decay (AdamW) unless ``"adam_w_mode": false``.
+    ``fused`` / ``foreach`` pass through to torch (as DeepSpeed does with ``torch_adam``); when neither
+    is given dstrain uses torch's fused Adam(W) kernel where it supports the tensors.
     """
 
     type: str
@@ -244,7 +256,7 @@ class OptimizerConfig:
             or not all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in betas)
         ):
             raise ConfigError("optimizer.params.betas", f"expected two numbers in [0, 1), got {betas!r}")
-        for flag in ("amsgrad", "adam_w_mode", "torch_adam", "nesterov"):
+        for flag in ("amsgrad", "adam_w_mode", "torch_adam", "nesterov", "fused", "foreach"):
             if flag in self.params:
                 check_bool("optimizer.params", flag, self.params[flag])
 

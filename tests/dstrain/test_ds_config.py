@@ -109,6 +109,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"optimizer": {"type": "Adam", "params": {"weight_decay": -0.1}}}, "optimizer.params.weight_decay"),
     ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}}, "optimizer.params.betas"),
     ({"optimizer": {"type": "Adam", "params": {"amsgrad": "no"}}}, "optimizer.params.amsgrad"),
+    ({"optimizer": {"type": "AdamW", "params": {"fused": 1}}}, "optimizer.params.fused"),
     ({"optimizer": {"type": "Adam", "params": []}}, "optimizer.params"),
     ({"optimizer": {"params": {}}}, "optimizer.type"),
     ({"scheduler": {"type": "Cosine"}}, "scheduler.type"),

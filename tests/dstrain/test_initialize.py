@@ -77,6 +77,10 @@ def test_deepspeed_adam_is_adamw_unless_adam_w_mode_false() -> None:
     cfg["optimizer"] = {"type": "adam", "params": {"lr": 1e-3, "adam_w_mode": False}}
     _, opt, _, _ = dstrain.initialize(model=make_model(), config=cfg)
     assert type(opt) is torch.optim.Adam
+    assert opt.defaults["fused"] is True  # torch's fused kernel by default
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "foreach": False}}
+    _, opt, _, _ = dstrain.initialize(model=make_model(), config=cfg)
+    assert not opt.defaults["fused"] and opt.defaults["foreach"] is False
 
 
 def test_client_optimizer_and_scheduler_are_rebuilt_over_masters() -> None:
