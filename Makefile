@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 BUILD_DEPS := scikit-build-core pybind11 cmake ninja
 
-.PHONY: all setup demo test lint bench bench-io gpu-check clean
+.PHONY: all setup demo test lint bench bench-io bench-checkpoint bench-metrics prometheus gpu-check clean
 
 all: setup
 
@@ -31,7 +31,11 @@ setup: $(VENV)/.stamp-build
 demo: setup
 	$(BIN)/python examples/demo.py
 
-test: setup
+# The Grafana test scrapes a live dsio process with a real Prometheus (Debian's package).
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || bash scripts/install_prometheus.sh
+
+test: setup prometheus
 	$(BIN)/python -m pytest -q
 
 lint: setup
@@ -39,10 +43,16 @@ lint: setup
 	$(BIN)/ruff format --check dsio dstrain tests bench examples
 	$(BIN)/mypy
 
-bench: bench-io
+bench: bench-io bench-checkpoint bench-metrics
 
 bench-io: setup
 	$(BIN)/python bench/io.py
+
+bench-checkpoint: setup
+	$(BIN)/python bench/checkpoint.py
+
+bench-metrics: setup prometheus
+	$(BIN)/python bench/metrics_overhead.py
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -24,6 +24,15 @@ py::dict op_stats(const OpStats& s) {
   py::list h;
   for (const auto& b : s.hist) h.append(b.load());
   d["latency_hist"] = h;
+  py::list sizes;
+  for (const auto& b : s.size_hist) sizes.append(b.load());
+  d["size_hist"] = sizes;
+  py::dict by_errno;
+  for (int e = 0; e < kErrnoSlots; ++e) {
+    uint64_t n = s.errno_counts[e].load();
+    if (n) by_errno[py::int_(e)] = n;
+  }
+  d["errno_counts"] = by_errno;
   return d;
 }
 

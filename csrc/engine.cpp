@@ -27,6 +27,12 @@ int bucket_for(uint64_t ns) {
   return b;
 }
 
+int size_bucket(uint64_t n) {
+  int b = 0;
+  while (b < kSizeBuckets - 1 && (uint64_t{4096} << b) < n) ++b;
+  return b;
+}
+
 }  // namespace
 
 Engine::Engine(const std::string& backend, uint64_t block_size, unsigned queue_depth, unsigned parallelism,
@@ -229,6 +235,8 @@ void Engine::finish(Request* r) {
   st.bytes.fetch_add(r->done.load(), std::memory_order_relaxed);
   st.latency_ns.fetch_add(lat, std::memory_order_relaxed);
   st.hist[bucket_for(lat)].fetch_add(1, std::memory_order_relaxed);
+  st.size_hist[size_bucket(r->nbytes)].fetch_add(1, std::memory_order_relaxed);
+  if (err != 0) st.errno_counts[err < kErrnoSlots ? err : 0].fetch_add(1, std::memory_order_relaxed);
   bool was_empty;
   {
     std::lock_guard<std::mutex> g(cmu_);

@@ -33,10 +33,14 @@
 namespace dsio {
 
 constexpr int kHistBuckets = 32;  // bucket i: latency < 2^i microseconds (last: everything above)
+constexpr int kSizeBuckets = 24;  // bucket i: request bytes <= 4096 << i (last: everything above)
+constexpr int kErrnoSlots = 134;  // errno counts by value; slot 0 collects errno >= 134
 
 struct OpStats {
   std::atomic<uint64_t> ops{0}, bytes{0}, errors{0}, latency_ns{0};
   std::array<std::atomic<uint64_t>, kHistBuckets> hist{};
+  std::array<std::atomic<uint64_t>, kSizeBuckets> size_hist{};
+  std::array<std::atomic<uint64_t>, kErrnoSlots> errno_counts{};
 };
 
 struct Request {

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from .pool import PoolStatistics
 
-__all__ = ["EngineStatistics", "HandleStatistics", "OpStatistics", "LATENCY_BUCKET_BOUNDS_S"]
+__all__ = [
+    "EngineStatistics",
+    "HandleStatistics",
+    "OpStatistics",
+    "LATENCY_BUCKET_BOUNDS_S",
+    "SIZE_BUCKET_BOUNDS_BYTES",
+]
 
 #: Upper bound (seconds) of each latency bucket the engine keeps: bucket i counts requests that
 #: took less than 2**i microseconds; the last bucket counts everything slower.
 LATENCY_BUCKET_BOUNDS_S: tuple[float, ...] = tuple((2**i) * 1e-6 for i in range(31)) + (float("inf"),)
+#: Upper bound (bytes) of each request-size bucket: bucket i counts requests of at most 4096 << i bytes.
+SIZE_BUCKET_BOUNDS_BYTES: tuple[float, ...] = tuple(float(4096 << i) for i in range(23)) + (float("inf"),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,10 +31,22 @@ class OpStatistics:
     latency_seconds_total: float
     latency_buckets: tuple[int, ...]
     """Non-cumulative counts per bucket of ``LATENCY_BUCKET_BOUNDS_S``."""
+    size_buckets: tuple[int, ...] = ()
+    """Non-cumulative counts of request sizes per bucket of ``SIZE_BUCKET_BOUNDS_BYTES``."""
+    errors_by_errno: Mapping[int, int] = field(default_factory=dict)
+    """Failed requests by errno (0: errno >= 134); short transfers are counted in ``errors`` only."""
 
     @classmethod
     def _from(cls, d: dict) -> OpStatistics:
-        return cls(d["ops"], d["bytes"], d["errors"], d["latency_ns"] / 1e9, tuple(d["latency_hist"]))
+        return cls(
+            d["ops"],
+            d["bytes"],
+            d["errors"],
+            d["latency_ns"] / 1e9,
+            tuple(d["latency_hist"]),
+            tuple(d.get("size_hist", ())),
+            dict(d.get("errno_counts", {})),
+        )
 
 
 @dataclass(frozen=True, slots=True)

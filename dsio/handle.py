@@ -19,6 +19,8 @@ from ._transfer import FileRef, TransferCounters, check_readable, fsync, transfe
 from .config import IOConfig
 from .errors import BackendUnavailableError, ClosedError, IOFailedError
 from .file import AsyncFile
+from .metrics import track as _track_metrics
+from .metrics import untrack as _untrack_metrics
 from .pool import PinnedPool
 
 __all__ = ["AsyncIOHandle"]
@@ -54,6 +56,7 @@ class AsyncIOHandle:
         self._errors = self._in_flight = 0
         self._idle_waiters: list[asyncio.Future[None]] = []
         self._gpu: Any = None
+        _track_metrics(self)  # read by dsio.metrics at scrape time; a weak reference
 
     @property
     def backend(self) -> str:
@@ -219,6 +222,7 @@ class AsyncIOHandle:
         self._engine.close()
         # Suspended coroutines may still hold staging buffers; their memory outlives the pool's views.
         self._pool.close(force=True)
+        _untrack_metrics(self)
 
     async def __aenter__(self) -> AsyncIOHandle:
         return self

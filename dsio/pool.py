@@ -163,7 +163,7 @@ class PinnedPool:
             buffers=len(self._views),
             buffer_bytes=self.buffer_bytes,
             in_use=len(self._views) - len(self._free) if not self._closed else 0,
-            waiters=sum(1 for w in self._waiters if not w.done()),
+            waiters=len(self._waiters),  # len() is atomic: safe from the exporter's thread
             acquired_total=self._acquired,
             waited_total=self._waited,
             wait_seconds_total=self._wait_s,

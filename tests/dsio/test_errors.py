@@ -77,7 +77,10 @@ def test_write_failure_is_ioerror_with_errno(run):
             with pytest.raises(IOFailedError) as ei:
                 await h.pwrite(torch.ones(1 << 16), "/dev/full", offset=0)
             assert ei.value.errno == errno.ENOSPC and ei.value.filename == "/dev/full"
-            assert h.statistics().errors == 1
+            st = h.statistics()
+            assert st.errors == 1
+            assert st.engine.write.errors_by_errno == {errno.ENOSPC: 1}
+            assert sum(st.engine.write.size_buckets) == st.engine.write.ops == 1
 
     run(main())
 
