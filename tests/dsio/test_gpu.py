@@ -119,6 +119,6 @@ def test_cuda_request_without_cuda_is_clear():
     from dsio.gpu import GpuIO, gpu_status
 
     assert not gpu_status().cuda and gpu_status().auto_choice.startswith("none")
-    with dsio.AsyncIOHandle(gpu_backend="cufile") as h:  # valid config everywhere; using it needs CUDA
-        with pytest.raises(BackendUnavailableError):
-            GpuIO(h)
+    # A valid config everywhere; using it needs CUDA.
+    with dsio.AsyncIOHandle(gpu_backend="cufile") as h, pytest.raises(BackendUnavailableError):
+        GpuIO(h)
