@@ -58,3 +58,15 @@ __all__ = [
     "backend_status",
     "__version__",
 ]
+
+_SUBMODULES = ("checkpoint", "compat", "gpu", "metrics", "cli")
+
+
+def __getattr__(name: str):
+    """``dsio.checkpoint``, ``dsio.compat``, ... load on first use (torch.distributed, CUDA and
+    prometheus-client stay out of ``import dsio``)."""
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'dsio' has no attribute {name!r}")
