@@ -17,7 +17,7 @@ from ._format import Header
 from ._integrity import FORMAT_KEY, STATE_KEY
 from ._read import read_file
 from ._state import flatten, unflatten
-from ._write import FileWriter, Staging
+from ._write import FileWriter
 
 __all__ = ["DEFAULT_IO", "file_metadata", "load", "restore", "save"]
 
@@ -63,15 +63,14 @@ async def save(
     tensors, tree = flatten(state, allow_pickle=allow_pickle)
     path = os.fspath(path)
     async with _handle(handle, config) as h:
-        w = FileWriter(h, path, tensors, file_metadata(tree), Staging())
+        # One-shot: write straight from the tensors through the handle's small pinned pool rather
+        # than allocating (and page-faulting) a state-sized staging region for a single use.
+        w = FileWriter(h, path, tensors, file_metadata(tree), None)
         try:
-            await w.stage()
-            return await w.finish(fsync=fsync)
+            return await w.stream(fsync=fsync)
         except BaseException:
             await w.abort()
             raise
-        finally:
-            w.staging.release()
 
 
 def restore(

@@ -35,6 +35,7 @@ __all__ = [
     "inside",
     "read_latest",
     "read_manifest",
+    "remove_trees",
     "retire",
     "step_name",
     "tmp_name",
@@ -194,18 +195,28 @@ def read_latest(root: str) -> int | None:
     return step if os.path.isfile(os.path.join(root, text, MANIFEST)) else None
 
 
-def retire(root: str, keep_last: int | None, protect: int) -> list[int]:
-    """Delete the oldest committed steps beyond ``keep_last`` (never ``protect``); return them."""
+def retire(root: str, keep_last: int | None, protect: int) -> list[str]:
+    """Retire the oldest committed steps beyond ``keep_last`` (never ``protect``).
+
+    Each is renamed to ``step-N.old.tmp`` (atomic, so it stops being a step at once) and the
+    directory is fsynced; the returned paths are what is left to delete (``remove_trees``),
+    which can happen in the background: a crash before then leaves ``*.tmp``, removed at start.
+    """
     if keep_last is None:
         return []
     steps = committed_steps(root)
     doomed = [s for s in steps[: max(0, len(steps) - keep_last)] if s != protect]
+    out = []
     for s in doomed:
         old = os.path.join(root, step_name(s) + ".old.tmp")
         shutil.rmtree(old, ignore_errors=True)
         os.rename(os.path.join(root, step_name(s)), old)
-    if doomed:
+        out.append(old)
+    if out:
         fsync_dir(root)
-        for s in doomed:
-            shutil.rmtree(os.path.join(root, step_name(s) + ".old.tmp"), ignore_errors=True)
-    return doomed
+    return out
+
+
+def remove_trees(paths: list[str]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)

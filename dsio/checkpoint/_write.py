@@ -88,7 +88,7 @@ class FileWriter:
         path: str,
         tensors: dict[str, torch.Tensor],
         metadata: dict[str, str],
-        staging: Staging,
+        staging: Staging | None,
         *,
         preallocate: bool = True,
     ) -> None:
@@ -127,14 +127,21 @@ class FileWriter:
         t0 = time.perf_counter()
         if self.preallocate:
             _preallocate(self.path, self.file_size)
+        assert self.staging is not None, "stage() needs a staging region; stream() does not"
         self._region = region = self.staging.get(self.file_size)
         self._file = self.handle.open(self.path, "w")
         ds = self.data_start
         self._flushed = ds  # the header goes last, once the checksums are known
+        base = region.data_ptr()
         for e in self.entries:
             if e.nbytes:
-                dst = region[ds + e.begin : ds + e.end].view(e.dtype).view(e.shape)
-                dst.copy_(self.tensors[e.name])
+                src = self.tensors[e.name]
+                if src.device.type == "cpu" and src.is_contiguous():
+                    # One plain memcpy per tensor: torch's copy_ splits big copies over its OpenMP
+                    # threads, which stalls whenever another process holds one of the cores.
+                    _C.memcpy(base + ds + e.begin, src.data_ptr(), e.nbytes)
+                else:  # strided or on a GPU: let torch gather it
+                    region[ds + e.begin : ds + e.end].view(e.dtype).view(e.shape).copy_(src)
             staged = ds + e.end
             if staged - self._flushed >= CHUNK_BYTES:
                 cut = staged & ~(_ALIGN - 1)
@@ -143,6 +150,49 @@ class FileWriter:
                 await asyncio.sleep(0)  # let the write task reach the engine
         self.tensors = {}  # the caller's tensors are free from here on
         self.stage_seconds = time.perf_counter() - t0
+
+    async def stream(self, *, fsync: bool = True) -> int:
+        """Write straight from the caller's tensors (no region): for a one-shot synchronous save.
+
+        dsio stages each tensor's unaligned body through its small pinned pool, pipelined with the
+        disk, so no state-sized allocation is made; the checksums are computed from the tensors
+        on a worker thread meanwhile. The tensors must not change until this returns.
+        """
+        t0 = time.perf_counter()
+        if self.preallocate:
+            _preallocate(self.path, self.file_size)
+        self._file = f = self.handle.open(self.path, "w")
+        ds = self.data_start
+        srcs: dict[str, torch.Tensor] = {}
+        for e in self.entries:
+            t = self.tensors[e.name]
+            if t.device.type != "cpu" or not t.is_contiguous():
+                t = t.to("cpu").contiguous()
+            srcs[e.name] = t
+            if e.nbytes:
+                self._writes.append(asyncio.ensure_future(f.pwrite(t, ds + e.begin)))
+        await asyncio.sleep(0)  # let the writes reach the engine before the checksums start
+
+        def checksums() -> dict[str, str]:
+            return {e.name: hex32(crc_of(srcs[e.name].data_ptr(), e.nbytes)) for e in self.entries}
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsio-ckpt-crc") as ex:
+                sums = await asyncio.get_running_loop().run_in_executor(ex, checksums)
+            header = encode_header(self.entries, self._meta_for(sums))
+            assert len(header) == ds, "header length changed with its checksums"
+            self._writes.append(
+                asyncio.ensure_future(f.pwrite(torch.frombuffer(bytearray(header), dtype=torch.uint8), 0))
+            )
+        finally:
+            await self._drain()
+        if fsync:
+            await f.fsync()
+        f.close()
+        self._file = None
+        self.tensors = {}
+        self.write_seconds = time.perf_counter() - t0
+        return self.file_size
 
     async def finish(self, *, fsync: bool = True) -> int:
         """Write the rest and the header, fsync, close; return the file size."""

@@ -96,8 +96,9 @@ class Checkpointer:
     rank's file is durable. The directory must be the same (shared) one on every rank.
     ``load`` reads the calling rank's file and refuses a checkpoint of another world size.
 
-    ``keep_last`` keeps that many newest committed steps (older ones are deleted after each
-    commit); ``None`` keeps all. Leftover ``*.tmp`` from a crash are removed at construction.
+    ``keep_last`` keeps that many newest committed steps: after each commit older ones are
+    renamed away at once (``steps()`` no longer lists them) and deleted on a worker thread,
+    which the next ``save()``, ``wait()`` and ``aclose()`` wait for; ``None`` keeps all. Leftover ``*.tmp`` from a crash are removed at construction.
     """
 
     def __init__(
@@ -128,6 +129,7 @@ class Checkpointer:
         self._handle: AsyncIOHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inflight: asyncio.Task[SaveResult] | None = None
+        self._cleanup: asyncio.Future[None] | None = None
         self._closed = False
         self._saves = self._failed = self._loads = 0
         self._last: dict[str, Any] = dict(
@@ -203,9 +205,7 @@ class Checkpointer:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
         io = self._io()
-        prev = self._inflight
-        if prev is not None and not prev.done():
-            await asyncio.wait([prev])
+        await self._idle()
         t_wait = time.perf_counter() - t0
         rank = self._coord.rank
         tmpdir = os.path.join(self.directory, _commit.tmp_name(step))
@@ -307,13 +307,24 @@ class Checkpointer:
             shutil.rmtree(tmpdir, ignore_errors=True)
             return f"rank 0 could not commit: {e!r}"
         try:
-            _commit.retire(self.directory, self.keep_last, protect=step)
+            doomed = _commit.retire(self.directory, self.keep_last, protect=step)
         except OSError as e:  # the new step is committed; old ones stay for the next attempt
             log.warning("dsio.checkpoint: retention failed: %r", e)
+            doomed = []
+        if doomed:  # deleting gigabytes takes a while: off the save's critical path
+            self._cleanup = asyncio.get_running_loop().run_in_executor(None, _commit.remove_trees, doomed)
         return None
 
+    async def _idle(self) -> None:
+        """Wait (without raising) for the save in flight and the deletion of retired steps."""
+        pending = [f for f in (self._inflight, self._cleanup) if f is not None and not f.done()]
+        if pending:
+            await asyncio.wait(pending)
+
     async def wait(self) -> SaveResult | None:
-        """Wait for the save in flight (if any) and return its result (or raise its error)."""
+        """Wait for the save in flight (if any) and for retired steps to be deleted; return the
+        save's result (or raise its error)."""
+        await self._idle()
         task = self._inflight
         if task is None:
             return None
@@ -372,9 +383,7 @@ class Checkpointer:
     # -- lifetime --------------------------------------------------------------------------------
     async def aclose(self) -> None:
         """Wait for the save in flight (its error stays with its task), then free everything."""
-        task = self._inflight
-        if task is not None and not task.done():
-            await asyncio.wait([task])
+        await self._idle()
         if self._handle is not None:
             await self._handle.aclose()
         self.close()

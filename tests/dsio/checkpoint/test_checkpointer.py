@@ -44,8 +44,9 @@ def test_layout_latest_steps_and_retention(tmp_path):
         async with C.Checkpointer(tmp_path, keep_last=2) as ck:
             for step in (10, 20, 30, 40):
                 await (await ck.save(step, {"step": step, "w": torch.full((3,), float(step))}))
-            assert ck.steps() == [30, 40]
+            assert ck.steps() == [30, 40]  # retired steps stop being steps at once
             assert ck.latest_step() == 40
+            await ck.wait()  # ...and are deleted in the background
             assert sorted(os.listdir(tmp_path)) == ["latest", "step-000000030", "step-000000040"]
             assert (tmp_path / "latest").read_text() == "step-000000040\n"
             d = tmp_path / "step-000000040"
