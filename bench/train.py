@@ -329,6 +329,36 @@ def report(
     return "\n".join(lines) + "\n"
 
 
+def plot(results: dict[str, list[list[dict[str, Any]]]], path: Path) -> bool:
+    """Bar charts of best step time and peak RSS per method; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    methods = [m for m, reps in results.items() if reps]
+    best = [
+        min(min(max(ts) for ts in zip(*(r["step_s"] for r in rep), strict=True)) for rep in results[m])
+        for m in methods
+    ]
+    rss = [statistics.median(max(r["peak_rss_mib"] for r in rep) for rep in results[m]) for m in methods]
+    colors = [
+        "tab:gray" if m in ("ddp", "fsdp2") else "tab:blue" if m.startswith("dstrain") else "tab:orange"
+        for m in methods
+    ]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, values, title in ((axes[0], best, "best step time, s"), (axes[1], rss, "peak RSS per rank, MiB")):
+        ax.bar(methods, values, color=colors)
+        ax.set_title(title)
+        ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default=",".join(ALL_METHODS))
@@ -344,12 +374,22 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--ds-python", default="/work/ds-venv/bin/python")
     p.add_argument("--output", default=None, help="markdown path (default bench/results/train-<date>.md)")
+    p.add_argument("--from-json", default=None, help="re-render the report of an earlier run's .json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        if "results" not in saved:  # an earlier version stored the results alone
+            saved = {"results": saved, "skipped": []}
+        out = Path(args.output) if args.output else Path(args.from_json).with_suffix(".md")
+        out.write_text(report(saved["results"], args, saved["skipped"]))
+        plot(saved["results"], out.with_suffix(".png"))
+        print(f"wrote {out}")
         return
     methods = [m for m in args.methods.split(",") if m]
     skipped = []
@@ -377,7 +417,9 @@ def main() -> None:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     path = Path(args.output) if args.output else ROOT / "bench" / "results" / f"train-{date}.md"
     path.write_text(text)
-    (path.with_suffix(".json")).write_text(json.dumps(results))
+    path.with_suffix(".json").write_text(json.dumps({"results": results, "skipped": skipped}))
+    if plot(results, path.with_suffix(".png")):
+        print(f"wrote {path.with_suffix('.png')}")
     print(text)
     print(f"wrote {path}")
 
