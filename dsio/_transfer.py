@@ -25,7 +25,7 @@ from .config import ALIGNMENT
 from .errors import ClosedError, ShortIOError
 from .pool import Lease, PinnedPool
 
-__all__ = ["FileRef", "TransferCounters", "fsync", "transfer"]
+__all__ = ["FileRef", "TransferCounters", "fsync", "submit_one", "transfer"]
 
 _C = load_native()
 
@@ -128,7 +128,7 @@ async def transfer(
     end = offset + nbytes
     if not ref.direct:
         counters.buffered += nbytes
-        await _single(disp, ref, op, ref.fd, ptr, nbytes, offset, keep)
+        await submit_one(disp, ref, op, ptr, nbytes, offset, keep)
         return
     body_start = min(_align_up(offset), end)
     body_end = max(_align_down(end), body_start)
@@ -136,7 +136,7 @@ async def transfer(
     if body_start == offset and body_end == end and body_ptr % ALIGNMENT == 0:
         # The common fast path: aligned memory, offset and length: one O_DIRECT request.
         counters.direct += nbytes
-        await _single(disp, ref, op, ref.fd, ptr, nbytes, offset, keep)
+        await submit_one(disp, ref, op, ptr, nbytes, offset, keep)
         return
 
     futs: list[asyncio.Future] = []
@@ -177,16 +177,16 @@ async def transfer(
             raise exc
 
 
-async def _single(
-    disp: Dispatcher, ref: FileRef, op: int, fd: int, ptr: int, n: int, off: int, keep: object
-) -> None:
+def submit_one(
+    disp: Dispatcher, ref: FileRef, op: int, ptr: int, n: int, off: int, keep: object
+) -> asyncio.Future:
+    """One request on ``ref.fd``, holding a reference to the file until the kernel is done."""
     ref.acquire()
     try:
-        fut = disp.submit(op, fd, ptr, n, off, path=ref.path, finalize=ref.done, keep=keep)
+        return disp.submit(op, ref.fd, ptr, n, off, path=ref.path, finalize=ref.done, keep=keep)
     except BaseException:
         ref.release()
         raise
-    await fut
 
 
 def _then_release(finalize: Callable[[int], None], ref: FileRef) -> Callable[[int], None]:

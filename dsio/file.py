@@ -55,8 +55,12 @@ class AsyncFile:
         ref = self._live()
         if tensor.is_cuda:
             return int(await self._h._gpu_io().pwrite_file(self, tensor, check_offset(offset)))
-        self._h._ready()
-        await self._h._run(WRITE, ref, ptr, n, check_offset(offset), tensor)
+        h = self._h
+        h._ready()
+        off = check_offset(offset)
+        with h._scope(WRITE, n):
+            fut = h._fast(WRITE, ref, ptr, n, off, tensor)
+            await (fut if fut is not None else h._general(WRITE, ref, ptr, n, off, tensor))
         return n
 
     async def pread(self, tensor: torch.Tensor, offset: int = 0) -> int:
@@ -65,8 +69,12 @@ class AsyncFile:
         ref = self._live()
         if tensor.is_cuda:
             return int(await self._h._gpu_io().pread_file(self, tensor, check_offset(offset)))
-        self._h._ready()
-        await self._h._run(READ, ref, ptr, n, check_offset(offset), tensor)
+        h = self._h
+        h._ready()
+        off = check_offset(offset)
+        with h._scope(READ, n):
+            fut = h._fast(READ, ref, ptr, n, off, tensor)
+            await (fut if fut is not None else h._general(READ, ref, ptr, n, off, tensor))
         return n
 
     async def fsync(self) -> None:
