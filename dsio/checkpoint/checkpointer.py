@@ -96,6 +96,10 @@ class Checkpointer:
     rank's file is durable. The directory must be the same (shared) one on every rank.
     ``load`` reads the calling rank's file and refuses a checkpoint of another world size.
 
+    ``copy_threads`` threads copy the state into the pinned staging region (what ``save()``
+    blocks for); ``preallocate`` reserves each file's blocks first, so a full disk fails before
+    any copy.
+
     ``keep_last`` keeps that many newest committed steps: after each commit older ones are
     renamed away at once (``steps()`` no longer lists them) and deleted on a worker thread,
     which the next ``save()``, ``wait()`` and ``aclose()`` wait for; ``None`` keeps all. Leftover ``*.tmp`` from a crash are removed at construction.
@@ -110,6 +114,7 @@ class Checkpointer:
         allow_pickle: bool = False,
         process_group: Any = None,
         preallocate: bool = True,
+        copy_threads: int = 2,
     ) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
@@ -118,6 +123,7 @@ class Checkpointer:
         self.config = config or DEFAULT_IO
         self.allow_pickle = allow_pickle
         self.preallocate = preallocate
+        self.copy_threads = copy_threads
         self._coord = Coordinator(process_group)
         if self._coord.rank == 0:
             os.makedirs(self.directory, exist_ok=True)
@@ -221,6 +227,7 @@ class Checkpointer:
                 meta,
                 self._staging,
                 preallocate=self.preallocate,
+                copy_threads=self.copy_threads,
             )
             await writer.stage()
         except BaseException as e:
