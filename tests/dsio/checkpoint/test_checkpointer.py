@@ -221,3 +221,19 @@ def test_invalid_arguments(tmp_path):
                 await ck.save(-1, {})
 
     run(main())
+
+
+@pytest.mark.parametrize("copy_threads", [0, 1, 2])
+def test_staging_paths_big_strided_and_many_chunks(tmp_path, copy_threads):
+    async def main():
+        g = torch.Generator().manual_seed(copy_threads)
+        state = {
+            "big": torch.randn(40 << 20, generator=g),  # 160 MiB: several segments and write chunks
+            "strided": torch.randn(300, 200, generator=g).t(),  # torch gathers it
+            "small": [torch.randn(7, generator=g) for _ in range(50)],
+        }
+        async with C.Checkpointer(tmp_path, copy_threads=copy_threads) as ck:
+            await (await ck.save(1, state))
+            assert_same({**state, "strided": state["strided"].contiguous()}, await ck.load())
+
+    run(main())
