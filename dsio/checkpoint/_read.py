@@ -53,6 +53,22 @@ def _placed(nbytes: int, file_offset: int) -> torch.Tensor:
     return base[s : s + nbytes]
 
 
+def _enclosed(begin: int, end: int, file_size: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Fresh memory for file bytes ``[begin, end)``, read as the whole pages around them.
+
+    Returns ``(io, io_offset, data)``: ``io`` is page-aligned memory for the page-aligned file
+    range ``[io_offset, ...)`` (clipped at the end of the file) and ``data`` the view of
+    ``[begin, end)`` inside it. Reading ``io`` is one O_DIRECT request with no partial pages
+    going through the page cache; neighbouring tensors simply both read their shared page.
+    """
+    lo = begin & ~(_ALIGN - 1)
+    hi = min(-(-end // _ALIGN) * _ALIGN, file_size)
+    base = torch.empty(hi - lo + _ALIGN, dtype=torch.uint8)
+    s = (-base.data_ptr()) % _ALIGN
+    io = base[s : s + hi - lo]
+    return io, lo, io[begin - lo : end - lo]
+
+
 def _typed(raw: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     esize = torch.empty(0, dtype=e.dtype).element_size()
     if raw.data_ptr() % esize:  # a file whose tensors are not aligned to their element size
@@ -97,12 +113,13 @@ async def read_file(
     path = os.fspath(path)
     loop = asyncio.get_running_loop()
     async with handle.open(path, "r") as f:
-        header = await read_header(f, path, f.size)
+        size = f.size
+        header = await read_header(f, path, size)
         ds = header.data_start
         sums = parse_checksums(header.metadata, [e.name for e in header.entries], path) if verify else None
         out: dict[str, torch.Tensor] = {}
         checks: list[asyncio.Future[None]] = []
-        ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsio-ckpt-crc") if sums else None
+        ex = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dsio-ckpt-crc") if sums else None
 
         def verify_run(raw: torch.Tensor, run: list[TensorEntry]) -> None:
             assert sums is not None
@@ -117,9 +134,9 @@ async def read_file(
 
         async def read_run(run: list[TensorEntry]) -> None:
             begin, end = run[0].begin, run[-1].end
-            raw = _placed(end - begin, ds + begin)
+            io, io_off, raw = _enclosed(ds + begin, ds + end, size)
             if end > begin:
-                await f.pread(raw, ds + begin)
+                await f.pread(io, io_off)
             if ex is not None:
                 checks.append(loop.run_in_executor(ex, verify_run, raw, run))
             if len(run) == 1 and run[0].nbytes >= BIG_BYTES:

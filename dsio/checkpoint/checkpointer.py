@@ -358,7 +358,8 @@ class Checkpointer:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
-        d = os.path.join(self.directory, _commit.step_name(step))
+        # A step directory symlinked to somewhere else is not part of this checkpoint directory.
+        d = _commit.inside(self.directory, _commit.step_name(step), f"step {step}")
         try:
             manifest = _commit.read_manifest(d)
         except FileNotFoundError:

@@ -237,3 +237,17 @@ def test_staging_paths_big_strided_and_many_chunks(tmp_path, copy_threads):
             assert_same({**state, "strided": state["strided"].contiguous()}, await ck.load())
 
     run(main())
+
+
+def test_step_directory_symlinked_outside_is_rejected(tmp_path):
+    async def main():
+        root, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+        async with C.Checkpointer(elsewhere) as other:
+            await (await other.save(1, {"v": torch.ones(2)}))
+        root.mkdir()
+        os.symlink(elsewhere / "step-000000001", root / "step-000000001")
+        async with C.Checkpointer(root) as ck:
+            with pytest.raises(dsio.errors.CheckpointFormatError):
+                await ck.load(step=1)
+
+    run(main())
