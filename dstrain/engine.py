@@ -114,7 +114,10 @@ class Engine:
         start = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
         self.zero.before_backward(boundary)
-        self.precision.scale_loss(loss, self.config.gradient_accumulation_steps).backward()
+        scaled = self.precision.scale_loss(
+            loss, self.config.gradient_accumulation_steps, self.zero.loss_prescale
+        )
+        scaled.backward()
         self.zero.after_backward(boundary)
         self._times["backward"] += time.perf_counter() - start
         return loss

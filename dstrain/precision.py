@@ -118,9 +118,9 @@ class Precision:
             return {k: self.cast_inputs(v) for k, v in value.items()}
         return value
 
-    def scale_loss(self, loss: torch.Tensor, accumulation_steps: int) -> torch.Tensor:
-        """The tensor to call backward on: loss x scale / accumulation steps, in fp32."""
-        return loss.float() * (self.loss_scale / accumulation_steps)
+    def scale_loss(self, loss: torch.Tensor, accumulation_steps: int, prescale: float = 1.0) -> torch.Tensor:
+        """The tensor to call backward on: loss x scale x prescale / accumulation steps, in fp32."""
+        return loss.float() * (self.loss_scale * prescale / accumulation_steps)
 
     def unscale_and_clip(
         self,

@@ -45,6 +45,12 @@ class ZeroStrategy(ABC):
     comm: Comm
 
     @property
+    def loss_prescale(self) -> float:
+        """Factor the engine applies to the loss before backward (e.g. 1/world where the strategy
+        sums gradients over ranks instead of averaging them)."""
+        return 1.0
+
+    @property
     @abstractmethod
     def partitioned(self) -> bool:
         """True when each rank's master gradients are a different slice (norms sum over ranks)."""

@@ -59,13 +59,13 @@ class BoundaryBuckets:
         self.handles[b] = self.comm.all_reduce(self.flat_grad[start:end], async_op=True)
 
     def finish(self) -> None:
-        """Launch what backward did not complete (unused parameters), wait for all, average."""
+        """Launch what backward did not complete (unused parameters) and wait for all: the gradients
+        are then summed over ranks (the engine pre-scaled the loss by 1/world)."""
         for b, handle in enumerate(self.handles):
             if handle is None:
                 self._launch(b)
         for handle in self.handles:
             handle.wait()
-        self.flat_grad.div_(self.comm.world_size)
         self.ready = [0] * len(self.ranges)
         self.handles = [None] * len(self.ranges)
         self.armed = False

@@ -31,6 +31,7 @@ class _Group:
         comm: Comm,
         dtype: torch.dtype,
         chunk: int,
+        reduce_scatter: bool,
     ) -> None:
         self.options = options
         self.params = params
@@ -49,16 +50,14 @@ class _Group:
             self.flat_grad = torch.zeros_like(self.flat)
             self.grad_views = self.layout.views(self.flat_grad)
             self.attach_grads()
-        if stage == 1 and not self.alias:
+        if reduce_scatter:
             self.part_grad = torch.zeros(hi - lo, dtype=dtype, device=self.flat.device)
-        if self.alias and stage == 0:
+        if self.alias and stage < 2:
+            # the reduced gradient is read where it lies: no fp32 copy of it
             assert self.flat_grad is not None
-            self.master_grad = self.flat_grad
-        elif self.alias and stage == 1:
-            self.master_grad = torch.zeros(hi - lo, dtype=torch.float32, device=self.flat.device)
-            self.part_grad = self.master_grad
+            self.master_grad = self.part_grad if self.part_grad is not None else self.flat_grad[lo:hi]
         else:
-            # stage 2 accumulates reduced gradients of every micro-step here, in fp32
+            # fp16/bf16 (cast here), and stage 2, which accumulates every micro-step's reduced gradients
             self.master_grad = torch.zeros(hi - lo, dtype=torch.float32, device=self.flat.device)
         # what the optimizer steps: pieces of the master range, with views of master_grad as .grad
         self.views = optimizer_views(self.master, self.master_grad, chunk)
@@ -70,6 +69,12 @@ class _Group:
                 if p.grad is not None:
                     g.copy_(p.grad)
                 p.grad = g
+
+
+def _shares(t: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """True when ``t`` lies in the storage of one of ``others`` (so zeroing those zeroed it)."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(o is not None and o.untyped_storage().data_ptr() == ptr for o in others)
 
 
 class DataParallelZero(ZeroStrategy):
@@ -92,6 +97,12 @@ class DataParallelZero(ZeroStrategy):
                 comm,
                 dtype,
                 min(config.sub_group_size, STEP_CHUNK),
+                # a true reduce-scatter only where it beats an all-reduce (not on gloo, see Comm)
+                reduce_scatter=stage == 1
+                and config.reduce_scatter
+                and not config.overlap_comm
+                and comm.world_size > 1
+                and not comm.emulate,
             )
             for g in groups
         ]
@@ -113,6 +124,11 @@ class DataParallelZero(ZeroStrategy):
                     self._hooks.append(p.register_post_accumulate_grad_hook(buckets.hook(pi)))
 
     @property
+    def loss_prescale(self) -> float:
+        # stages 0-1 sum gradients in place; dividing the loss instead saves a pass over them
+        return 1.0 / self.comm.world_size if self.stage < 2 else 1.0
+
+    @property
     def partitioned(self) -> bool:
         return self.stage > 0 and self.comm.world_size > 1
 
@@ -131,27 +147,19 @@ class DataParallelZero(ZeroStrategy):
             self._buckets.drain()
 
     def reduce_gradients(self) -> None:
-        world = self.comm.world_size
         if self.stage == 2:
             return  # reduced during backward, every micro-step
+        # the loss was pre-scaled by 1/world (`loss_prescale`): summing over ranks averages
         for gi, g in enumerate(self.groups):
             assert g.flat_grad is not None
             if self._boundary:
-                self._boundary[gi].finish()  # (padded,) averaged over ranks
-                if self.stage == 1:
-                    assert g.part_grad is not None
-                    g.part_grad.copy_(g.flat_grad[g.range[0] : g.range[1]])
-            elif self.stage == 1 and self.config.reduce_scatter and world > 1:
-                assert g.part_grad is not None
+                self._boundary[gi].finish()  # (padded,) summed over ranks
+            elif g.part_grad is not None:
                 self.comm.reduce_scatter(g.part_grad, g.flat_grad, scratch_input=True)
-                g.part_grad.div_(world)
             else:
                 self._all_reduce_bucketed(g.flat_grad)
-                if self.stage == 1:
-                    assert g.part_grad is not None
-                    g.part_grad.copy_(g.flat_grad[g.range[0] : g.range[1]])
-            src = g.flat_grad if self.stage == 0 else g.part_grad
-            assert src is not None
+            lo, hi = g.range
+            src = g.part_grad if g.part_grad is not None else g.flat_grad[lo:hi]
             if g.master_grad.data_ptr() != src.data_ptr():
                 g.master_grad.copy_(src)
 
@@ -165,7 +173,6 @@ class DataParallelZero(ZeroStrategy):
         ]
         for h in handles:
             h.wait()
-        flat.div_(world)
 
     def master_grads(self) -> list[torch.Tensor]:
         return [g.master_grad for g in self.groups]
@@ -186,7 +193,8 @@ class DataParallelZero(ZeroStrategy):
                 g.flat_grad.zero_()
             if g.part_grad is not None:
                 g.part_grad.zero_()
-            g.master_grad.zero_()
+            if g.flat_grad is None or not _shares(g.master_grad, g.flat_grad, g.part_grad):
+                g.master_grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -90,6 +90,8 @@ def test_world2_gloo_native_collectives_match_too(
 ) -> None:
     rank0, rank1 = world2_native
     assert rank0[name]["losses"] == pytest.approx(reference, **TOL)
+    if name == "stage1":  # gloo's own reduce-scatter, into a separate partition buffer
+        assert rank0[name]["stats"].comm.reduce_scatter_calls == STEPS
     assert rank1[name]["checksum"] == pytest.approx(rank0[name]["checksum"], rel=1e-12)
 
 
@@ -142,7 +144,8 @@ def test_world2_communication_matches_stage(world2: list[dict[str, Any]]) -> Non
     rank0 = world2[0]
     comm = {s: rank0[f"stage{s}"]["stats"].comm for s in range(4)}
     assert comm[0].all_reduce_calls > 0 and comm[0].all_gather_calls == 0
-    assert comm[1].reduce_scatter_calls > 0 and comm[1].all_gather_calls == STEPS
+    # on gloo a reduce-scatter is an all-reduce (faster there; see dstrain.comm.Comm)
+    assert comm[1].all_reduce_calls > 0 and comm[1].all_gather_calls == STEPS
     assert comm[2].all_reduce_calls > 0 and comm[2].all_gather_calls == STEPS
     assert comm[3].reduce_scatter_calls > 0 and comm[3].all_gather_calls > STEPS
     assert rank0["stage1_allreduce"]["stats"].comm.reduce_scatter_calls == 0
