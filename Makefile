@@ -44,6 +44,7 @@ lint: setup
 	$(BIN)/mypy
 
 bench: bench-io bench-checkpoint bench-metrics
+	$(BIN)/python bench/summary.py
 
 bench-io: setup
 	$(BIN)/python bench/io.py
