@@ -32,7 +32,6 @@ from tqdm import tqdm
 
 import dsio
 import dsio.checkpoint as C
-from dsio import _C
 from dsio.checkpoint._integrity import crc_of
 from dsio.checkpoint._state import flatten
 
@@ -178,10 +177,7 @@ class Bench:
         self.handle = dsio.AsyncIOHandle(C.DEFAULT_IO)
         self.ckpt = C.Checkpointer(os.path.join(workdir, "ckpt"))
         self.step = 0
-        mem = _C.AlignedBuffer(-(-self.nbytes // 4096) * 4096, True)
-        self.raw = torch.frombuffer(mem, dtype=torch.uint8)[: self.nbytes]
-        self.raw.random_(0, 256)
-        self.dcp_target: dict[str, Any] | None = None
+        self.raw: torch.Tensor | None = None  # the Checkpointer's staging region, once it exists
 
     def p(self, name: str) -> str:
         return os.path.join(self.dir, name)
@@ -190,6 +186,10 @@ class Bench:
     async def raw_write(self) -> float:
         path = self.p("raw.bin")
         rm(path)
+        if self.raw is None:  # memory is shared with other jobs here: reuse the staged bytes
+            view = self.ckpt._staging._view
+            assert view is not None and view.numel() >= self.nbytes, "run a Checkpointer save first"
+            self.raw = view[: self.nbytes]
         t = time.perf_counter()
         await self.handle.pwrite(self.raw, path, fsync=True)
         fsync_path(self.dir)
@@ -306,21 +306,8 @@ class Bench:
         return time.perf_counter() - t
 
     def _target(self) -> dict[str, Any]:
-        if self.dcp_target is None:  # DCP loads in place: a preallocated state (not timed)
-            self.dcp_target = {
-                "model": {k: torch.empty_like(v) for k, v in self.state["model"].items()},
-                "optimizer": {
-                    "state": {
-                        i: {k: torch.empty_like(v) for k, v in s.items()}
-                        for i, s in self.state["optimizer"]["state"].items()
-                    },
-                    "param_groups": self.state["optimizer"]["param_groups"],
-                },
-                "scheduler": dict(self.state["scheduler"]),
-                "rng": torch.empty_like(self.state["rng"]),
-                "step": 0,
-            }
-        return self.dcp_target
+        # DCP loads in place; loading into the state itself (same values) saves 3 GiB of memory.
+        return self.state
 
     async def dcp_load(self) -> float:
         import torch.distributed.checkpoint as dcp
@@ -346,7 +333,7 @@ class Bench:
 SAVES: list[tuple[str, str]] = [
     ("dsio raw write (new file, ceiling)", "raw_write"),
     ("dsio Checkpointer save (durable)", "dsio_checkpointer"),
-    ("dsio.checkpoint.save (durable, fresh staging)", "dsio_save_file"),
+    ("dsio.checkpoint.save (one-shot, streams from the tensors)", "dsio_save_file"),
     ("torch.save + fsync", "torch_save"),
     ("safetensors save_file + fsync", "safetensors_save"),
     ("DCP save (FileSystemWriter)", "dcp_save"),
@@ -403,7 +390,8 @@ def report(b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse
         "`pwrite`/`pread` of the same byte count from/into page-aligned memory (the read into freshly "
         "allocated memory, as a load needs). `dsio Checkpointer save` = `await (await ckpt.save())`; "
         "its blocked time is until `save()` returned. `dsio.checkpoint.save` is the one-shot function "
-        "(streams from the tensors). DCP loads go into a preallocated state (DCP loads in place).",
+        "(streams from the tensors). DCP loads go into the preallocated state (DCP loads in place). "
+        "The raw write writes the Checkpointer's staging region (the file's bytes).",
         "",
         f"crc32c (`crc32c` package) over the state: {crc / GB:.1f} GB/s on one core.",
         "",
