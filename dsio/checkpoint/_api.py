@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..config import IOConfig
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..handle import AsyncIOHandle
 from ._format import Header
 from ._integrity import FORMAT_KEY, STATE_KEY
@@ -111,6 +111,8 @@ async def load(
     file is ``CheckpointFormatError``. Nothing is unpickled unless ``allow_pickle``.
     """
     path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointNotFoundError(f"no checkpoint file at {path}")
     async with _handle(handle, config) as h:
         header, tensors = await read_file(h, path, verify=verify)
     return restore(header, tensors, device=device, allow_pickle=allow_pickle, path=path)

@@ -181,3 +181,10 @@ def test_shared_handle_and_many_concurrent_files(tmp_path):
                 assert torch.equal(s["x"], b["x"])
 
     run(main())
+
+
+def test_missing_file_is_checkpoint_not_found(tmp_path):
+    with pytest.raises(dsio.CheckpointNotFoundError):
+        run(C.load(str(tmp_path / "nope.safetensors")))
+    with pytest.raises(FileNotFoundError):  # it is also a FileNotFoundError
+        run(C.load(str(tmp_path)))
