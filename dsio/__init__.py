@@ -11,6 +11,8 @@ from .config import ALIGNMENT, IOConfig
 from .errors import (
     AlignmentError,
     BackendUnavailableError,
+    CheckpointFormatError,
+    CheckpointMismatchError,
     CheckpointNotFoundError,
     ChecksumError,
     ClosedError,
@@ -37,6 +39,8 @@ __all__ = [
     "AsyncIOHandle",
     "BackendStatus",
     "BackendUnavailableError",
+    "CheckpointFormatError",
+    "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "ChecksumError",
     "ClosedError",

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import metrics as _metrics
 from ..config import IOConfig
 from ..errors import CheckpointFormatError, CheckpointMismatchError, CheckpointNotFoundError
 from ..handle import AsyncIOHandle
@@ -142,6 +143,7 @@ class Checkpointer:
             step=None, wait=0.0, stage=0.0, blocked=0.0, write=0.0, bytes=0, tput=0.0
         )
         self._tot: dict[str, Any] = dict(blocked=0.0, stage=0.0, write=0.0, bytes=0, load=0.0, read=0)
+        _metrics.track(self)  # dsio.metrics reads statistics() at scrape time (weak reference)
 
     # -- introspection --------------------------------------------------------------------------
     @property
@@ -406,6 +408,7 @@ class Checkpointer:
             self._handle = None
         self._staging.release()
         self._coord.close()
+        _metrics.untrack(self)
 
     async def __aenter__(self) -> Checkpointer:
         return self

@@ -92,6 +92,8 @@ def test_exports_are_pinned():
         "AsyncIOHandle",
         "BackendStatus",
         "BackendUnavailableError",
+        "CheckpointFormatError",
+        "CheckpointMismatchError",
         "CheckpointNotFoundError",
         "ChecksumError",
         "ClosedError",
