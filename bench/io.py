@@ -178,8 +178,12 @@ def fio_ops(path: str, size: int, count: int, out: dict[str, list[float]]) -> No
 
 
 # -- report ------------------------------------------------------------------------------------------
-SEQ_CASES = [("write_new", "write, new file"), ("write_new_fsync", "write new + fsync"),
-             ("overwrite", "overwrite"), ("read", "read (cold)")]
+SEQ_CASES = [
+    ("write_new", "write, new file"),
+    ("write_new_fsync", "write new + fsync"),
+    ("overwrite", "overwrite"),
+    ("read", "read (cold)"),
+]
 
 
 def med(res: Results, method: str, case: str) -> float | None:
@@ -190,7 +194,9 @@ def med(res: Results, method: str, case: str) -> float | None:
 def report(res: Results, meta: dict, args: argparse.Namespace) -> str:
     lines = [f"# dsio I/O benchmark, {meta['date']}", ""]
     lines.append("Machine: " + ", ".join(f"{k} {v}" for k, v in meta.items() if k != "date"))
-    lines.append(f"Disk: `{args.dir}` ({fs_of(args.dir)}); {args.reps} interleaved reps; values are median (min-max).")
+    lines.append(
+        f"Disk: `{args.dir}` ({fs_of(args.dir)}); {args.reps} interleaved reps; values are median (min-max)."
+    )
     lines.append(f"Sequential size {args.size_gib} GiB. Page cache dropped before every read.")
     lines += ["", "## Sequential, GB/s", ""]
     lines.append("| method | " + " | ".join(c[1] for c in SEQ_CASES) + " |")
@@ -299,9 +305,14 @@ def main() -> None:
         steps.append(("fio libaio 1M QD32", lambda o: fio_seq(seq_path, size, "libaio", o)))
         steps.append(("fio io_uring 1M QD32", lambda o: fio_seq(seq_path, size, "io_uring", o)))
     for op_size in (64 << 10, 1 << 20):
-        steps.append(("dsio io_uring (default config)",
-                      lambda o, s=op_size: runners[default.backend if default.backend != "auto" else backends[0]].ops(
-                          ops_buf, s, args.ops, ops_path, o)))
+        steps.append(
+            (
+                "dsio io_uring (default config)",
+                lambda o, s=op_size: runners[
+                    default.backend if default.backend != "auto" else backends[0]
+                ].ops(ops_buf, s, args.ops, ops_path, o),
+            )
+        )
         if use_ds:
             steps.append(("DeepSpeed aio_handle", lambda o, s=op_size: ds_ops(ops_path, s, args.ops, o)))
         if use_fio:

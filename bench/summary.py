@@ -32,7 +32,12 @@ def newest(pattern: str) -> str | None:
 def main() -> None:
     meta = machine()
     out = result_path("summary").replace("-summary.md", ".md")
-    parts = [f"# Benchmarks, {meta['date']}", "", "Machine: " + ", ".join(f"{k} {v}" for k, v in meta.items()), ""]
+    parts = [
+        f"# Benchmarks, {meta['date']}",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in meta.items()),
+        "",
+    ]
     for title, pattern in KINDS:
         f = newest(pattern)
         if f is None or os.path.abspath(f) == os.path.abspath(out):

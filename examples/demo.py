@@ -1,6 +1,6 @@
 """dsio demo: write and read a few GiB of tensors concurrently and print GB/s.
 
-    make demo                         # or: python examples/demo.py --dir /path --gib 4
+make demo                         # or: python examples/demo.py --dir /path --gib 4
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ async def main(directory: str, gib: float, count: int) -> None:
     total = sum(t.nbytes for t in tensors)
     cfg = dsio.IOConfig(queue_depth=32, intra_op_parallelism=2)
     async with dsio.AsyncIOHandle(cfg) as h:
-        print(f"dsio {dsio.__version__}: backend={h.backend}, {count} tensors, {total / 2**30:.2f} GiB in {directory}")
+        print(
+            f"dsio {dsio.__version__}: backend={h.backend}, {count} tensors, {total / 2**30:.2f} GiB in {directory}"
+        )
 
         async def timed(op, what: str) -> float:
             bar = tqdm(total=total, unit="B", unit_scale=True, desc=what)
@@ -48,8 +50,12 @@ async def main(directory: str, gib: float, count: int) -> None:
             reads.append(await timed(lambda _t, p, it=it: h.pread(next(it), p), what))
         ok = all(torch.equal(a, b) for a, b in zip(tensors, backs))
         st = h.statistics()
-    print(f"write (durable): {w:.2f} GB/s   read: {reads[0]:.2f} GB/s, again: {reads[1]:.2f} GB/s   verified: {ok}")
-    print("(on virtual disks the first read right after a large write can be slow: the host is still writing back)")
+    print(
+        f"write (durable): {w:.2f} GB/s   read: {reads[0]:.2f} GB/s, again: {reads[1]:.2f} GB/s   verified: {ok}"
+    )
+    print(
+        "(on virtual disks the first read right after a large write can be slow: the host is still writing back)"
+    )
     print(
         f"routes: direct {st.direct_bytes / 2**30:.2f} GiB, staged {st.staged_bytes / 2**30:.2f} GiB, "
         f"buffered {st.buffered_bytes / 2**20:.2f} MiB; pool waits {st.pool.waited_total}"

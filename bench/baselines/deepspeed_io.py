@@ -68,22 +68,34 @@ def _drop_caches() -> None:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--path", required=True, help="file (ops_* with --ops-layout files: prefix)")
-    p.add_argument("--size", type=int, default=1 << 30,
-                   help="bytes for write/read (multiple of 1 MiB advised)")
+    p.add_argument(
+        "--size", type=int, default=1 << 30, help="bytes for write/read (multiple of 1 MiB advised)"
+    )
     p.add_argument("--mode", choices=("write", "read", "ops_write", "ops_read"), required=True)
     p.add_argument("--block-size", type=int, default=MIB, help="aio_handle block_size (default 1 MiB)")
     p.add_argument("--queue-depth", type=int, default=128, help="aio_handle queue_depth (default 128)")
     p.add_argument("--threads", type=int, default=1, help="aio_handle intra_op_parallelism (default 1)")
     p.add_argument("--single-submit", action="store_true", help="aio_handle single_submit=True")
     p.add_argument("--overlap-events", action="store_true", help="aio_handle overlap_events=True")
-    p.add_argument("--buffer", choices=("locked", "plain"), default="locked",
-                   help="locked: h.new_cpu_locked_tensor; plain: an ordinary torch tensor")
+    p.add_argument(
+        "--buffer",
+        choices=("locked", "plain"),
+        default="locked",
+        help="locked: h.new_cpu_locked_tensor; plain: an ordinary torch tensor",
+    )
     p.add_argument("--ops", type=int, default=2000, help="ops_*: number of async calls")
     p.add_argument("--op-size", type=int, default=64 * 1024, help="ops_*: bytes per call")
-    p.add_argument("--ops-layout", choices=("offsets", "files"), default="offsets",
-                   help="ops_*: distinct offsets of one file, or one file per op")
-    p.add_argument("--drop-caches", action="store_true",
-                   help="read modes: sync + drop the page cache right before the timed part (root)")
+    p.add_argument(
+        "--ops-layout",
+        choices=("offsets", "files"),
+        default="offsets",
+        help="ops_*: distinct offsets of one file, or one file per op",
+    )
+    p.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="read modes: sync + drop the page cache right before the timed part (root)",
+    )
     return p.parse_args(argv)
 
 
@@ -94,13 +106,28 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
     result: dict = {
-        "ok": False, "error": None, "mode": args.mode,
-        "gbps": None, "seconds": None, "gbps_with_fsync": None, "seconds_with_fsync": None,
-        "ops_per_s": None, "ops_per_s_with_fsync": None, "submit_us_per_op": None,
-        "bytes": None, "ops": None, "file_size": None, "prepared": False,
-        "buffer": args.buffer, "block_size": args.block_size, "queue_depth": args.queue_depth,
-        "threads": args.threads, "single_submit": args.single_submit,
-        "overlap_events": args.overlap_events, "deepspeed": None, "torch": None,
+        "ok": False,
+        "error": None,
+        "mode": args.mode,
+        "gbps": None,
+        "seconds": None,
+        "gbps_with_fsync": None,
+        "seconds_with_fsync": None,
+        "ops_per_s": None,
+        "ops_per_s_with_fsync": None,
+        "submit_us_per_op": None,
+        "bytes": None,
+        "ops": None,
+        "file_size": None,
+        "prepared": False,
+        "buffer": args.buffer,
+        "block_size": args.block_size,
+        "queue_depth": args.queue_depth,
+        "threads": args.threads,
+        "single_submit": args.single_submit,
+        "overlap_events": args.overlap_events,
+        "deepspeed": None,
+        "torch": None,
     }
     try:
         _run(args, result)
@@ -112,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, result: dict) -> None:
-    import torch
     import deepspeed
+    import torch
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     result["deepspeed"] = deepspeed.__version__
@@ -127,12 +154,16 @@ def _run(args: argparse.Namespace, result: dict) -> None:
     if unit <= 0 or (ops_mode and args.ops <= 0):
         raise ValueError("sizes and --ops must be positive")
     if unit % align:
-        print(f"deepspeed_io: warning: {unit} bytes is not a multiple of 512 x threads = {align}; "
-              "DeepSpeed will silently drop the tail", file=sys.stderr)
+        print(
+            f"deepspeed_io: warning: {unit} bytes is not a multiple of 512 x threads = {align}; "
+            "DeepSpeed will silently drop the tail",
+            file=sys.stderr,
+        )
 
     mod = AsyncIOBuilder().load(verbose=False)
-    h = mod.aio_handle(args.block_size, args.queue_depth, args.single_submit,
-                       args.overlap_events, args.threads)
+    h = mod.aio_handle(
+        args.block_size, args.queue_depth, args.single_submit, args.overlap_events, args.threads
+    )
 
     # The buffer: locked (page-aligned + mlock, DeepSpeed's fast path) or an ordinary tensor
     # (DeepSpeed bounces it through a locked temporary on every call).
@@ -144,7 +175,7 @@ def _run(args: argparse.Namespace, result: dict) -> None:
     chunk = torch.randn(min(total, 64 * MIB) // 4 + 1).view(torch.uint8)[: min(total, 64 * MIB)]
     for off in range(0, total, chunk.numel()):
         n = min(chunk.numel(), total - off)
-        buf[off:off + n].copy_(chunk[:n])
+        buf[off : off + n].copy_(chunk[:n])
 
     try:
         if args.mode == "write":
@@ -165,13 +196,22 @@ def _write(h, buf, args, result) -> None:
     _fsync_path(args.path)
     t2 = time.perf_counter()
     size = os.path.getsize(args.path)
-    result.update(seconds=t1 - t0, seconds_with_fsync=t2 - t0, bytes=args.size, file_size=size,
-                  gbps=args.size / (t1 - t0) / 1e9, gbps_with_fsync=args.size / (t2 - t0) / 1e9)
+    result.update(
+        seconds=t1 - t0,
+        seconds_with_fsync=t2 - t0,
+        bytes=args.size,
+        file_size=size,
+        gbps=args.size / (t1 - t0) / 1e9,
+        gbps_with_fsync=args.size / (t2 - t0) / 1e9,
+    )
     if rc < 0:
         result["error"] = f"sync_pwrite returned {rc}"
     elif size != args.size:
-        why = "DeepSpeed does not truncate: an older, larger file keeps its tail" if size > args.size \
+        why = (
+            "DeepSpeed does not truncate: an older, larger file keeps its tail"
+            if size > args.size
             else "DeepSpeed lost the tail (size not a multiple of 512 x threads?)"
+        )
         result["error"] = f"file size {size} != {args.size}: {why}"
     else:
         result["ok"] = True
@@ -194,8 +234,12 @@ def _read(h, buf, args, result) -> None:
     t0 = time.perf_counter()
     rc = h.sync_pread(buf, args.path)
     t1 = time.perf_counter()
-    result.update(seconds=t1 - t0, bytes=args.size, file_size=os.path.getsize(args.path),
-                  gbps=args.size / (t1 - t0) / 1e9)
+    result.update(
+        seconds=t1 - t0,
+        bytes=args.size,
+        file_size=os.path.getsize(args.path),
+        gbps=args.size / (t1 - t0) / 1e9,
+    )
     if rc < 0:
         result["error"] = f"sync_pread returned {rc}"
     else:
@@ -214,21 +258,24 @@ def _ops(h, buf, args, result) -> None:
             _prepare(h, buf, args.path, n * sz, result)
         else:
             for i, (p, _) in enumerate(targets):
-                _prepare(h, buf[i * sz:(i + 1) * sz], p, sz, result)
+                _prepare(h, buf[i * sz : (i + 1) * sz], p, sz, result)
         if args.drop_caches:
             _drop_caches()
     submit = h.async_pread if read else h.async_pwrite
     # Every pending path-based op holds an open fd until wait(): lift the soft fd limit.
     import resource
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < n + 256:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard == resource.RLIM_INFINITY
-                                                    else min(hard, max(n + 256, soft)), hard))
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE,
+            (hard if hard == resource.RLIM_INFINITY else min(hard, max(n + 256, soft)), hard),
+        )
 
     t0 = time.perf_counter()
     bad = 0
     for i, (p, off) in enumerate(targets):
-        if submit(buf[i * sz:(i + 1) * sz], p, off) != 0:
+        if submit(buf[i * sz : (i + 1) * sz], p, off) != 0:
             bad += 1
     t_sub = time.perf_counter()
     done = h.wait() if bad < n else 0  # wait() with nothing pending hits a C++ assert
@@ -239,11 +286,20 @@ def _ops(h, buf, args, result) -> None:
             _fsync_path(p)
     t2 = time.perf_counter()
 
-    result.update(ops=n, bytes=n * sz, seconds=t1 - t0, ops_per_s=n / (t1 - t0),
-                  gbps=n * sz / (t1 - t0) / 1e9, submit_us_per_op=(t_sub - t0) / n * 1e6)
+    result.update(
+        ops=n,
+        bytes=n * sz,
+        seconds=t1 - t0,
+        ops_per_s=n / (t1 - t0),
+        gbps=n * sz / (t1 - t0) / 1e9,
+        submit_us_per_op=(t_sub - t0) / n * 1e6,
+    )
     if not read:
-        result.update(seconds_with_fsync=t2 - t0, ops_per_s_with_fsync=n / (t2 - t0),
-                      gbps_with_fsync=n * sz / (t2 - t0) / 1e9)
+        result.update(
+            seconds_with_fsync=t2 - t0,
+            ops_per_s_with_fsync=n / (t2 - t0),
+            gbps_with_fsync=n * sz / (t2 - t0) / 1e9,
+        )
     sizes = [os.path.getsize(p) for p in paths]
     result["file_size"] = sum(sizes)
     if bad or done != n - bad:

@@ -31,6 +31,7 @@ Semantics, so the numbers compare with dsio's and DeepSpeed's:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -63,8 +64,15 @@ def ioengine_available(ioengine: str, directory: str | None = None) -> bool:
     with tempfile.TemporaryDirectory(dir=directory) as d:
         path = os.path.join(d, "probe.bin")
         try:
-            run_fio(path, rw="write", size=1 << 20, block_size=1 << 16, queue_depth=1,
-                    ioengine=ioengine, direct=False)
+            run_fio(
+                path,
+                rw="write",
+                size=1 << 20,
+                block_size=1 << 16,
+                queue_depth=1,
+                ioengine=ioengine,
+                direct=False,
+            )
         except (RuntimeError, ValueError):
             return False
     return True
@@ -152,10 +160,8 @@ def run_fio(
         with open(out_path) as f:
             text = f.read()
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(out_path)
-        except OSError:
-            pass
     if proc.returncode != 0:
         raise RuntimeError(
             f"fio exited {proc.returncode}: {' '.join(cmd)}\n{proc.stderr.strip()}\n{text[-2000:]}"
@@ -204,6 +210,17 @@ if __name__ == "__main__":  # tiny CLI for manual checks
     p.add_argument("--buffered", action="store_true", help="no O_DIRECT")
     p.add_argument("--ops", type=int, default=None)
     a = p.parse_args()
-    print(json.dumps(run_fio(a.path, rw=a.rw, size=a.size, block_size=a.block_size,
-                             queue_depth=a.queue_depth, ioengine=a.ioengine,
-                             direct=not a.buffered, runtime_ops=a.ops)))
+    print(
+        json.dumps(
+            run_fio(
+                a.path,
+                rw=a.rw,
+                size=a.size,
+                block_size=a.block_size,
+                queue_depth=a.queue_depth,
+                ioengine=a.ioengine,
+                direct=not a.buffered,
+                runtime_ops=a.ops,
+            )
+        )
+    )
