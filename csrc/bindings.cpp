@@ -50,12 +50,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("offset"), py::arg("tag"))
       .def("reap", &Engine::reap)
       .def("notify_stream", &Engine::notify_stream, py::arg("stream"), py::arg("tag"))
-      .def("wait", &Engine::wait, py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("eventfd", &Engine::eventfd)
       .def_property_readonly("backend", &Engine::backend)
-      .def_property_readonly("in_flight", &Engine::in_flight)
       .def("statistics", [](const Engine& e) {
         py::dict d;
         d["read"] = op_stats(e.stats[0]);

@@ -2,7 +2,6 @@
 
 #include "cuda.hpp"
 
-#include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -310,18 +309,6 @@ std::vector<Result> Engine::reap() {
   std::lock_guard<std::mutex> g(cmu_);
   out.swap(completed_);
   return out;
-}
-
-bool Engine::wait(int timeout_ms) {
-  {
-    std::lock_guard<std::mutex> g(cmu_);
-    if (!completed_.empty()) return true;
-  }
-  pollfd p{efd_, POLLIN, 0};
-  int r;
-  do r = ::poll(&p, 1, timeout_ms);
-  while (r < 0 && errno == EINTR);
-  return r > 0;
 }
 
 void Engine::shutdown() {

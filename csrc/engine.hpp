@@ -71,8 +71,6 @@ class Engine {
 
   void submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offset, uint64_t tag);
   std::vector<Result> reap();
-  // Blocks (GIL released by the binding) until the eventfd is readable or timeout_ms passes (-1: forever).
-  bool wait(int timeout_ms);
   // Completes `tag` (result 0) through the eventfd once `stream` (a CUstream) reaches this point.
   // 0, -ENOSYS without a CUDA driver, or -CUresult.
   int notify_stream(uintptr_t stream, uint64_t tag);
@@ -83,7 +81,6 @@ class Engine {
   void close();
   int eventfd() const { return efd_; }
   const std::string& backend() const { return backend_name_; }
-  uint64_t in_flight() const { return submitted_.load() - finished_.load(); }
 
   OpStats stats[3];
   std::atomic<uint64_t> submitted_{0}, finished_{0}, pieces_{0}, short_{0};

@@ -106,10 +106,6 @@ class Dispatcher:
             raise BackendUnavailableError(f"cannot wait on a CUDA stream (cuLaunchHostFunc: {rc})")
         return fut
 
-    @property
-    def pending(self) -> int:
-        return len(self._entries)
-
     def futures(self) -> list[asyncio.Future]:
         return [e.future for e in self._entries.values()]
 

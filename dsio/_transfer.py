@@ -20,12 +20,12 @@ import os
 from collections.abc import Callable
 
 from ._backends import load_native, warn_once
-from ._dispatch import FSYNC, READ, WRITE, Dispatcher
+from ._dispatch import FSYNC, WRITE, Dispatcher
 from .config import ALIGNMENT
 from .errors import ClosedError, ShortIOError
 from .pool import Lease, PinnedPool
 
-__all__ = ["FileRef", "TransferCounters", "fsync", "submit_one", "transfer"]
+__all__ = ["FileRef", "TransferCounters", "check_readable", "fsync", "submit_one", "transfer"]
 
 _C = load_native()
 
@@ -84,10 +84,6 @@ class FileRef:
     def done(self, _result: int) -> None:
         """Finalizer of a request on this file: drop its reference."""
         self.release()
-
-    @property
-    def open(self) -> bool:
-        return self._refs > 0
 
 
 class TransferCounters:
@@ -242,6 +238,3 @@ def check_readable(ref: FileRef, nbytes: int, offset: int) -> None:
     size = os.fstat(ref.fd).st_size
     if size < offset + nbytes:
         raise ShortIOError(ref.path, size, max(0, size - offset), nbytes)
-
-
-__all__ += ["READ", "WRITE", "check_readable"]
