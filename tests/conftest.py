@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Coroutine
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _mount  # noqa: E402  (tests/_mount.py: mounts for the disk-full and no-O_DIRECT tests)
 
 try:
     import dsio
@@ -19,6 +26,42 @@ try:
 except Exception as e:  # dsio is not built here (BackendUnavailableError): dstrain tests still run
     AVAILABLE = {}
     _NO_DSIO = f"dsio's native core is not built here: {e}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "needs_mount: mounts a small filesystem (root: directly; else re-run under `unshare -Urm`, tests/_mount.py)",
+    )
+
+
+def _reroutes(item: pytest.Item) -> bool:
+    return item.get_closest_marker("needs_mount") is not None and not _mount.can_mount_directly()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    _mount.deferred = _reroutes(item)  # the mount fixtures only make their folders here
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    yield
+    _mount.deferred = False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """A ``needs_mount`` test run by a user who cannot mount runs whole in a child under ``unshare -Urm``."""
+    if not _reroutes(pyfuncitem):
+        return None
+    base = tempfile.mkdtemp(prefix="dsio-mountns-")
+    try:
+        _mount.run_in_namespace(pyfuncitem.nodeid, Path(base))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return True
 
 
 def backend_params() -> list[Any]:

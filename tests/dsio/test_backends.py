@@ -93,18 +93,16 @@ def test_overlap_events_false_is_lockstep(backend, data_dir):
 
 @pytest.fixture
 def ramfs_dir(tmp_path):
-    """A ramfs mount: a real filesystem without O_DIRECT (tmpfs has it since Linux 6.6)."""
-    import subprocess
+    """A ramfs mount: a real filesystem without O_DIRECT (tmpfs has it since Linux 6.6).
 
-    d = tmp_path / "ramfs"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(d)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount ramfs here: {r.stderr.strip()}")
-    yield str(d)
-    subprocess.run(["umount", str(d)], check=False)
+    Root mounts it directly; other users run the test in `unshare -Urm` (tests/_mount.py)."""
+    from _mount import mounted
+
+    with mounted(tmp_path / "ramfs", "ramfs") as d:
+        yield str(d)
 
 
+@pytest.mark.needs_mount
 def test_filesystem_without_o_direct_falls_back_with_a_logged_reason(monkeypatch, caplog, run, ramfs_dir):
     monkeypatch.setattr(_backends, "_warned", set())
     path = os.path.join(ramfs_dir, "t.bin")

@@ -5,29 +5,23 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import subprocess
 
 import pytest
 import torch
+from _mount import mounted
 
 import dsio
 import dsio.checkpoint as C
 
+# Root mounts the tmpfs directly; other users run these tests in `unshare -Urm` (tests/_mount.py).
+pytestmark = pytest.mark.needs_mount
+
 
 @pytest.fixture
 def small_fs(tmp_path):
-    """An 8 MiB tmpfs (we are root here); skipped where it cannot be mounted."""
-    d = tmp_path / "small"
-    d.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(d)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs: {r.stderr.strip() or r.returncode}")
-    try:
+    """An 8 MiB tmpfs."""
+    with mounted(tmp_path / "small", "tmpfs", "size=8m") as d:
         yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 def test_checkpointer_disk_full(small_fs):
