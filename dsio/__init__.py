@@ -6,7 +6,7 @@ async with dsio.AsyncIOHandle(dsio.IOConfig(queue_depth=32)) as h:
 """
 
 from ._backends import BackendStatus, backend_status
-from ._stats import LATENCY_BUCKET_BOUNDS_S, EngineStatistics, HandleStatistics, OpStatistics
+from ._stats import LATENCY_BUCKET_BOUNDS_S, HandleStatistics, IOEngineStatistics, OpStatistics
 from .config import ALIGNMENT, IOConfig
 from .errors import (
     AlignmentError,
@@ -19,6 +19,7 @@ from .errors import (
     ConfigError,
     DsioError,
     IOFailedError,
+    OffsetError,
     PoolBusyError,
     ShortIOError,
     TensorLayoutError,
@@ -46,11 +47,12 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "DsioError",
-    "EngineStatistics",
+    "IOEngineStatistics",
     "HandleStatistics",
     "IOConfig",
     "IOFailedError",
     "Lease",
+    "OffsetError",
     "OpStatistics",
     "PinnedPool",
     "PoolBusyError",

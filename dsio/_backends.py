@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from ._native import native
 from .config import IOConfig
 from .errors import BackendUnavailableError
 
@@ -28,14 +29,8 @@ def warn_once(key: str, message: str) -> None:
         log.warning(message)
 
 
-def load_native():
-    try:
-        from . import _C
-    except ImportError as e:  # pragma: no cover - only a broken install gets here
-        raise BackendUnavailableError(
-            f"dsio's native core (dsio._C) is not built: {e}. Install with `pip install .` (needs gcc)."
-        ) from e
-    return _C
+load_native = native
+"""Alias of :func:`dsio._native.native` (the one module that loads ``dsio._C``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +47,7 @@ def _disabled() -> set[str]:
 
 def backend_status() -> list[BackendStatus]:
     """Availability of each kernel backend on this machine, with the reason when unavailable."""
-    C = load_native()
+    C = native()
     out = []
     for name, probe in (("io_uring", C.probe_io_uring), ("aio", C.probe_aio), ("posix", lambda: 0)):
         if name in _disabled():
@@ -75,7 +70,7 @@ def open_engine(cfg: IOConfig, backend: str | None = None):
     """Create a ``_C.Engine`` for ``cfg``; ``auto`` falls back in order, an explicit backend must work.
 
     ``backend`` overrides ``cfg.backend`` (the GPU path opens a ``"cufile"`` engine this way)."""
-    C = load_native()
+    C = native()
     want = backend or cfg.backend
     names = ["io_uring", "aio", "posix"] if want == "auto" else [want]
     reasons = []

@@ -182,7 +182,7 @@ def _versions() -> dict[str, str]:
 
 def _report(args: argparse.Namespace) -> int:
     from . import backend_status
-    from ._backends import load_native
+    from ._native import native
 
     backends = backend_status()
     auto = next((b.name for b in backends if b.available), None)
@@ -192,7 +192,7 @@ def _report(args: argparse.Namespace) -> int:
         uring_disabled = f.read().strip()
     info: dict[str, Any] = {
         "versions": _versions(),
-        "kernel": {"release": load_native().kernel_release(), "machine": platform.machine()},
+        "kernel": {"release": native().kernel_release(), "machine": platform.machine()},
         "backends": [dataclasses.asdict(b) for b in backends],
         "auto_backend": auto,
         "io_uring_disabled_sysctl": uring_disabled,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from .pool import PoolStatistics
 
 __all__ = [
-    "EngineStatistics",
+    "IOEngineStatistics",
     "HandleStatistics",
     "OpStatistics",
     "LATENCY_BUCKET_BOUNDS_S",
@@ -50,7 +50,7 @@ class OpStatistics:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineStatistics:
+class IOEngineStatistics:
     backend: str
     read: OpStatistics
     write: OpStatistics
@@ -67,7 +67,7 @@ class EngineStatistics:
     wait_syscalls: int
 
     @classmethod
-    def _from(cls, backend: str, d: dict) -> EngineStatistics:
+    def _from(cls, backend: str, d: dict) -> IOEngineStatistics:
         return cls(
             backend=backend,
             read=OpStatistics._from(d["read"]),
@@ -102,5 +102,5 @@ class HandleStatistics:
     """Bytes staged through the pinned pool (caller memory not 4096-aligned)."""
     buffered_bytes: int
     """Bytes through the page cache (unaligned heads and tails, or no O_DIRECT here)."""
-    engine: EngineStatistics
+    engine: IOEngineStatistics
     pool: PoolStatistics

@@ -146,9 +146,9 @@ def _check_dir(directory: str, need: int) -> str:
 def _buffer(nbytes: int, gpu: bool) -> Any:
     import torch
 
-    from ._backends import load_native
+    from ._native import native
 
-    mem = load_native().AlignedBuffer(nbytes, True)
+    mem = native().AlignedBuffer(nbytes, True)
     t = torch.frombuffer(mem, dtype=torch.uint8)
     t.view(torch.int64)[: nbytes // 8].copy_(torch.arange(nbytes // 8, dtype=torch.int64))
     return t.cuda() if gpu else t

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._backends import load_native
+from ._native import native
 from .config import ALIGNMENT, IOConfig
 from .errors import ChecksumError, ClosedError
 from .handle import AsyncIOHandle
@@ -204,7 +204,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         nbytes = int(num_elem) * torch.empty(0, dtype=dtype).element_size()
         if nbytes == 0:
             return torch.empty(0, dtype=dtype)
-        mem = load_native().AlignedBuffer(nbytes, True)
+        mem = native().AlignedBuffer(nbytes, True)
         t = torch.frombuffer(mem, dtype=dtype, count=int(num_elem))
         self._locked[t.data_ptr()] = mem
         return t
@@ -302,7 +302,7 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepSpeed's name
 
     def pin_device_tensor(self, tensor: torch.Tensor) -> bool:
         """Register the tensor's memory with cuFile (``cuFileBufRegister``); True if registered."""
-        C = load_native()
+        C = native()
         ok, _reason, _nvfs = C.cufile_status()
         if not ok or tensor.nbytes == 0:
             return False
@@ -314,10 +314,10 @@ class gds_handle(aio_handle):  # noqa: N801 - DeepSpeed's name
     def unpin_device_tensor(self, tensor: torch.Tensor) -> bool:
         if self._registered.pop(tensor.data_ptr(), None) is None:
             return False
-        return load_native().cufile_buf_deregister(tensor.data_ptr()) == 0
+        return native().cufile_buf_deregister(tensor.data_ptr()) == 0
 
     def close(self) -> None:
-        C = load_native()
+        C = native()
         for ptr in list(self._registered):
             C.cufile_buf_deregister(ptr)
         self._registered.clear()

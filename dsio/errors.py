@@ -19,6 +19,7 @@ __all__ = [
     "ConfigError",
     "DsioError",
     "IOFailedError",
+    "OffsetError",
     "PoolBusyError",
     "ShortIOError",
     "TensorLayoutError",
@@ -32,7 +33,22 @@ class DsioError(Exception):
 
 
 class ConfigError(DsioError, ValueError):
-    """A configuration value is invalid; the message names the field and what it accepts."""
+    """A configuration value is invalid; the message names the field and what it accepts.
+
+    ``field`` is the name of the offending field or config key when one is known
+    (``IOConfig.from_deepspeed`` sets it to the ``"aio"`` block's key), else ``None``.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):  # pickling keeps ``field``
+        return (_config_error, (str(self), self.field))
+
+
+def _config_error(message: str, field: str | None) -> ConfigError:
+    return ConfigError(message, field=field)
 
 
 class BackendUnavailableError(DsioError, RuntimeError):
@@ -49,6 +65,12 @@ class WrongLoopError(DsioError, RuntimeError):
 
 class AlignmentError(DsioError, ValueError):
     """Memory or an offset does not meet an alignment the caller asked dsio to rely on."""
+
+
+class OffsetError(DsioError, ValueError):
+    """A file offset is not an int, is negative, or ``offset + nbytes`` passes the largest file
+    size: the ``off_t`` range (2**63 - 1), ``RLIMIT_FSIZE``, or the filesystem's own limit (ext4:
+    16 TiB). Raised before any file is opened or created."""
 
 
 class TensorLayoutError(DsioError, ValueError):

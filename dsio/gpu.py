@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._backends import load_native
 from ._dispatch import READ, WRITE, Dispatcher
+from ._native import native
 from ._transfer import FileRef, fsync, transfer
 from .config import ALIGNMENT
 from .errors import BackendUnavailableError
@@ -51,7 +51,7 @@ class GpuStatus:
 
 
 def gpu_status() -> GpuStatus:
-    C = load_native()
+    C = native()
     cuda = torch.cuda.is_available()
     ok, derr = C.cuda_driver_status() if cuda else (False, "torch sees no CUDA device")
     cf_ok, cf_err, nvfs = C.cufile_status() if ok else (False, "no CUDA driver", False)
@@ -76,7 +76,7 @@ class GpuIO:
         if not torch.cuda.is_available():
             raise BackendUnavailableError("a CUDA tensor was given but torch sees no CUDA device here")
         self._h = handle
-        self._C = load_native()
+        self._C = native()
         st = gpu_status()
         if st.driver != "ok":
             raise BackendUnavailableError(f"CUDA driver unavailable: {st.driver}")

@@ -13,7 +13,7 @@ import torch
 
 from ._backends import open_engine
 from ._dispatch import READ, WRITE, Dispatcher
-from ._stats import EngineStatistics, HandleStatistics
+from ._stats import HandleStatistics, IOEngineStatistics
 from ._tensor import as_bytes, check_offset
 from ._transfer import FileRef, TransferCounters, check_readable, submit_one, transfer
 from ._transfer import fsync as _fsync
@@ -216,7 +216,7 @@ class AsyncIOHandle:
             direct_bytes=c.direct,
             staged_bytes=c.staged,
             buffered_bytes=c.buffered,
-            engine=EngineStatistics._from(self.backend, self._engine.statistics()),
+            engine=IOEngineStatistics._from(self.backend, self._engine.statistics()),
             pool=self._pool.statistics(),
         )
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import _C
+from .._native import C as _C  # loaded on first use: import dsio.checkpoint works without the core
 from ..errors import IOFailedError
 from ..file import AsyncFile
 from ..handle import AsyncIOHandle

@@ -468,7 +468,7 @@ def test_size_buckets_and_errno_counts_are_used_when_the_engine_has_them(monkeyp
     read = _FutureOpStats(10, 10 * 65536, 5, 0.01, (10,) + lat[1:], (0, 10, 0), {5: 2, 28: 1, 0: 1})
     idle = _FutureOpStats(0, 0, 0, 0.0, lat, (0, 0, 0), {})
     pool = dsio.PoolStatistics(1, 4096, 0, 0, 0, 0, 0.0, True, False)
-    eng = dsio.EngineStatistics("io_uring", read, idle, idle, 0, 10, 10, 10, 1, 10, 10)  # type: ignore[arg-type]
+    eng = dsio.IOEngineStatistics("io_uring", read, idle, idle, 0, 10, 10, 10, 1, 10, 10)  # type: ignore[arg-type]
     st = dsio.HandleStatistics("io_uring", 10, 0, 10 * 65536, 0, 4, 0, 0, 0, 0, eng, pool)
 
     class FakeHandle:

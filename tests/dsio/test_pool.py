@@ -3,7 +3,6 @@ import asyncio
 import pytest
 import torch
 
-import dsio
 from dsio import ClosedError, ConfigError, PinnedPool, PoolBusyError
 
 
@@ -81,43 +80,3 @@ def test_bad_sizes():
         PinnedPool(4096, 1000)
     with pytest.raises(ConfigError):
         PinnedPool(4096, 8192)
-
-
-def test_exports_are_pinned():
-    assert set(dsio.__all__) == {
-        "ALIGNMENT",
-        "LATENCY_BUCKET_BOUNDS_S",
-        "AlignmentError",
-        "AsyncFile",
-        "AsyncIOHandle",
-        "BackendStatus",
-        "BackendUnavailableError",
-        "CheckpointFormatError",
-        "CheckpointMismatchError",
-        "CheckpointNotFoundError",
-        "ChecksumError",
-        "ClosedError",
-        "ConfigError",
-        "DsioError",
-        "EngineStatistics",
-        "HandleStatistics",
-        "IOConfig",
-        "IOFailedError",
-        "Lease",
-        "OpStatistics",
-        "PinnedPool",
-        "PoolBusyError",
-        "PoolStatistics",
-        "ShortIOError",
-        "TensorLayoutError",
-        "UnsupportedStateError",
-        "WrongLoopError",
-        "backend_status",
-        "__version__",
-    }
-    for name in dsio.__all__:
-        assert hasattr(dsio, name)
-    for name in dsio.__all__:
-        obj = getattr(dsio, name)
-        if isinstance(obj, type) and issubclass(obj, Exception) and obj is not dsio.DsioError:
-            assert issubclass(obj, dsio.DsioError) and obj.__doc__
