@@ -51,7 +51,7 @@ def test_equals_deepspeed_on_every_recorded_case() -> None:
 def test_fixture_is_what_deepspeed_produces_now() -> None:
     """Re-run the recorder with DeepSpeed itself: the fixture is not stale or hand-edited."""
     out = subprocess.run(
-        [str(DS_PYTHON), str(HERE / "pipe_record_ds_schedule.py")],
+        [str(DS_PYTHON), str(HERE / "pipe_record_ds_schedule.py"), "--file-only"],
         env={**os.environ, "DS_ACCELERATOR": "cpu"},
         capture_output=True,
         text=True,
@@ -59,6 +59,7 @@ def test_fixture_is_what_deepspeed_produces_now() -> None:
         check=True,
     )
     live = json.loads(out.stdout)
+    assert live["deepspeed"] == json.loads(FIXTURE.read_text())["deepspeed"]
     assert live["streams"] == _fixture()
 
 
