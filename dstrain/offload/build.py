@@ -1,0 +1,103 @@
+"""Composing optimizer offload: the few lines `initialize` calls when ``offload_optimizer`` is on."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from dstrain.errors import ConfigError, NotImplementedConfigError
+from dstrain.offload.config import OffloadOptimizerConfig, check_nvme_path
+from dstrain.offload.optimizer import OffloadAdam
+
+__all__ = ["build_offload_optimizer", "io_config_from"]
+
+log = logging.getLogger(__name__)
+
+_FIELD = "zero_optimization.offload_optimizer"
+
+
+def io_config_from(aio: Any) -> Any:
+    """dsio's `IOConfig` for the config's ``"aio"`` block (an IOConfig, a parsed section, a dict or None)."""
+    from dsio.config import IOConfig
+    from dsio.errors import ConfigError as DsioConfigError
+
+    if aio is None or isinstance(aio, IOConfig):
+        return aio or IOConfig.from_deepspeed(None)
+    block = dataclasses.asdict(aio) if dataclasses.is_dataclass(aio) else dict(aio)
+    try:
+        return IOConfig.from_deepspeed(block)
+    except DsioConfigError as e:
+        raise ConfigError(f"aio.{getattr(e, 'field', None) or 'block'}", str(e)) from e
+
+
+def _adam_settings(optimizer: Any, client: Any) -> dict[str, Any]:
+    """lr, betas, eps, weight_decay and adamw from the ``"optimizer"`` section or a torch Adam(W)."""
+    if client is not None:
+        if not isinstance(client, torch.optim.Adam | torch.optim.AdamW):
+            raise NotImplementedConfigError(
+                _FIELD, f"offloaded optimizers are Adam/AdamW; got {type(client).__name__} from optimizer="
+            )
+        d = client.defaults
+        if d.get("amsgrad") or d.get("maximize") or d.get("differentiable"):
+            raise NotImplementedConfigError(_FIELD, "amsgrad / maximize / differentiable are not offloaded")
+        adamw = isinstance(client, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay"))
+        return {
+            "lr": float(d["lr"]),
+            "betas": tuple(d["betas"]),
+            "eps": float(d["eps"]),
+            "weight_decay": float(d["weight_decay"]),
+            "adamw": adamw,
+        }
+    if optimizer is None:
+        raise ValueError('no optimizer: set "optimizer" in the config or pass optimizer= to initialize')
+    name = optimizer.name
+    if name not in ("Adam", "AdamW"):
+        raise NotImplementedConfigError("optimizer.type", f"{name} cannot be offloaded (Adam and AdamW can)")
+    params = dict(optimizer.params)
+    if params.get("amsgrad"):
+        raise NotImplementedConfigError("optimizer.params.amsgrad", "amsgrad is not offloaded")
+    return {
+        "lr": float(params.get("lr", 1e-3)),
+        "betas": tuple(params.get("betas", (0.9, 0.999))),
+        "eps": float(params.get("eps", 1e-8)),
+        "weight_decay": float(params.get("weight_decay", 0.0)),
+        "adamw": name == "AdamW" or bool(params.get("adam_w_mode", True)),
+    }
+
+
+def build_offload_optimizer(
+    param_groups: list[dict[str, Any]],
+    offload: OffloadOptimizerConfig,
+    *,
+    optimizer_config: Any = None,
+    client: Any = None,
+    sub_group_size: int = 1_000_000_000,
+    pinned_budget: int = 1 << 30,
+    aio: Any = None,
+) -> OffloadAdam:
+    """An `OffloadAdam` over the ZeRO strategy's master ``param_groups``, as ``offload`` says.
+
+    Checks ``nvme_path`` (exists, writable; O_DIRECT or a logged fallback) before anything is
+    allocated.
+    """
+    if not offload.enabled:
+        raise ValueError("build_offload_optimizer needs offload_optimizer.device 'cpu' or 'nvme'")
+    settings = _adam_settings(optimizer_config, client)
+    if offload.device == "nvme":
+        assert offload.nvme_path is not None  # the config requires it
+        check_nvme_path(f"{_FIELD}.nvme_path", offload.nvme_path)
+    if offload.pin_memory and offload.device == "cpu" and not torch.cuda.is_available():
+        log.info("%s.pin_memory: no GPU here, page-locking host state would buy nothing; not pinned", _FIELD)
+    return OffloadAdam(
+        param_groups,
+        device=offload.device,
+        sub_group_size=sub_group_size,
+        nvme_path=offload.nvme_path,
+        buffer_count=offload.buffer_count,
+        pinned_budget=pinned_budget,
+        io_config=io_config_from(aio) if offload.device == "nvme" else None,
+        **settings,
+    )

@@ -1,0 +1,192 @@
+"""ZeRO-Infinity offload settings: DeepSpeed's ``offload_optimizer`` / ``offload_param`` objects.
+
+DeepSpeed's keys and defaults, parsed strictly (a typo is a `ConfigError` with a did-you-mean).
+Where DeepSpeed silently downgrades (``"nvme"`` treated as ``"cpu"`` at stages 1-2) or asserts
+(too few pipelined buffers), dstrain either does what was asked or refuses with an error naming
+the key.
+
+One dstrain extension: ``zero_optimization.offload_pinned_bytes``, the budget of pinned host
+memory for every swap buffer (optimizer and parameters together, including dsio's staging
+buffers). Buffer counts and sizes derive from it; DeepSpeed's ``buffer_count`` and
+``buffer_size`` are hints that the budget overrides (logged), never a reason to assert.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dstrain._parse import build, check_bool, check_choice, check_float, check_int
+from dstrain.errors import ConfigError, NotImplementedConfigError
+
+__all__ = [
+    "DEFAULT_PINNED_BYTES",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "check_budget",
+    "check_nvme_path",
+    "check_stage",
+    "parse_offload",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PINNED_BYTES = 1 << 30
+"""Default of ``zero_optimization.offload_pinned_bytes``: 1 GiB of pinned swap buffers per rank."""
+
+DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer``: where the fp32 master weights and Adam state live."""
+
+    device: str = "none"
+    """``"none"``, ``"cpu"`` (host memory) or ``"nvme"`` (files under ``nvme_path``, through dsio)."""
+    nvme_path: str | None = None
+    """Directory of the swap files (``device: "nvme"``); must exist and be writable."""
+    pin_memory: bool = False
+    """``device: "cpu"``: keep the offloaded state in page-locked memory (counts against the budget)."""
+    buffer_count: int = 4
+    """Hint: swap buffers for the sub-groups in flight. The pinned budget decides the real count."""
+    pipeline_read: bool = False
+    """Accepted for compatibility: dstrain always reads ahead (in step order) and needs no switch."""
+    pipeline_write: bool = False
+    """Accepted for compatibility: dstrain always writes behind, draining during the next forward."""
+    fast_init: bool = False
+    """Accepted for compatibility: dstrain writes the initial state with dsio, already fast."""
+    ratio: float = 1.0
+    """Fraction of the optimizer step done on CPU (DeepSpeed's partial offload); only 1.0 is implemented."""
+
+    def __post_init__(self) -> None:
+        p = "zero_optimization.offload_optimizer"
+        _check_common(p, self.device, self.nvme_path, self.pin_memory, self.buffer_count)
+        for name in ("pipeline_read", "pipeline_write", "fast_init"):
+            check_bool(p, name, getattr(self, name))
+        check_float(p, "ratio", self.ratio, min_value=0.0, max_value=1.0)
+        if self.ratio != 1.0:
+            raise NotImplementedConfigError(
+                f"{p}.ratio", f"partial offload ({self.ratio}) is not implemented; use 1.0"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadParamConfig:
+    """``zero_optimization.offload_param`` (stage 3): where parameter shards live between uses."""
+
+    device: str = "none"
+    """``"none"``, ``"cpu"`` or ``"nvme"``."""
+    nvme_path: str | None = None
+    """Directory of the swap files (``device: "nvme"``); must exist and be writable."""
+    pin_memory: bool = False
+    """``device: "cpu"``: keep shards in page-locked memory (counts against the budget)."""
+    buffer_count: int = 5
+    """Hint: shard buffers in the swap pool. The pinned budget decides the real count."""
+    buffer_size: int = 100_000_000
+    """Hint: elements per shard buffer; grown to the largest unit's shard when too small (logged)."""
+    max_in_cpu: int = 1_000_000_000
+    """Accepted for compatibility. DeepSpeed keeps models under this many elements in CPU memory
+    even when ``device`` is ``"nvme"``; dstrain always puts them on NVMe, as asked."""
+
+    def __post_init__(self) -> None:
+        p = "zero_optimization.offload_param"
+        _check_common(p, self.device, self.nvme_path, self.pin_memory, self.buffer_count)
+        check_int(p, "buffer_size", self.buffer_size, min_value=1)
+        check_int(p, "max_in_cpu", self.max_in_cpu, min_value=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+def _check_common(prefix: str, device: object, nvme_path: object, pin: object, buffer_count: object) -> None:
+    check_choice(prefix, "device", device, DEVICES)
+    if nvme_path is not None and not isinstance(nvme_path, str | os.PathLike):
+        raise ConfigError(f"{prefix}.nvme_path", f"expected a path string, got {nvme_path!r}")
+    if device == "nvme" and not nvme_path:
+        raise ConfigError(f"{prefix}.nvme_path", 'is required when device is "nvme"')
+    check_bool(prefix, "pin_memory", pin)
+    check_int(prefix, "buffer_count", buffer_count, min_value=1)
+
+
+def parse_offload(value: Mapping[str, Any] | None, kind: str) -> OffloadOptimizerConfig | OffloadParamConfig:
+    """Build the ``offload_optimizer`` (``kind="optimizer"``) or ``offload_param`` section.
+
+    ``None`` (JSON null) and a missing section both mean ``device: "none"``.
+    """
+    if kind not in ("optimizer", "param"):
+        raise ValueError(f"kind must be 'optimizer' or 'param', got {kind!r}")
+    cls = OffloadOptimizerConfig if kind == "optimizer" else OffloadParamConfig
+    prefix = f"zero_optimization.offload_{kind}"
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(prefix, f"expected an object or null, got {value!r}")
+    data = dict(value)
+    if data.get("device") is None:
+        data["device"] = "none"
+    if isinstance(data.get("nvme_path"), os.PathLike):
+        data["nvme_path"] = os.fspath(data["nvme_path"])
+    return build(cls, data, prefix)
+
+
+def check_stage(stage: int, optimizer: OffloadOptimizerConfig, param: OffloadParamConfig) -> None:
+    """Refuse combinations dstrain does not run (never downgrade them silently)."""
+    if optimizer.enabled and stage == 0:
+        raise NotImplementedConfigError(
+            "zero_optimization.offload_optimizer.device",
+            f"{optimizer.device!r} needs ZeRO stage 1, 2 or 3 (stage is 0)",
+        )
+    if param.enabled and stage != 3:
+        raise ConfigError(
+            "zero_optimization.offload_param.device",
+            f"parameter offload to {param.device!r} needs ZeRO stage 3 (stage is {stage})",
+        )
+
+
+def check_nvme_path(field: str, path: str) -> bool:
+    """Check at initialize that ``path`` is an existing, writable directory; return whether it
+    supports O_DIRECT (where it does not, dsio falls back to buffered I/O: logged once here, with
+    what that costs). Raises `ConfigError` naming ``field`` otherwise."""
+    if not os.path.isdir(path):
+        what = "does not exist" if not os.path.exists(path) else "is not a directory"
+        raise ConfigError(field, f"{path!r} {what}; create it (dstrain does not create swap directories)")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".dstrain-probe-", dir=path)
+    except OSError as e:
+        raise ConfigError(field, f"{path!r} is not writable: {e.strerror}") from e
+    os.close(fd)
+    try:
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_DIRECT)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise ConfigError(field, f"{path!r}: cannot open a file there: {e.strerror}") from e
+            log.warning(
+                "%s: the filesystem under %r does not support O_DIRECT; swap I/O goes through the page "
+                "cache (an extra copy per byte, and cached pages outside the pinned budget)",
+                field,
+                path,
+            )
+            return False
+        os.close(fd)
+        return True
+    finally:
+        os.unlink(probe)
+
+
+def check_budget(value: object) -> int:
+    """Validate ``zero_optimization.offload_pinned_bytes``."""
+    check_int("zero_optimization", "offload_pinned_bytes", value, min_value=1 << 20)
+    return int(value)  # type: ignore[arg-type]

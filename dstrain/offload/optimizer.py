@@ -1,0 +1,426 @@
+"""`OffloadAdam`: Adam(W) whose state lives off the training tensors, stepped sub-group by sub-group.
+
+The ZeRO strategy hands over its fp32 master views (each with ``.grad`` viewing the reduced fp32
+gradient). Each view is cut into sub-groups of at most ``sub_group_numel`` elements, a multiple of
+1024 from the view's start: torch's fused CPU kernel is vectorised from a tensor's start, so cuts
+at such multiples give bit-for-bit the same arithmetic as stepping the whole view (checked by the
+parity tests against the non-offloaded optimizer).
+
+Where the state lives:
+
+- ``device="cpu"``: Adam's m and v per sub-group in host memory; nothing to swap.
+- ``device="nvme"``: m and v per sub-group in one swap file (`Swapper`). During `step`, sub-group
+  ``i`` is stepped while the next ones are read and the previous ones written; at the end of
+  `step` the reads of the next step's first sub-groups are submitted, so they run (after the
+  writes drain, which need no gradients) during the next forward and backward. The training
+  thread waits only when a read is truly late; that wait is `stall_seconds`.
+
+The fp32 master itself is the ZeRO strategy's tensor: at fp32 it *is* the model's parameter
+storage, so swapping it would only add a second copy of bytes already in memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dstrain.errors import ConfigError, NotImplementedConfigError
+from dstrain.offload.swapper import STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
+
+__all__ = ["OffloadAdam", "OffloadOptimizerStatistics", "plan_sub_groups"]
+
+log = logging.getLogger(__name__)
+
+CUT = 1024
+"""Sub-group boundaries are multiples of this many elements from their view's start."""
+
+_F32 = 4
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadOptimizerStatistics:
+    """Swap and stall counters of one rank's offloaded optimizer."""
+
+    device: str
+    sub_groups: int
+    sub_group_numel: int
+    steps: int
+    stall_seconds: float
+    """Training-thread time spent waiting for swapped-in state that was not there yet."""
+    step_seconds: float
+    """Time inside `OffloadAdam.step` (the stalls included)."""
+    prefetch_hits: int
+    """Sub-groups whose state was already in memory when the step reached them."""
+    prefetch_misses: int
+    pinned_budget: int
+    pinned_bytes: int
+    """Pinned bytes allocated for this optimizer's swapping (never above ``pinned_budget``)."""
+    swapper: SwapperStatistics | None
+
+
+class _SubGroup:
+    __slots__ = ("index", "group", "param", "start", "numel", "m", "v")
+
+    def __init__(self, index: int, group: int, param: torch.Tensor, start: int, numel: int) -> None:
+        self.index = index
+        self.group = group
+        self.param = param  # the master view (a leaf whose .grad views the fp32 gradient)
+        self.start = start
+        self.numel = numel
+        self.m: torch.Tensor | None = None  # device="cpu": resident state
+        self.v: torch.Tensor | None = None
+
+    def slices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        grad = self.param.grad
+        if grad is None:
+            raise RuntimeError("an offloaded master tensor has no gradient (the ZeRO strategy sets it)")
+        end = self.start + self.numel
+        return self.param.detach().view(-1)[self.start : end], grad.view(-1)[self.start : end]
+
+
+def plan_sub_groups(
+    numels: Iterable[int], sub_group_size: int, budget: int, buffer_count: int, per_element_bytes: int
+) -> tuple[int, int]:
+    """(sub-group elements, buffer count) for views of ``numels`` elements under ``budget`` bytes.
+
+    The sub-group is ``sub_group_size`` rounded to a multiple of 1024, capped at the largest view;
+    buffers are as many as the budget holds, at most one per sub-group. When the budget cannot hold
+    ``min(buffer_count, sub-groups)`` buffers the sub-group shrinks until it does (logged).
+    """
+    numels = [n for n in numels if n > 0]
+    largest = max(numels, default=CUT)
+    size = max(CUT, min(align_up(sub_group_size, CUT), align_up(largest, CUT)))
+
+    def buf(s: int) -> int:
+        return align_up(s * per_element_bytes)
+
+    def count(s: int) -> int:
+        return sum(-(-n // s) for n in numels)
+
+    want = max(1, min(buffer_count, count(size)))
+    original = size
+    while want * buf(size) > budget:
+        if size == CUT:
+            raise ConfigError(
+                "zero_optimization.offload_pinned_bytes",
+                f"{budget} bytes cannot hold {want} swap buffer(s) of the smallest sub-group ({buf(CUT)} bytes)",
+            )
+        size = max(CUT, (size // 2) // CUT * CUT)
+        want = max(1, min(buffer_count, count(size)))
+    if size != original:
+        log.info(
+            "offload: sub-group %d -> %d elements so that %d buffers fit offload_pinned_bytes=%d",
+            original,
+            size,
+            want,
+            budget,
+        )
+    buffers = max(1, min(budget // buf(size), count(size)))
+    return size, buffers
+
+
+class OffloadAdam(torch.optim.Optimizer):
+    """Adam / AdamW (torch's fused CPU kernel) over master views, state on ``device``.
+
+    It is a ``torch.optim.Optimizer`` (``param_groups`` for LR schedules, ``state_dict`` in torch's
+    own format, so checkpoints move between offload settings) and a dstrain Stepper (`prepare`,
+    `statistics`, `close`).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        device: str,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw: bool = True,
+        sub_group_size: int = 1_000_000_000,
+        nvme_path: str | None = None,
+        buffer_count: int = 4,
+        pinned_budget: int = 1 << 30,
+        io_config: Any = None,
+    ) -> None:
+        if device not in ("cpu", "nvme"):
+            raise ConfigError(
+                "zero_optimization.offload_optimizer.device", f"expected 'cpu' or 'nvme', got {device!r}"
+            )
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        for p in (p for g in self.param_groups for p in g["params"]):
+            if p.device.type != "cpu" or p.dtype != torch.float32:
+                raise NotImplementedConfigError(
+                    "zero_optimization.offload_optimizer",
+                    f"offloaded Adam steps fp32 CPU master tensors; got {p.dtype} on {p.device}",
+                )
+        self.device = device
+        self.adamw = adamw
+        self._steps = [torch.zeros((), dtype=torch.float32) for _ in self.param_groups]
+        per_elem = 2 * _F32  # m and v
+        numels = [p.numel() for g in self.param_groups for p in g["params"]]
+        if device == "nvme":
+            # dsio's staging pool (unused on this aligned path, but pinned) comes out of the budget too
+            room = pinned_budget - STAGING_BYTES
+            size, buffers = plan_sub_groups(numels, sub_group_size, room, buffer_count, per_elem)
+        else:
+            size, buffers = (
+                max(CUT, min(align_up(sub_group_size, CUT), align_up(max(numels, default=1), CUT))),
+                0,
+            )
+        self.sub_group_numel = size
+        self._subs: list[_SubGroup] = []
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                for start in range(0, p.numel(), size):
+                    self._subs.append(_SubGroup(len(self._subs), gi, p, start, min(size, p.numel() - start)))
+        self._budget = pinned_budget
+        self._swapper: Swapper | None = None
+        self._slot = 0  # bytes of one of m / v in a buffer
+        if device == "nvme":
+            assert nvme_path is not None
+            self._slot = align_up(size * _F32)
+            self._swapper = Swapper(
+                nvme_path, "optimizer", buffer_bytes=2 * self._slot, buffer_count=buffers, io_config=io_config
+            )
+            if self._swapper.pinned_bytes > pinned_budget:
+                self._swapper.close()
+                raise ConfigError(
+                    "zero_optimization.offload_pinned_bytes",
+                    f"{pinned_budget} bytes cannot hold the swap buffers plus dsio's staging pool",
+                )
+            for sg in self._subs:
+                self._swapper.reserve(sg.index, 2 * self._slot)
+            self._initialize_files()
+        else:
+            for sg in self._subs:
+                sg.m = torch.zeros(sg.numel, dtype=torch.float32)
+                sg.v = torch.zeros(sg.numel, dtype=torch.float32)
+        self._ahead: deque[tuple[_SubGroup, concurrent.futures.Future[Lease]]] = deque()
+        self._stall = self._step_s = 0.0
+        self._hits = self._misses = 0
+        self._count = 0
+
+    # -- swap helpers -------------------------------------------------------------------------
+
+    def _views(self, lease: Lease, sg: _SubGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        return lease.view(torch.float32, 0, sg.numel), lease.view(torch.float32, self._slot, sg.numel)
+
+    def _initialize_files(self) -> None:
+        """Write zeroed state for every sub-group (the file is then fully allocated)."""
+        assert self._swapper is not None
+        futs = []
+        for sg in self._subs:
+            lease = self._swapper.acquire(sg.index).result()
+            lease.tensor[: 2 * self._slot].zero_()
+            futs.append(self._swapper.store(lease))
+        for f in futs:
+            f.result()
+
+    @property
+    def _lookahead(self) -> int:
+        return self._swapper.statistics().buffers if self._swapper is not None else 0
+
+    def _top_up(self, order: list[_SubGroup], pos: int) -> None:
+        """Keep reads submitted for the sub-groups after ``pos`` (as many as there are buffers)."""
+        assert self._swapper is not None
+        queued = {sg.index for sg, _ in self._ahead}
+        nxt = pos + len(self._ahead)
+        while len(self._ahead) < self._lookahead and nxt < len(order):
+            sg = order[nxt]
+            if sg.index not in queued:
+                self._ahead.append((sg, self._swapper.fetch(sg.index)))
+            nxt += 1
+
+    def _take(self, sg: _SubGroup) -> Lease:
+        if not self._ahead or self._ahead[0][0] is not sg:
+            raise RuntimeError("offload read-ahead out of order")  # a bug, never user input
+        _, fut = self._ahead.popleft()
+        if fut.done():
+            self._hits += 1
+        else:
+            self._misses += 1
+            t0 = time.perf_counter()
+            concurrent.futures.wait([fut])
+            self._stall += time.perf_counter() - t0
+        return fut.result()
+
+    # -- the Stepper surface ------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Start reading the next step's first sub-groups (called during the boundary backward)."""
+        if self._swapper is not None and not self._ahead:
+            self._top_up(self._subs, 0)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """One Adam(W) step of every sub-group, in order, swapping state in and out around it."""
+        if closure is not None:
+            raise NotImplementedError("OffloadAdam.step takes no closure")
+        t0 = time.perf_counter()
+        for st in self._steps:
+            st.add_(1)
+        kernel = torch._fused_adamw_ if self.adamw else torch._fused_adam_
+        if self._swapper is not None:
+            self.prepare()
+        for pos, sg in enumerate(self._subs):
+            g = self.param_groups[sg.group]
+            lease = None
+            if self._swapper is not None:
+                lease = self._take(sg)
+                self._top_up(self._subs, pos + 1)
+                m, v = self._views(lease, sg)
+            else:
+                m, v = sg.m, sg.v
+            p, grad = sg.slices()
+            beta1, beta2 = g["betas"]
+            kernel(
+                [p],
+                [grad],
+                [m],
+                [v],
+                [],
+                [self._steps[sg.group]],
+                lr=float(g["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                weight_decay=float(g["weight_decay"]),
+                eps=float(g["eps"]),
+                amsgrad=False,
+                maximize=False,
+            )
+            if lease is not None:
+                assert self._swapper is not None
+                self._swapper.store(lease)
+        self._count += 1
+        if self._swapper is not None:
+            self._top_up(self._subs, 0)  # next step's first reads: they run during forward/backward
+        self._step_s += time.perf_counter() - t0
+
+    def _cancel_ahead(self) -> None:
+        """Hand back read-ahead buffers unused (before state is replaced or read another way)."""
+        assert self._swapper is not None
+        while self._ahead:
+            _, fut = self._ahead.popleft()
+            self._swapper.discard(fut.result())
+        self._swapper.drain()
+
+    def _state_of(self, sgs: list[_SubGroup]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of (m, v) of ``sgs``."""
+        if self._swapper is None:
+            return [(sg.m.clone(), sg.v.clone()) for sg in sgs]  # type: ignore[union-attr]
+        self._cancel_ahead()
+        out = []
+        for sg in sgs:
+            lease = self._swapper.fetch(sg.index).result()
+            m, v = self._views(lease, sg)
+            out.append((m.clone(), v.clone()))
+            self._swapper.discard(lease).result()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """torch's Adam state-dict format (``exp_avg``, ``exp_avg_sq``, ``step`` per parameter),
+        so a checkpoint loads into this optimizer with any offload device, or into torch's."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(params)}
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        if self._count:
+            for sg, (m, v) in zip(self._subs, self._state_of(self._subs), strict=True):
+                i = index[id(sg.param)]
+                entry = state.setdefault(
+                    i,
+                    {
+                        "step": self._steps[sg.group].clone(),
+                        "exp_avg": torch.zeros(sg.param.shape, dtype=torch.float32),
+                        "exp_avg_sq": torch.zeros(sg.param.shape, dtype=torch.float32),
+                    },
+                )
+                entry["exp_avg"].view(-1)[sg.start : sg.start + sg.numel].copy_(m)
+                entry["exp_avg_sq"].view(-1)[sg.start : sg.start + sg.numel].copy_(v)
+        groups = []
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = [index[id(p)] for p in g["params"]]
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load torch's Adam format (from this optimizer or a non-offloaded one)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups, strict=True)
+        ):
+            raise ValueError("optimizer state has a different number of param groups or tensors")
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in groups for i in g["params"]]
+        by_param = {id(p): state_dict["state"].get(i) for p, i in zip(params, saved_ids, strict=True)}
+        for g, saved in zip(self.param_groups, groups, strict=True):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = tuple(v) if k == "betas" else v
+        steps: list[float | None] = [None] * len(self.param_groups)
+        if self._swapper is not None:
+            self._cancel_ahead()
+        for sg in self._subs:
+            entry = by_param[id(sg.param)]
+            if entry is None:
+                m = v = torch.zeros(sg.numel)
+            else:
+                m = entry["exp_avg"].reshape(-1)[sg.start : sg.start + sg.numel]
+                v = entry["exp_avg_sq"].reshape(-1)[sg.start : sg.start + sg.numel]
+                steps[sg.group] = float(entry["step"])
+            if self._swapper is None:
+                sg.m.copy_(m)  # type: ignore[union-attr]
+                sg.v.copy_(v)  # type: ignore[union-attr]
+            else:
+                lease = self._swapper.acquire(sg.index).result()
+                lease.tensor[: 2 * self._slot].zero_()
+                vm, vv = self._views(lease, sg)
+                vm.copy_(m)
+                vv.copy_(v)
+                self._swapper.store(lease)
+        for st, s in zip(self._steps, steps, strict=True):
+            st.fill_(s or 0.0)
+        self._count = max(self._count, 1 if any(steps) else 0)
+        if self._swapper is not None:
+            self._swapper.drain()
+
+    def statistics(self) -> OffloadOptimizerStatistics:
+        sw = self._swapper.statistics() if self._swapper is not None else None
+        return OffloadOptimizerStatistics(
+            device=self.device,
+            sub_groups=len(self._subs),
+            sub_group_numel=self.sub_group_numel,
+            steps=self._count,
+            stall_seconds=self._stall,
+            step_seconds=self._step_s,
+            prefetch_hits=self._hits,
+            prefetch_misses=self._misses,
+            pinned_budget=self._budget,
+            pinned_bytes=sw.pinned_bytes if sw is not None else 0,
+            swapper=sw,
+        )
+
+    def close(self) -> None:
+        """Finish writes in flight, free the buffers and delete the swap file."""
+        if self._swapper is not None:
+            try:
+                self._cancel_ahead()
+            finally:
+                self._swapper.close()
+                self._swapper = None
+
+    def __del__(self) -> None:
+        sw = getattr(self, "_swapper", None)
+        if sw is not None:
+            with contextlib.suppress(Exception):  # best effort at garbage collection
+                sw.close()

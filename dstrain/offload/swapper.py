@@ -1,0 +1,318 @@
+"""`Swapper`: named slots of a swap file <-> buffers of a bounded pinned pool, through ONE dsio handle.
+
+Everything that touches the handle or the pool runs on dsio's shared loop thread
+(`dsio._bridge.shared_loop`); the training thread only submits work and waits on
+``concurrent.futures.Future`` results. A buffer lent by `fetch` belongs to the caller until it
+hands it back with `store` (written, then returned to the pool) or `discard` (returned unwritten).
+
+Every slot starts at a 4096-byte offset and is a whole number of 4096-byte pages, and pool buffers
+are page-aligned, so each transfer is one O_DIRECT request straight from pinned memory (dsio's
+staging pool is never used; it is still counted in `pinned_bytes`).
+
+Ordering: a read of a slot waits for the write of that slot still in flight, so a read-ahead
+never sees stale bytes. Pool buffers are handed out first-come first-served, so reads submitted in
+the order they will be consumed cannot deadlock while every buffer lent is eventually handed back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+
+import torch
+
+from dsio._bridge import LoopThread, shared_loop
+from dsio.config import IOConfig
+
+__all__ = ["ALIGN", "Lease", "Swapper", "SwapperStatistics", "align_up"]
+
+ALIGN = 4096
+"""Slot offsets, slot sizes and buffer sizes are multiples of this (O_DIRECT granule)."""
+
+STAGING_BYTES = 64 << 10
+"""The handle's own staging pool: unused on the aligned path, but pinned, so counted."""
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True, slots=True)
+class SwapperStatistics:
+    """Counters of one swapper (one kind of swapped state on one rank)."""
+
+    kind: str
+    """``"optimizer"`` or ``"param"``."""
+    path: str
+    """The swap file."""
+    slots: int
+    file_bytes: int
+    buffers: int
+    buffer_bytes: int
+    pinned_bytes: int
+    """Pinned memory this swapper allocated: its pool plus the handle's staging pool."""
+    buffers_in_use: int
+    peak_buffers_in_use: int
+    reads: int
+    read_bytes: int
+    writes: int
+    written_bytes: int
+    read_seconds: float
+    """Sum over reads of the time from submission to completion (including waiting for a buffer)."""
+    write_seconds: float
+    buffer_wait_seconds: float
+    """Time reads spent waiting for a free pool buffer (backpressure from writes in flight)."""
+    o_direct: bool
+
+
+class Lease:
+    """A pool buffer lent to the training thread. ``tensor`` is its uint8 view (``buffer_bytes``)."""
+
+    __slots__ = ("_inner", "key", "tensor")
+
+    def __init__(self, inner: object, key: Hashable, tensor: torch.Tensor) -> None:
+        self._inner = inner
+        self.key = key
+        self.tensor = tensor
+
+    def view(self, dtype: torch.dtype, offset: int, numel: int) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` at byte ``offset`` of the buffer (a view, no copy)."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.tensor[offset : offset + nbytes].view(dtype)
+
+
+class Swapper:
+    """One swap file of ``kind`` under a private directory in ``directory``; ``buffer_count``
+    pinned buffers of ``buffer_bytes`` each.
+
+    Slots are reserved with `reserve` before the first transfer. All methods are called from the
+    training thread; they return futures and never block, except `drain` and `close`.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        kind: str,
+        *,
+        buffer_bytes: int,
+        buffer_count: int,
+        io_config: IOConfig | None = None,
+        loop: LoopThread | None = None,
+    ) -> None:
+        if buffer_bytes <= 0 or buffer_bytes % ALIGN:
+            raise ValueError(f"buffer_bytes must be a positive multiple of {ALIGN}, got {buffer_bytes}")
+        if buffer_count < 1:
+            raise ValueError(f"buffer_count must be >= 1, got {buffer_count}")
+        from dsio.pool import PinnedPool
+
+        self.kind = kind
+        self._lt = loop or shared_loop()
+        self._dir = tempfile.mkdtemp(prefix=f"dstrain-swap-{kind}-", dir=os.fspath(directory))
+        self.path = os.path.join(self._dir, f"{kind}.swp")
+        cfg = io_config or IOConfig()
+        self._io_config = replace(cfg, pool_bytes=STAGING_BYTES, staging_buffer_bytes=STAGING_BYTES)
+        self.buffer_bytes = buffer_bytes
+        self._pool = PinnedPool(buffer_bytes * buffer_count, buffer_bytes)
+        self._slots: dict[Hashable, tuple[int, int]] = {}
+        self._end = 0
+        self._handle = None  # created on the loop thread at first use
+        self._file = None
+        self._writing: dict[Hashable, asyncio.Future[None]] = {}
+        self._pending: set[concurrent.futures.Future[object]] = set()
+        self._in_use = self._peak = 0
+        self._reads = self._writes = self._read_bytes = self._written_bytes = 0
+        self._read_s = self._write_s = self._wait_s = 0.0
+        self._o_direct = False
+        self._closed = False
+        self._finalizer = self._lt.add_finalizer(self._aclose)
+
+    # -- layout -------------------------------------------------------------------------------
+
+    def reserve(self, key: Hashable, nbytes: int) -> int:
+        """Give ``key`` a slot of ``nbytes`` (rounded up to whole pages); returns its file offset."""
+        if key in self._slots:
+            raise KeyError(f"slot {key!r} is already reserved")
+        size = align_up(max(nbytes, 1))
+        if size > self.buffer_bytes:
+            raise ValueError(f"slot {key!r} of {nbytes} bytes does not fit a {self.buffer_bytes}-byte buffer")
+        self._slots[key] = (self._end, size)
+        self._end += size
+        return self._end - size
+
+    def slot_bytes(self, key: Hashable) -> int:
+        return self._slots[key][1]
+
+    # -- transfers (called from the training thread) -------------------------------------------
+
+    def acquire(self, key: Hashable) -> concurrent.futures.Future[Lease]:
+        """A buffer for ``key`` without reading (to fill and `store`)."""
+        return self._submit(self._acquire(key, read=False))
+
+    def fetch(self, key: Hashable) -> concurrent.futures.Future[Lease]:
+        """A buffer holding ``key``'s slot as last stored (after any write of it still in flight)."""
+        return self._submit(self._acquire(key, read=True))
+
+    def store(self, lease: Lease) -> concurrent.futures.Future[None]:
+        """Write the buffer to its slot, then return it to the pool. The lease is gone afterwards."""
+        return self._submit(self._store(lease))
+
+    def discard(self, lease: Lease) -> concurrent.futures.Future[None]:
+        """Return the buffer to the pool without writing (its contents were not changed)."""
+        return self._submit(self._discard(lease))
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Block until every transfer submitted so far has finished; raise the first failure."""
+        futs = list(self._pending)
+        done, not_done = concurrent.futures.wait(futs, timeout)
+        if not_done:
+            raise TimeoutError(
+                f"{len(not_done)} swap transfer(s) of {self.path} still running after {timeout} s"
+            )
+        for f in done:
+            exc = f.exception()
+            if exc is not None:
+                raise exc
+
+    def _submit(self, coro) -> concurrent.futures.Future:  # type: ignore[no-untyped-def]
+        if self._closed:
+            coro.close()
+            from dsio.errors import ClosedError
+
+            raise ClosedError(f"swapper {self.path} is closed")
+        fut = self._lt.submit(coro)
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+        return fut
+
+    # -- on the loop thread -------------------------------------------------------------------
+
+    async def _open(self):  # type: ignore[no-untyped-def]
+        if self._file is None:
+            from dsio.handle import AsyncIOHandle
+
+            self._handle = AsyncIOHandle(self._io_config)
+            self._file = self._handle.open(self.path, "w+")
+            self._file.truncate(self._end)
+            self._o_direct = self._file.direct
+        return self._file
+
+    async def _acquire(self, key: Hashable, read: bool) -> Lease:
+        offset, size = self._slots[key]
+        t0 = time.perf_counter()
+        inner = await self._pool.acquire()
+        t1 = time.perf_counter()
+        self._wait_s += t1 - t0
+        self._in_use += 1
+        self._peak = max(self._peak, self._in_use)
+        lease = Lease(inner, key, inner.tensor)
+        if not read:
+            return lease
+        try:
+            pending = self._writing.get(key)
+            if pending is not None:
+                await asyncio.shield(pending)
+            f = await self._open()
+            await f.pread(inner.tensor[:size], offset)
+        except BaseException:
+            self._give_back(lease)
+            raise
+        self._reads += 1
+        self._read_bytes += size
+        self._read_s += time.perf_counter() - t0
+        return lease
+
+    async def _store(self, lease: Lease) -> None:
+        key = lease.key
+        offset, size = self._slots[key]
+        t0 = time.perf_counter()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        previous = self._writing.get(key)
+        self._writing[key] = done
+        try:
+            if previous is not None:
+                await asyncio.shield(previous)  # same slot: keep the writes in order
+            f = await self._open()
+            await f.pwrite(lease.tensor[:size], offset)
+            self._writes += 1
+            self._written_bytes += size
+            self._write_s += time.perf_counter() - t0
+            done.set_result(None)
+        except BaseException as e:
+            done.set_exception(e)
+            done.exception()  # consumed here; readers re-raise it
+            raise
+        finally:
+            if self._writing.get(key) is done:
+                del self._writing[key]
+            self._give_back(lease)
+
+    async def _discard(self, lease: Lease) -> None:
+        self._give_back(lease)
+
+    def _give_back(self, lease: Lease) -> None:
+        inner, lease._inner = lease._inner, None
+        if inner is None:
+            raise RuntimeError(f"swap buffer of {lease.key!r} was already handed back")
+        self._in_use -= 1
+        inner.release()  # type: ignore[attr-defined]
+
+    async def _aclose(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._handle is not None:
+            await self._handle.aclose()
+            self._handle = None
+        self._pool.close(force=True)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- introspection and lifetime -----------------------------------------------------------
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pool.buffers * self.buffer_bytes + STAGING_BYTES
+
+    def statistics(self) -> SwapperStatistics:
+        return SwapperStatistics(
+            kind=self.kind,
+            path=self.path,
+            slots=len(self._slots),
+            file_bytes=self._end,
+            buffers=self._pool.buffers,
+            buffer_bytes=self.buffer_bytes,
+            pinned_bytes=self.pinned_bytes,
+            buffers_in_use=self._in_use,
+            peak_buffers_in_use=self._peak,
+            reads=self._reads,
+            read_bytes=self._read_bytes,
+            writes=self._writes,
+            written_bytes=self._written_bytes,
+            read_seconds=self._read_s,
+            write_seconds=self._write_s,
+            buffer_wait_seconds=self._wait_s,
+            o_direct=self._o_direct,
+        )
+
+    def close(self) -> None:
+        """Wait for transfers in flight, close the handle, free the pool, delete the swap files."""
+        if self._closed:
+            return
+        try:
+            self.drain(timeout=600)
+        finally:
+            self._closed = True
+            self._lt.remove_finalizer(self._finalizer)
+            if not self._lt.closed:
+                self._lt.run(self._aclose())
+
+    def __enter__(self) -> Swapper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

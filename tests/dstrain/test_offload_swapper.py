@@ -1,0 +1,188 @@
+"""`Swapper` (slots of one swap file <-> a bounded pinned pool) and `OffloadAdam` on real files."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
+
+from dstrain.errors import ConfigError  # noqa: E402
+from dstrain.offload.optimizer import OffloadAdam, plan_sub_groups  # noqa: E402
+from dstrain.offload.swapper import Swapper  # noqa: E402
+
+
+def test_roundtrip_and_slot_layout(tmp_path) -> None:
+    sw = Swapper(tmp_path, "optimizer", buffer_bytes=3 * 4096, buffer_count=2)
+    try:
+        offsets = [sw.reserve(k, n) for k, n in (("a", 10), ("b", 4096), ("c", 8193))]
+        assert offsets == [0, 4096, 8192]  # page-aligned, each slot whole pages
+        with pytest.raises(KeyError):
+            sw.reserve("a", 1)
+        with pytest.raises(ValueError):
+            sw.reserve("big", 3 * 4096 + 1)  # larger than a buffer
+        for key, fill in (("a", 1), ("b", 2), ("c", 3)):
+            lease = sw.acquire(key).result()
+            lease.tensor.fill_(fill)
+            sw.store(lease)
+        for key, fill in (("c", 3), ("a", 1), ("b", 2)):
+            lease = sw.fetch(key).result()  # waits for the write of the same slot still in flight
+            n = sw.slot_bytes(key)
+            assert bool((lease.tensor[:n] == fill).all())
+            sw.discard(lease).result()
+        st = sw.statistics()
+        assert st.o_direct == (os.path.exists(sw.path) and st.o_direct)
+        assert (st.reads, st.writes) == (3, 3)
+        assert st.read_bytes == st.written_bytes == 4096 + 4096 + 3 * 4096
+        assert st.buffers == 2 and st.peak_buffers_in_use <= 2 and st.buffers_in_use == 0
+        assert st.pinned_bytes == 2 * 3 * 4096 + 64 * 1024
+        path = sw.path
+    finally:
+        sw.close()
+    assert not os.path.exists(os.path.dirname(path))  # the private swap directory is gone
+    with pytest.raises(Exception):  # noqa: B017 - ClosedError from dsio
+        sw.fetch("a")
+
+
+def test_reads_see_the_latest_write_under_backpressure(tmp_path) -> None:
+    """One buffer, many slots, writes and reads interleaved from the training thread: every read
+    returns the last value written to its slot (never a stale page), and nothing deadlocks."""
+    sw = Swapper(tmp_path, "param", buffer_bytes=4096, buffer_count=1)
+    try:
+        for k in range(8):
+            sw.reserve(k, 4096)
+        for rnd in range(1, 4):
+            for k in range(8):
+                lease = sw.acquire(k).result(timeout=30)
+                lease.tensor.fill_(rnd * 10 + k)
+                sw.store(lease)
+            for k in reversed(range(8)):
+                lease = sw.fetch(k).result(timeout=30)
+                assert int(lease.tensor[0]) == rnd * 10 + k and int(lease.tensor[-1]) == rnd * 10 + k
+                sw.discard(lease)
+        sw.drain(timeout=30)
+        assert sw.statistics().peak_buffers_in_use == 1
+    finally:
+        sw.close()
+
+
+def test_double_handback_is_an_error(tmp_path) -> None:
+    sw = Swapper(tmp_path, "optimizer", buffer_bytes=4096, buffer_count=1)
+    try:
+        sw.reserve(0, 4096)
+        lease = sw.acquire(0).result()
+        sw.discard(lease).result()
+        with pytest.raises(RuntimeError):
+            sw.discard(lease).result()
+    finally:
+        sw.close()
+
+
+def test_plan_shrinks_sub_groups_to_the_budget() -> None:
+    # 10M elements, m+v = 8 bytes each: 4 buffers of 10M would need 320 MB; the budget is 8 MiB
+    size, buffers = plan_sub_groups([10_000_000], 1_000_000_000, 8 << 20, 4, 8)
+    assert size % 1024 == 0 and buffers >= 4
+    assert buffers * size * 8 <= 8 << 20
+    # a budget that holds everything: one buffer per sub-group, no more
+    size, buffers = plan_sub_groups([5000, 3000], 2048, 1 << 30, 4, 8)
+    assert size == 2048 and buffers == 3 + 2
+    with pytest.raises(ConfigError):
+        plan_sub_groups([10_000], 1_000_000, 1000, 4, 8)  # not even one smallest buffer
+
+
+def _views(n: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    master, grad = torch.randn(n), torch.zeros(n)
+    views = []
+    for s in range(0, n, chunk):
+        v = master[s : s + chunk]
+        v.requires_grad_(True)
+        v.grad = grad[s : s + chunk]
+        views.append(v)
+    return master, grad, views
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_offload_adam_matches_torch_fused_adamw_bitwise(tmp_path, device: str) -> None:
+    """Two param groups (different LRs), sub-groups of 3072 cutting views of 20000 elements,
+    a tight budget (2 buffers for 17 sub-groups): bit-for-bit torch's fused AdamW, and its state
+    dict loads into torch's optimizer."""
+    n = 50_003
+    results = {}
+    for kind in ("torch", device):
+        master, grad, views = _views(n, 20_000)
+        groups = [{"params": views[:2]}, {"params": views[2:], "lr": 3e-3}]
+        if kind == "torch":
+            opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.01, fused=True)
+        else:
+            opt = OffloadAdam(
+                groups,
+                device=device,
+                lr=1e-2,
+                weight_decay=0.01,
+                sub_group_size=3000,
+                nvme_path=str(tmp_path),
+                buffer_count=2,
+                pinned_budget=2 * 2 * 3072 * 4 + (64 << 10),
+            )
+        for it in range(4):
+            grad.copy_(torch.randn(n, generator=torch.Generator().manual_seed(it)))
+            opt.step()
+        results[kind] = (master.clone(), opt.state_dict())
+        if kind != "torch":
+            st = opt.statistics()
+            if device == "nvme":
+                assert st.swapper is not None and st.swapper.buffers == 2
+                assert st.pinned_bytes <= st.pinned_budget
+                assert st.prefetch_hits + st.prefetch_misses == 4 * st.sub_groups
+            opt.close()  # type: ignore[attr-defined]
+    assert torch.equal(results["torch"][0], results[device][0])
+    ref_state, got_state = results["torch"][1]["state"], results[device][1]["state"]
+    assert ref_state.keys() == got_state.keys()
+    for i in ref_state:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(ref_state[i][key], got_state[i][key])
+
+
+def test_offload_adam_load_state_dict_continues_bitwise(tmp_path) -> None:
+    """Train 3 steps with torch's AdamW, move its state into an NVMe OffloadAdam, train 3 more:
+    same result as 6 steps of torch's."""
+    n = 9000
+    master_a, grad_a, views_a = _views(n, 5000)
+    ref = torch.optim.AdamW(views_a, lr=1e-2, fused=True)
+    master_b, grad_b, views_b = _views(n, 5000)
+    first = torch.optim.AdamW(views_b, lr=1e-2, fused=True)
+    for it in range(6):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(it))
+        grad_a.copy_(g)
+        ref.step()
+        if it < 3:
+            grad_b.copy_(g)
+            first.step()
+        elif it == 3:
+            off = OffloadAdam(views_b, device="nvme", lr=5.0, nvme_path=str(tmp_path), sub_group_size=2048)
+            off.load_state_dict(first.state_dict())  # lr comes from the saved param groups
+            grad_b.copy_(g)
+            off.step()
+        else:
+            grad_b.copy_(g)
+            off.step()
+    off.close()
+    assert torch.equal(master_a, master_b)
+
+
+def test_close_from_exit_hook_does_not_hang(tmp_path) -> None:
+    """An optimizer never closed: dropping it closes its swapper (no thread or file left)."""
+    _, _, views = _views(4096, 4096)
+    before = threading.active_count()
+    off = OffloadAdam(views, device="nvme", nvme_path=str(tmp_path))
+    path = off.statistics().swapper.path  # type: ignore[union-attr]
+    del off
+    import gc
+
+    gc.collect()
+    assert not os.path.exists(path)
+    assert threading.active_count() <= before + 1  # the shared loop thread may have started
