@@ -7,7 +7,10 @@ Every method runs once per rep, methods interleaved rep by rep (the disk here is
 ../shared/ANCHORS.md); medians with min-max. Every save is durable (fsync) and writes a new
 file; loads start from a dropped page cache (``sync; echo 3 > /proc/sys/vm/drop_caches``).
 The ceiling is dsio's raw sequential write/read of the same number of bytes from/into
-page-aligned memory. Results go to bench/results/checkpoint-<date>.md (+ .png).
+page-aligned memory. Results go to bench/results/checkpoint-<date>.json (every rep, the targets),
+.md (the report) and .png; README's checkpoint figures are generated from the JSON
+(scripts/readme_numbers.py). Without root the page cache cannot be dropped: the report then says
+so and labels the loads warm.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import json
+import operator
 import os
 import platform
 import shutil
@@ -99,14 +104,26 @@ def nbytes_of(tensors: dict[str, torch.Tensor]) -> int:
 
 
 # -- helpers --------------------------------------------------------------------------------------
+#: How many page-cache drops worked / failed in this run (a failed drop makes every load warm).
+DROPS = {"ok": 0, "failed": 0}
+
+
 def drop_caches() -> bool:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches`` (root only); counted in DROPS. Returns whether it worked."""
     try:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
-        return True
     except OSError:
+        DROPS["failed"] += 1
         return False
+    DROPS["ok"] += 1
+    return True
+
+
+def loads_cold() -> bool:
+    """True when every drop before a load worked (the loads really started from a dropped cache)."""
+    return DROPS["failed"] == 0 and DROPS["ok"] > 0
 
 
 def touch(obj: Any) -> int:
@@ -373,6 +390,99 @@ def row(name: str, xs: list[float], nbytes: int) -> str:
     return f"| {name} | {m:.2f} ({lo:.2f}-{hi:.2f}) | {nbytes / m / GB:.2f} ({nbytes / hi / GB:.2f}-{nbytes / lo / GB:.2f}) |"
 
 
+DURABLE = "dsio Checkpointer save (durable)"
+LOAD = "dsio Checkpointer load (crc32c verified)"
+
+
+def _ratio(T: dict[str, list[float]], a: str, b: str) -> float:
+    """How many times faster ``a`` is than ``b`` (ratio of median seconds)."""
+    return med(T[b]) / med(T[a]) if T.get(a) and T.get(b) else float("nan")
+
+
+def targets(T: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """The issue's targets: [{target, value, unit ("x" or "%"), met}], computed from the medians."""
+    blocked = med(T["dsio async save: blocked"]) / med(T[DURABLE]) * 100 if T.get(DURABLE) else float("nan")
+    verify = (
+        (med(T[LOAD]) / med(T["dsio Checkpointer load (verify=False)"]) - 1) * 100
+        if T.get(LOAD)
+        else float("nan")
+    )
+    rows = [
+        (
+            "durable save >= 0.9x dsio raw new-file write",
+            _ratio(T, DURABLE, "dsio raw write (new file, ceiling)"),
+            "x",
+            0.9,
+            operator.ge,
+        ),
+        (
+            "durable save >= 4x safetensors + fsync",
+            _ratio(T, DURABLE, "safetensors save_file + fsync"),
+            "x",
+            4,
+            operator.ge,
+        ),
+        ("async save blocked <= 10% of a synchronous save", blocked, "%", 10, operator.le),
+        ("load >= 0.9x dsio raw read", _ratio(T, LOAD, "dsio raw read (ceiling)"), "x", 0.9, operator.ge),
+        ("load >= safetensors load_file", _ratio(T, LOAD, "safetensors load_file"), "x", 1, operator.ge),
+        ("checksum verification < 10% of load time", verify, "%", 10, operator.lt),
+    ]
+    return [
+        {"target": name, "value": v, "unit": unit, "met": bool(met(v, bound))}
+        for name, v, unit, bound, met in rows
+    ]
+
+
+def other_ratios(T: dict[str, list[float]]) -> dict[str, float]:
+    return {
+        "durable save vs torch.save + fsync": _ratio(T, DURABLE, "torch.save + fsync"),
+        "durable save vs DCP save": _ratio(T, DURABLE, "DCP save (FileSystemWriter)"),
+        "load vs torch.load": _ratio(T, LOAD, "torch.load"),
+        "load vs DCP load": _ratio(T, LOAD, "DCP load (FileSystemReader)"),
+    }
+
+
+def to_json(
+    b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The run as data (the schema scripts/readme_numbers.py reads): every rep, medians, targets."""
+    T, n = b.times, b.nbytes
+    rows: dict[str, dict[str, Any]] = {}
+    shown = {  # the report's rows: the blocked times are shown under their save
+        "dsio Checkpointer save: time training is blocked": "dsio async save: blocked",
+        "DCP async_save: time training is blocked": "DCP async_save: blocked",
+    }
+    names = [(name, name, "save") for name, _ in SAVES] + [(k, v, "save") for k, v in shown.items()]
+    names += [(name, name, "load") for name, _ in LOADS]
+    for row_name, key, section in names:
+        xs = T.get(key) or []
+        if xs:
+            m, lo, hi = med(xs), min(xs), max(xs)
+            rows[row_name] = {
+                "seconds_median": m, "seconds_min": lo, "seconds_max": hi,
+                "gbps_median": n / m / GB, "gbps_min": n / hi / GB, "gbps_max": n / lo / GB, "section": section,
+            }  # fmt: skip
+    return {
+        "kind": "checkpoint",
+        "meta": mach,
+        "state": {
+            "layers": args.layers,
+            "dim": args.dim,
+            "vocab": args.vocab,
+            "tensors": len(b.flat),
+            "gib": round(n / 2**30, 2),
+            "nbytes": n,
+        },  # fmt: skip
+        "reps": reps,
+        "page_cache_dropped": loads_cold(),
+        "crc32c_gbps": crc / GB,
+        "rows": rows,
+        "seconds": dict(T),
+        "targets": targets(T),
+        "other_ratios": other_ratios(T),
+    }
+
+
 def report(b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse.Namespace) -> str:
     T, n = b.times, b.nbytes
     lines = [
@@ -383,9 +493,15 @@ def report(b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse
         f"State: GPT-like model (layers={args.layers}, dim={args.dim}, vocab={args.vocab}) + AdamW "
         f"(exp_avg, exp_avg_sq, step) + scheduler + RNG: {len(b.flat)} tensors, {n / 2**30:.2f} GiB. "
         f"{reps} reps, methods interleaved rep by rep; median (min-max). Every save writes a new file "
-        "and is fsynced (data + directory); every load starts after `sync; echo 3 > /proc/sys/vm/drop_caches` "
-        "(the virtio disk sits on the host page cache, which cannot be dropped from here) and ends "
-        "after one byte of every 4 KiB page of every loaded tensor was read (safetensors maps the file "
+        "and is fsynced (data + directory); "
+        + (
+            "every load starts after `sync; echo 3 > /proc/sys/vm/drop_caches` "
+            "(the virtio disk sits on the host page cache, which cannot be dropped from here)"
+            if loads_cold()
+            else f"**the page cache could not be dropped ({DROPS['failed']} of "
+            f"{DROPS['failed'] + DROPS['ok']} drops failed: not root), so the loads are WARM reads**"
+        )
+        + " and ends after one byte of every 4 KiB page of every loaded tensor was read (safetensors maps the file "
         "lazily; this makes it pay for its reads like the others). dsio raw write/read: one "
         "`pwrite`/`pread` of the same byte count from/into page-aligned memory (the read into freshly "
         "allocated memory, as a load needs). `dsio Checkpointer save` = `await (await ckpt.save())`; "
@@ -408,39 +524,27 @@ def report(b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse
             )
         if name.startswith("DCP async_save"):
             lines.append(row("DCP async_save: time training is blocked", T["DCP async_save: blocked"], n))
-    lines += ["", "## Loads (cold page cache)", "", "| method | seconds | GB/s |", "| --- | --- | --- |"]
+    cache = "cold page cache" if loads_cold() else "WARM page cache: it could not be dropped"
+    lines += ["", f"## Loads ({cache})", "", "| method | seconds | GB/s |", "| --- | --- | --- |"]
     for name, _ in LOADS:
         lines.append(row(name, T[name], n))
 
-    def r(a: str, b_: str) -> float:
-        return med(T[b_]) / med(T[a]) if T[a] and T[b_] else float("nan")
-
-    durable = "dsio Checkpointer save (durable)"
-    load = "dsio Checkpointer load (crc32c verified)"
-    blocked_ratio = med(T["dsio async save: blocked"]) / med(T[durable]) if T[durable] else float("nan")
     lines += [
         "",
         "## Against the targets (ratios of medians, same run)",
         "",
         "| target | measured | met |",
         "| --- | --- | --- |",
-        f"| durable save >= 0.9x dsio raw new-file write | {r(durable, 'dsio raw write (new file, ceiling)'):.2f}x "
-        f"| {'yes' if r(durable, 'dsio raw write (new file, ceiling)') >= 0.9 else 'no'} |",
-        f"| durable save >= 4x safetensors + fsync | {r(durable, 'safetensors save_file + fsync'):.2f}x "
-        f"| {'yes' if r(durable, 'safetensors save_file + fsync') >= 4 else 'no'} |",
-        f"| async save blocked <= 10% of a synchronous save | {blocked_ratio * 100:.1f}% "
-        f"| {'yes' if blocked_ratio <= 0.10 else 'no'} |",
-        f"| load >= 0.9x dsio raw read | {r(load, 'dsio raw read (ceiling)'):.2f}x "
-        f"| {'yes' if r(load, 'dsio raw read (ceiling)') >= 0.9 else 'no'} |",
-        f"| load >= safetensors load_file | {r(load, 'safetensors load_file'):.2f}x "
-        f"| {'yes' if r(load, 'safetensors load_file') >= 1 else 'no'} |",
-        f"| checksum verification < 10% of load time | "
-        f"{(med(T[load]) / med(T['dsio Checkpointer load (verify=False)']) - 1) * 100:.1f}% | "
-        f"{'yes' if med(T[load]) / med(T['dsio Checkpointer load (verify=False)']) < 1.10 else 'no'} |",
+    ]
+    for t in targets(T):
+        shown = f"{t['value']:.2f}x" if t["unit"] == "x" else f"{t['value']:.1f}%"
+        lines.append(f"| {t['target']} | {shown} | {'yes' if t['met'] else 'no'} |")
+    o = other_ratios(T)
+    lines += [
         "",
-        "Other ratios: dsio durable save vs torch.save + fsync "
-        f"{r(durable, 'torch.save + fsync'):.2f}x, vs DCP save {r(durable, 'DCP save (FileSystemWriter)'):.2f}x; "
-        f"dsio load vs torch.load {r(load, 'torch.load'):.2f}x, vs DCP load {r(load, 'DCP load (FileSystemReader)'):.2f}x.",
+        f"Other ratios: dsio durable save vs torch.save + fsync {o['durable save vs torch.save + fsync']:.2f}x, "
+        f"vs DCP save {o['durable save vs DCP save']:.2f}x; dsio load vs torch.load {o['load vs torch.load']:.2f}x, "
+        f"vs DCP load {o['load vs DCP load']:.2f}x.",
         "",
         "Raw per-rep seconds:",
         "",
@@ -497,12 +601,14 @@ async def main_async(args: argparse.Namespace) -> None:
     text = report(b, mach, args.reps, crc, args)
     print(text)
     if args.write:
-        os.makedirs(RESULTS, exist_ok=True)
-        stem = os.path.join(RESULTS, f"checkpoint-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}")
+        os.makedirs(args.results, exist_ok=True)
+        stem = os.path.join(args.results, f"checkpoint-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}")
         with open(stem + ".md", "w") as f:
             f.write(text + f"\n![results](checkpoint-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}.png)\n")
+        with open(stem + ".json", "w") as f:
+            json.dump(to_json(b, mach, args.reps, crc, args), f, indent=1)
         plot(b, stem + ".png")
-        print(f"wrote {stem}.md and .png", file=sys.stderr)
+        print(f"wrote {stem}.json, .md and .png", file=sys.stderr)
     if not args.keep:
         shutil.rmtree(args.dir, ignore_errors=True)
 
@@ -517,6 +623,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="*", default=None, help="method names to run (default: all)")
     ap.add_argument("--no-write", dest="write", action="store_false", help="do not write bench/results")
     ap.add_argument("--keep", action="store_true", help="keep the working directory")
+    ap.add_argument("--results", default=RESULTS, help="where the .json/.md/.png go (default: bench/results)")
     args = ap.parse_args()
     asyncio.run(main_async(args))
 

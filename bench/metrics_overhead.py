@@ -223,9 +223,10 @@ def main() -> None:
     cmed = {m: statistics.median(v) for m, v in cpu.items()}
     cpu_up = statistics.median(pcpu) - 1
     q = statistics.quantiles(pairs, n=4)
-    today = dt.date.today().isoformat()
+    now = dt.datetime.now(dt.timezone.utc)
+    today, stamp = now.strftime("%Y-%m-%d"), now.strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"# dsio.metrics overhead, {today}",
+        f"# dsio.metrics overhead, {stamp}",
         "",
         f"Host {platform.node()}: {os.cpu_count()} cores, kernel {platform.release()}, backend {res['backend']}. "
         f"`bench/metrics_overhead.py --pairs {args.pairs} --window {args.window:g}`.",
@@ -274,12 +275,52 @@ def main() -> None:
         ),
         "",
     ]
+    modes = {
+        m: {
+            "windows": len(runs[m]),
+            "ops_per_s_median": med[m],
+            "ops_per_s_min": min(runs[m]),
+            "ops_per_s_max": max(runs[m]),
+            "cpu_us_per_op_median": cmed[m] * 1e6,
+            "cpu_us_per_op_min": min(cpu[m]) * 1e6,
+            "cpu_us_per_op_max": max(cpu[m]) * 1e6,
+        }
+        for m in ("off", "on")
+    }
+    data = {  # the schema scripts/readme_numbers.py reads (README's metrics figures come from it)
+        "kind": "metrics_overhead",
+        "meta": {
+            "date": stamp,
+            "host": platform.node(),
+            "cores": os.cpu_count(),
+            "kernel": platform.release(),
+            "backend": res["backend"],
+            "command": f"bench/metrics_overhead.py --pairs {args.pairs} --window {args.window:g}",
+            "scraper": scraper.kind,
+        },
+        "modes": modes,
+        "drop_of_medians_pct": drop_median * 100,
+        "paired_ratio_median": statistics.median(pairs),
+        "drop_of_paired_pct": drop_paired * 100,
+        "paired_ratios": pairs,
+        "cpu_ratio_median": statistics.median(pcpu),
+        "cpu_per_op_change_pct": cpu_up * 100,
+        "busy_off_pct": med["off"] * cmed["off"] * 100,
+        "scrapes_per_on_window": scrapes,
+        "scrape_cpu_us": cost["seconds_per_scrape"] * 1e6,
+        "scrape_bytes": cost["bytes_per_scrape"],
+        "verdict": lines[-2].removeprefix("**Verdict:** "),
+        "rates": runs,
+        "cpu_seconds_per_op": cpu,
+    }
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"metrics-{today}.md")
     with open(path, "w") as f:
         f.write("\n".join(lines))
+    with open(path[:-3] + ".json", "w") as f:
+        json.dump(data, f, indent=1)
     print("\n".join(lines))
-    print(f"wrote {path}")
+    print(f"wrote {path} and {os.path.basename(path[:-3])}.json")
 
 
 if __name__ == "__main__":

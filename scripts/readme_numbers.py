@@ -1,0 +1,337 @@
+"""README's measured numbers, generated from the result files they cite.
+
+Every figure README.md quotes from a benchmark lives between markers naming its source::
+
+    <!-- numbers:checkpoint source=bench/results/checkpoint-2026-11-30.json -->
+    ...generated text...
+    <!-- /numbers -->
+
+This script re-renders each block from its source (JSON written by the benchmark, or re-derived from its
+report where the run wrote none; such files say so in ``derived_from``):
+
+    .venv/bin/python scripts/readme_numbers.py           # rewrite README.md in place
+    .venv/bin/python scripts/readme_numbers.py --check   # exit 1 and show the diff when README has drifted
+
+tests/test_readme_numbers.py runs ``--check`` and also fails when a measurement-like figure (GB/s, ops/s,
+a ratio like 1.02x) appears in README outside a generated block. To cite a newer run, change the block's
+``source=`` and re-run this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+BLOCK = re.compile(
+    r"(?P<open><!-- numbers:(?P<kind>[\w-]+) source=(?P<source>\S+) -->\n)(?P<body>.*?)(?P<close><!-- /numbers -->)",
+    re.S,
+)
+#: Figures that look measured; README may show them only inside generated blocks.
+MEASURED = re.compile(
+    r"\d(?:[\d,.]*\d)?\s*(?:GB/s|GiB/s|MB/s|ops/s|k?\s*(?:writes|reads)/s|us of CPU)"
+    r"|\b\d+\.\d+x\b"
+    r"|\b\d+(?:\.\d+)?-\d+(?:\.\d+)?\s*GB/s",
+)
+
+
+TABLE_FIGURE = re.compile(r"^\|.*\b\d+\.\d+\b.*\|\s*$", re.M)
+
+
+def unsourced_figures(text: str) -> list[str]:
+    """Measurement-like figures in ``text`` outside every generated block (each with a little context)."""
+    human = outside_blocks(text)
+    hits = [m for m in MEASURED.finditer(human)] + [m for m in TABLE_FIGURE.finditer(human)]
+    return [human[max(0, m.start() - 40) : m.end() + 10].replace("\n", " ") for m in hits]
+
+
+class NumbersError(Exception):
+    """A block names an unknown kind or a source that is missing or lacks what the kind needs."""
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    kind: str
+    source: str
+    body: str
+    start: int
+    end: int
+
+
+def blocks(text: str) -> list[Block]:
+    """The generated blocks of ``text``, in order."""
+    return [
+        Block(m["kind"], m["source"], m["body"], m.start("body"), m.end("body")) for m in BLOCK.finditer(text)
+    ]
+
+
+def outside_blocks(text: str) -> str:
+    """``text`` with every generated block's body removed (what a human wrote)."""
+    out, pos = [], 0
+    for b in blocks(text):
+        out.append(text[pos : b.start])
+        pos = b.end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+# -- formatting ------------------------------------------------------------------------------------
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def mrange(xs: list[float], digits: int = 2) -> str:
+    """``median (min-max)``."""
+    if digits == 0:
+        return f"{med(xs):,.0f} ({min(xs):,.0f}-{max(xs):,.0f})"
+    return f"{med(xs):.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x"
+
+
+def kilo(x: float) -> str:
+    return f"{x / 1000:.1f}k"
+
+
+def _get(d: dict[str, Any], *keys: str) -> Any:
+    cur: Any = d
+    for k in keys:
+        if not isinstance(cur, dict) or k not in cur:
+            raise NumbersError(f"the source has no {'/'.join(keys)!r}")
+        cur = cur[k]
+    return cur
+
+
+# -- renderers: one per kind -----------------------------------------------------------------------
+IO_SEQ_ROWS = [
+    ("dsio io_uring, locked buffer", "dsio io_uring, locked buffer"),
+    ("dsio io_uring, ordinary tensor", "dsio io_uring, ordinary `torch.randn` tensor"),
+    ("DeepSpeed aio_handle, locked", "DeepSpeed aio_handle, locked buffer"),
+    ("DeepSpeed aio_handle, ordinary tensor", "DeepSpeed aio_handle, ordinary tensor"),
+    ("fio libaio 1M QD32", "fio libaio 1M QD32"),
+    ("fio io_uring 1M QD32", "fio io_uring 1M QD32"),
+]
+
+
+def _fio_note(meta: dict[str, Any]) -> str:
+    """What fio's write jobs included; runs before the key existed used end_fsync=1 (bench/baselines/fio.py)."""
+    fsync = meta.get("fio_write_fsync", True)
+    return (
+        "fio's write jobs (new file, overwrite and small ops) end with an fsync (`end_fsync=1`) that dsio's and "
+        "DeepSpeed's overwrite and small-op figures do not include"
+        if fsync
+        else "fio's write jobs run without an fsync, like dsio's and DeepSpeed's overwrite and small-op figures"
+    )
+
+
+def _cache_note(meta: dict[str, Any]) -> str:
+    for key in ("page_cache_dropped", "drop_caches", "cold_reads"):
+        if key in meta:
+            return (
+                "page cache dropped before every read"
+                if meta[key]
+                else "WARM reads: the page cache could not be dropped"
+            )
+    return "the run's report says the page cache was dropped before every read (run as root; the file does not record the check)"
+
+
+def render_io_seq(src: dict[str, Any], source: str) -> str:
+    res, meta = _get(src, "results"), _get(src, "meta")
+    reps = len(_get(res, IO_SEQ_ROWS[0][0], "write_new_fsync"))
+    lines = [
+        f"`{source}` ({meta.get('date', '?')}, host {meta.get('host', '?')}): 1 GiB sequential, GB/s, median (min-max) "
+        f"of {reps} interleaved reps; {_cache_note(meta)}; {_fio_note(meta)}.",
+        "",
+        "| GB/s | write new + fsync | overwrite | read |",
+        "| --- | --- | --- | --- |",
+    ]
+    for key, label in IO_SEQ_ROWS:
+        if key not in res:
+            continue
+        r = res[key]
+        lines.append(
+            f"| {label} | {mrange(r['write_new_fsync'])} | {mrange(r['overwrite'])} | {mrange(r['read'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_io_ops(src: dict[str, Any], source: str) -> str:
+    res, meta = _get(src, "results"), _get(src, "meta")
+    ours, ds, fio = (
+        res["dsio io_uring (default config)"],
+        res.get("DeepSpeed aio_handle", {}),
+        res.get("fio libaio", {}),
+    )
+    n_ops = 2000
+    lines = [
+        f"Small operations from `{source}`: {n_ops:,} concurrent ops per rep, ops/s, median of the reps. "
+        "DeepSpeed's `async_pwrite/pread(path)` + one `wait()` opens the file per op, so the headline compares "
+        f"dsio's path-per-op calls with it; dsio's open-file mode is its own column. As above, {_fio_note(meta)}.",
+        "",
+        "| size, op | dsio, path per op | DeepSpeed, path per op | dsio / DeepSpeed | dsio, open file | fio libaio QD1 / QD32 |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for size, label in (("64K", "64 KiB"), ("1024K", "1 MiB")):
+        for op in ("write", "read"):
+            path = med(_get(ours, f"ops_{op}_{size}_path"))
+            opened = med(_get(ours, f"ops_{op}_{size}"))
+            d = ds.get(f"ops_{op}_{size}")
+            f1, f32 = fio.get(f"ops_{op}_{size}_qd1"), fio.get(f"ops_{op}_{size}_qd32")
+            lines.append(
+                f"| {label} {op} | {path:,.0f} | {f'{med(d):,.0f}' if d else '-'} | "
+                f"{ratio(path, med(d)) if d else '-'} | {opened:,.0f} | "
+                f"{f'{med(f1):,.0f} / {med(f32):,.0f}' if f1 and f32 else '-'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def render_checkpoint(src: dict[str, Any], source: str) -> str:
+    st, rows = _get(src, "state"), _get(src, "rows")
+    t = {x["target"]: x for x in _get(src, "targets")}
+
+    def val(name: str) -> str:
+        x = t[name]
+        return f"{x['value']:.2f}x" if x["unit"] == "x" else f"{x['value']:.1f}%"
+
+    derived = f", re-derived from `{src['derived_from']}`" if src.get("derived_from") else ""
+    blocked = t["async save blocked <= 10% of a synchronous save"]
+    return (
+        f"Measured on {st['gib']:.2f} GiB of GPT-like state ({st['tensors']} tensors; `{source}`{derived}; "
+        f"{src.get('reps', '?')} interleaved reps, medians): durable save "
+        f"{val('durable save >= 0.9x dsio raw new-file write')} dsio's raw new-file write (target 0.9x) and "
+        f"{val('durable save >= 4x safetensors + fsync')} safetensors + fsync "
+        f"({rows['dsio Checkpointer save (durable)']['gbps_median']:.2f} GB/s); load "
+        f"{val('load >= 0.9x dsio raw read')} raw read and {val('load >= safetensors load_file')} safetensors "
+        f"({rows['dsio Checkpointer load (crc32c verified)']['gbps_median']:.2f} GB/s, crc32c verified). An async "
+        f"save blocks training for {val('async save blocked <= 10% of a synchronous save')} of a synchronous "
+        f"save (target 10%: {'met' if blocked['met'] else 'not met'}).\n"
+    )
+
+
+def render_metrics(src: dict[str, Any], source: str) -> str:
+    modes = _get(src, "modes")
+    return (
+        f"Exporter cost (`{source}`, {modes['on']['windows']} on/off window pairs of 64 KiB O_DIRECT ops, "
+        f"scraped every second by {_get(src, 'meta', 'scraper')}): CPU per op {src['cpu_per_op_change_pct']:+.2f}% "
+        f"with the exporter ({modes['off']['cpu_us_per_op_median']:.2f} vs "
+        f"{modes['on']['cpu_us_per_op_median']:.2f} us); one scrape costs {src['scrape_cpu_us']:.0f} us of CPU.\n"
+    )
+
+
+GPU_ROWS = [
+    ("dsio bounce", "dsio bounce"),
+    ("dsio cufile", "dsio cufile (compat mode)"),
+    ("dsio host-pinned (ceiling)", "dsio host-pinned (the disk's ceiling)"),
+    ("kvikio CuFile", "kvikio CuFile"),
+    ("tensor.cpu() + torch.save", "`tensor.cpu()` + `torch.save`"),
+]
+
+
+def render_gpu(src: dict[str, Any], source: str) -> str:
+    res, meta = _get(src, "results"), _get(src, "meta")
+    lines = [
+        f"`{source}` ({meta.get('date', '?')}, {meta.get('gpu', '?').split(',')[0]}): "
+        f"{meta.get('size_gib', '?')} GiB CUDA tensor, fsync'ed writes, GB/s, median (min-max) of "
+        f"{meta.get('reps', '?')} interleaved reps.",
+        "",
+        "| GB/s | write | read |",
+        "| --- | --- | --- |",
+    ]
+    for key, label in GPU_ROWS:
+        if key in res:
+            lines.append(f"| {label} | {mrange(res[key]['write'])} | {mrange(res[key]['read'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_gpu_ratios(src: dict[str, Any], source: str) -> str:
+    res, meta = _get(src, "results"), _get(src, "meta")
+    b, h, k = (_get(res, name) for name in ("dsio bounce", "dsio host-pinned (ceiling)", "kvikio CuFile"))
+    return (
+        f"`{source}` ({meta.get('date', '?')}): bounce {med(b['write']):.2f} / {med(b['read']):.2f} GB/s "
+        f"(write / read) = {ratio(med(b['write']), med(h['write']))} / {ratio(med(b['read']), med(h['read']))} "
+        f"host-pinned, {ratio(med(b['write']), med(k['write']))} / {ratio(med(b['read']), med(k['read']))} kvikio.\n"
+    )
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any], str], str]] = {
+    "io-seq": render_io_seq,
+    "io-ops": render_io_ops,
+    "checkpoint": render_checkpoint,
+    "metrics": render_metrics,
+    "gpu": render_gpu,
+    "gpu-ratios": render_gpu_ratios,
+}
+
+
+def render(kind: str, source: str, root: Path = ROOT) -> str:
+    """The body of one block, from its source file."""
+    if kind not in RENDERERS:
+        raise NumbersError(f"unknown numbers kind {kind!r} (known: {', '.join(RENDERERS)})")
+    path = root / source
+    if not path.is_file():
+        raise NumbersError(f"{source}: no such result file")
+    if path.suffix != ".json":
+        raise NumbersError(f"{source}: numbers are generated from JSON result files only")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise NumbersError(f"{source}: not valid JSON: {e}") from e
+    try:
+        return RENDERERS[kind](data, source)
+    except (KeyError, TypeError, ValueError, statistics.StatisticsError) as e:
+        raise NumbersError(f"{source}: lacks what a {kind!r} block needs: {e!r}") from e
+
+
+def regenerate(text: str, root: Path = ROOT) -> str:
+    """``text`` with every block's body re-rendered from its source."""
+    out, pos = [], 0
+    for b in blocks(text):
+        out += [text[pos : b.start], render(b.kind, b.source, root)]
+        pos = b.end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--check", action="store_true", help="only compare; exit 1 with a diff when README drifted"
+    )
+    ap.add_argument("--readme", type=Path, default=README)
+    args = ap.parse_args(argv)
+    text = args.readme.read_text()
+    new = regenerate(text, args.readme.resolve().parent)
+    if args.check:
+        if new != text:
+            sys.stdout.writelines(
+                difflib.unified_diff(text.splitlines(True), new.splitlines(True), "README.md", "generated")
+            )
+            print(
+                "README.md's numbers differ from their result files: run scripts/readme_numbers.py",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"README.md: {len(blocks(text))} generated blocks match their result files")
+        return 0
+    if new != text:
+        args.readme.write_text(new)
+        print(f"README.md: {len(blocks(text))} blocks regenerated")
+    else:
+        print("README.md: already up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
