@@ -1,0 +1,225 @@
+"""Pieces of the MoE tests: distinct-weight experts, a dense top-k reference, a wall-clock-bounded spawn of
+real gloo ranks, and the scenarios those ranks run."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from _dstrain_helpers import free_port
+from torch import nn
+
+from dstrain.moe import ExchangeMismatchError, MoE
+
+
+def make_expert(d: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+
+def reference_layer(d: int, e: int, k: int, seed: int = 0, **kw: Any) -> MoE:
+    """An ep_size=1 MoE whose experts all have different weights (MoE deep-copies one expert)."""
+    torch.manual_seed(seed)
+    layer = MoE(d, make_expert(d), num_experts=e, ep_size=1, k=k, **kw)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    return layer
+
+
+def copy_into(ep_layer: MoE, ref: MoE, ep_rank: int) -> None:
+    """Load ``ref``'s gate and the global experts that ``ep_rank`` holds into ``ep_layer``."""
+    n = ep_layer.num_local_experts
+    ref_experts = ref.deepspeed_moe.experts.deepspeed_experts
+    with torch.no_grad():
+        ep_layer.deepspeed_moe.gate.wg.weight.copy_(ref.deepspeed_moe.gate.wg.weight)
+        for i, ex in enumerate(ep_layer.deepspeed_moe.experts.deepspeed_experts):
+            ex.load_state_dict(ref_experts[ep_rank * n + i].state_dict())
+
+
+def dense_topk(layer: MoE, x: torch.Tensor, k: int) -> torch.Tensor:
+    """Every token through its top-k experts, no capacity (top-1: raw softmax weight; k>1 renormalised)."""
+    experts = layer.deepspeed_moe.experts.deepspeed_experts
+    gates = F.softmax(x.float() @ layer.deepspeed_moe.gate.wg.weight.t(), dim=1)
+    topv, topi = torch.topk(gates, k, dim=1)
+    if k > 1:
+        topv = topv / topv.sum(dim=1, keepdim=True)
+    out = torch.zeros_like(x)
+    for j in range(k):
+        for e, ex in enumerate(experts):
+            sel = topi[:, j] == e
+            if sel.any():
+                out[sel] += topv[sel, j : j + 1] * ex(x[sel])
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def _entry(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out_dir: str
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(*args)
+        torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_bounded(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` gloo ranks; a run past ``timeout`` seconds is killed and raises
+    TimeoutError (a hang fails the test instead of stalling it)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _entry,
+            args=(world, free_port(), fn, args, out_dir),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise TimeoutError(f"ranks still running after {timeout:.0f} s (a hang)")
+        except mp.ProcessRaisedException:
+            pass
+        except mp.ProcessExitedException:
+            pass
+        results = []
+        for rank in range(world):
+            path = os.path.join(out_dir, f"{rank}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} died without a result")
+            data = torch.load(path, weights_only=False)
+            if "error" in data:
+                raise RuntimeError(f"rank {rank} failed:\n{data['error']}")
+            results.append(data["ok"])
+        return results
+
+
+# -- scenarios run on each rank ---------------------------------------------------------------------
+
+
+EP_CASES = [
+    # (k, drop_tokens, capacity_factor, tokens per rank)
+    (1, False, 1.0, 24),
+    (2, False, 1.0, 24),
+    (3, False, 1.0, 24),
+    (1, True, 0.5, 24),  # tight capacity: tokens are dropped, still EP=2 == EP=1
+    (2, True, 0.75, 24),
+]
+D, E = 8, 4
+
+
+def ep_equivalence() -> dict[str, Any]:
+    """Per case: forward vs the dense reference (no drops) and EP=2 gradients vs the EP=1 layer's."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out: dict[str, Any] = {}
+    for k, drop, cf, s in EP_CASES:
+        name = f"k{k}-{'drop' if drop else 'nodrop'}"
+        kw = dict(
+            capacity_factor=cf,
+            min_capacity=0,
+            drop_tokens=drop,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+        )
+        ref = reference_layer(D, E, k, **kw)
+        torch.manual_seed(1)
+        xs = [torch.randn(s, D) for _ in range(world)]
+        target = torch.randn(s, D)
+        layer = MoE(D, make_expert(D), num_experts=E, ep_size=world, k=k, **kw)
+        layer.set_expert_group(None)  # the whole world is the expert group here
+        copy_into(layer, ref, rank)
+        x = xs[rank].clone().requires_grad_(True)
+        y, l_aux, counts = layer(x)
+        loss = ((y - target) ** 2).mean() + 0.1 * l_aux
+        loss.backward()
+        # the EP=1 reference: every rank's tokens through the same layer, separately (routing is per rank)
+        xr = [t.clone().requires_grad_(True) for t in xs]
+        total = torch.zeros(())
+        for r in range(world):
+            yr, la, _ = ref(xr[r])
+            if r == rank:
+                ref_y, ref_aux = yr.detach(), la.detach()
+            total = total + ((yr - target) ** 2).mean() + 0.1 * la
+        total.backward()
+        n = layer.num_local_experts
+        mine = [p.grad for p in layer.deepspeed_moe.experts.parameters()]
+        theirs = [
+            p.grad
+            for i in range(n)
+            for p in ref.deepspeed_moe.experts.deepspeed_experts[rank * n + i].parameters()
+        ]
+        gate_grad = layer.deepspeed_moe.gate.wg.weight.grad.clone()
+        dist.all_reduce(gate_grad)  # the data-parallel sum of the gate's gradient
+        out[name] = {
+            "fwd_vs_ep1": rel_err(y.detach(), ref_y),
+            "fwd_vs_dense": None if drop else rel_err(y.detach(), dense_topk(ref, xs[rank], k)),
+            "l_aux": abs(l_aux.item() - ref_aux.item()),
+            "expert_grad": max(rel_err(a, b) for a, b in zip(mine, theirs, strict=True)),
+            "gate_grad": rel_err(gate_grad, ref.deepspeed_moe.gate.wg.weight.grad),
+            "input_grad": rel_err(x.grad, xr[rank].grad),
+            "dropped": layer.statistics().dropped_routes,
+            "counts": counts.tolist(),
+            "stats": layer.statistics(),
+        }
+    return out
+
+
+def mismatch() -> dict[str, Any]:
+    """Rank 1 routes more tokens than rank 0 with drop_tokens=True: every rank must raise, and the group
+    must still work afterwards (no rank is left inside a collective)."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    layer = MoE(D, make_expert(D), num_experts=E, ep_size=2, k=2, min_capacity=0, use_rts=False)
+    layer.set_expert_group(None)
+    start = time.monotonic()
+    try:
+        layer(torch.randn(16 + 8 * rank, D))
+        out["raised"] = None
+    except ExchangeMismatchError as e:
+        out["raised"] = {"type": type(e).__name__, "values": e.values}
+    out["seconds"] = time.monotonic() - start
+    # hidden size differing is also caught (layers of different width on the two ranks)
+    wide = MoE(D + 8 * rank, make_expert(D + 8 * rank), num_experts=E, ep_size=2, min_capacity=0)
+    wide.set_expert_group(None)
+    try:
+        wide(torch.randn(16, D + 8 * rank))
+        out["hidden"] = None
+    except ExchangeMismatchError as e:
+        out["hidden"] = type(e).__name__
+    # different token counts are fine without dropping: the capacity is agreed upward
+    free = MoE(D, make_expert(D), num_experts=E, ep_size=2, k=2, drop_tokens=False, use_rts=False)
+    free.set_expert_group(None)
+    y, _, _ = free(torch.randn(16 + 8 * rank, D))
+    out["nodrop_shape"] = tuple(y.shape)
+    out["nodrop_capacity"] = free.statistics().capacity
+    dist.barrier()
+    return out
+
+
+def layer_scenarios() -> dict[str, Any]:
+    """Both scenarios in one pair of processes (process start dominates on a loaded 2-core machine)."""
+    return {"ep": ep_equivalence(), "mismatch": mismatch()}
