@@ -265,6 +265,40 @@ def render_gpu_ratios(src: dict[str, Any], source: str) -> str:
     )
 
 
+def _train_row(reps: list[list[dict[str, Any]]]) -> tuple[float, float, float]:
+    """(best step, median step, peak RSS MiB) the way bench/train.py reports them: a step takes as long as
+    its slowest rank; best = fastest such step over all reps; median = median over reps of each rep's
+    median step; RSS = max over ranks, median over reps."""
+    steps = [[max(xs) for xs in zip(*(r["step_s"] for r in rep), strict=True)] for rep in reps]
+    best = min(min(s) for s in steps)
+    median = med([med(s) for s in steps])
+    rss = med([max(r["peak_rss_mib"] for r in rep) for rep in reps])
+    return best, median, rss
+
+
+def render_train(src: dict[str, Any], source: str) -> str:
+    res = _get(src, "results")
+    rows = {m: _train_row(reps) for m, reps in res.items() if reps}
+    one = res[next(iter(rows))][0][0]
+    when = f", {src['meta']['date']}" if isinstance(src.get("meta"), dict) and "date" in src["meta"] else ""
+    lines = [
+        f"`{source}`{when}: GPT-like model, {one['params'] / 1e6:.1f}M parameters, fp32, world size {one['world']} "
+        f"(gloo), {len(res[next(iter(rows))])} interleaved reps. Best step = the fastest step over all reps "
+        "(a step lasts as long as its slowest rank); peak RSS per rank.",
+        "",
+        "| method | best step, s | vs DDP | vs DeepSpeed, same stage | median step, s | peak RSS, MiB | RSS vs DeepSpeed |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    ddp = rows.get("ddp")
+    for m, (best, median, rss) in rows.items():
+        ds = rows.get("deepspeed" + m[len("dstrain") :]) if m.startswith("dstrain") else None
+        lines.append(
+            f"| {m} | {best:.3f} | {ratio(best, ddp[0]) if ddp else '-'} | {ratio(best, ds[0]) if ds else '-'} "
+            f"| {median:.3f} | {rss:,.0f} | {ratio(rss, ds[2]) if ds else '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str], str]] = {
     "io-seq": render_io_seq,
     "io-ops": render_io_ops,
@@ -272,6 +306,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any], str], str]] = {
     "metrics": render_metrics,
     "gpu": render_gpu,
     "gpu-ratios": render_gpu_ratios,
+    "train": render_train,
 }
 
 
