@@ -19,13 +19,14 @@ Use::
 from __future__ import annotations
 
 import functools
+import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -100,41 +101,75 @@ def mounted(target: Path, fstype: str, options: str = "") -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(target)], check=False)
 
 
-_SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|error|errors|xfailed|xpassed)\b")
-_SKIP_LINE = re.compile(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", re.M)
+#: In the child: where each test's reports go (one JSON object per line), read back by the parent.
+REPORT_ENV = "DSIO_TEST_MOUNT_REPORT"
 
 
-def run_in_namespace(nodeid: str, basetemp: Path) -> None:
-    """Run one test (``nodeid``) in a child pytest under ``unshare -Urm``; mirror its outcome here.
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Plugin hook, active only in the namespaced child (loaded there with ``-p _mount``)."""
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    if report.skipped and isinstance(report.longrepr, tuple):
+        text = str(report.longrepr[2]).removeprefix("Skipped: ")
+    else:
+        text = report.longreprtext
+    with open(path, "a") as f:
+        f.write(
+            json.dumps(
+                {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome, "text": text}
+            )
+        )
+        f.write("\n")
 
-    Passes when the child passed, fails with the child's output when it failed, skips with the child's
-    reason when it skipped.
-    """
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one test did in the namespaced child."""
+
+    outcome: str  # "passed" | "failed" | "skipped"
+    text: str
+
+
+def require_namespace() -> None:
+    """Skip (or fail under CI) saying how to enable it, when ``unshare -Urm`` cannot mount here."""
     why = userns_unavailable_reason()
     if why:
         skip_or_fail(f"this test mounts a filesystem and we are not root; {why}; {ENABLE_HINT}")
-    env = dict(os.environ, **{IN_NAMESPACE_ENV: "1"})
-    cmd = [
-        "unshare",
-        "-Urm",
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-rs",
-        "-p",
-        "no:cacheprovider",
-        f"--basetemp={basetemp}",
-        nodeid,
-    ]
+
+
+def run_in_namespace(nodeids: list[str], basetemp: Path) -> tuple[dict[str, Outcome], str]:
+    """Run ``nodeids`` in ONE child pytest under ``unshare -Urm`` (one interpreter start for all of them).
+
+    Returns each test's outcome (failed if any phase failed, else skipped if skipped, else passed) and the
+    child's output. Skips (or fails under CI) when user namespaces are not available here.
+    """
+    require_namespace()
+    report = basetemp / "reports.jsonl"
+    here = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, **{IN_NAMESPACE_ENV: "1", REPORT_ENV: str(report)})
+    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = ["unshare", "-Urm", sys.executable, "-m", "pytest", "-q", "-p", "_mount", "-p", "no:cacheprovider"]
+    cmd += [f"--basetemp={basetemp / 'tmp'}", *nodeids]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    out = r.stdout + r.stderr
-    counts = {k: int(n) for n, k in _SUMMARY.findall(out.splitlines()[-1] if out.strip() else "")}
-    if r.returncode == 0 and counts.get("passed") == 1:
-        return
-    if r.returncode == 0 and counts.get("skipped") == 1:
-        m = _SKIP_LINE.search(out)
-        skip_or_fail(f"inside `unshare -Urm`: {m.group(1) if m else 'skipped'}")
-    pytest.fail(
-        f"in `unshare -Urm` the test did not pass (exit {r.returncode}):\n{out[-6000:]}", pytrace=False
-    )
+    out: dict[str, Outcome] = {}
+    lines = report.read_text().splitlines() if report.is_file() else []
+    for line in lines:
+        rec = json.loads(line)
+        prev = out.get(rec["nodeid"])
+        if prev is not None and prev.outcome == "failed":
+            continue
+        if rec["outcome"] == "failed" or (prev is None or rec["outcome"] == "skipped"):
+            out[rec["nodeid"]] = Outcome(rec["outcome"], rec["text"])
+    return out, r.stdout + r.stderr
+
+
+def mirror(nodeid: str, results: dict[str, Outcome], output: str) -> None:
+    """Make this (parent) test end as ``nodeid`` did in the child."""
+    res = results.get(nodeid)
+    if res is None:
+        pytest.fail(f"`unshare -Urm` child reported nothing for {nodeid}:\n{output[-6000:]}", pytrace=False)
+    if res.outcome == "skipped":
+        skip_or_fail(f"inside `unshare -Urm`: {res.text}")
+    if res.outcome == "failed":
+        pytest.fail(f"inside `unshare -Urm`:\n{res.text[-6000:]}", pytrace=False)

@@ -51,17 +51,33 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     _mount.deferred = False
 
 
+_NAMESPACE_RUN: dict[str, Any] = {}  # the one child run for every rerouted test: results, output, tmp dir
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    """A ``needs_mount`` test run by a user who cannot mount runs whole in a child under ``unshare -Urm``."""
+    """A ``needs_mount`` test run by a user who cannot mount runs in a child under ``unshare -Urm``; the
+    first such test runs all of this session's in one child (one interpreter start), the rest read back."""
     if not _reroutes(pyfuncitem):
         return None
-    base = tempfile.mkdtemp(prefix="dsio-mountns-")
-    try:
-        _mount.run_in_namespace(pyfuncitem.nodeid, Path(base))
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    _mount.require_namespace()
+    if "results" not in _NAMESPACE_RUN:
+        ids = [i.nodeid for i in pyfuncitem.session.items if _reroutes(i)]
+        base = Path(tempfile.mkdtemp(prefix="dsio-mountns-"))
+        _NAMESPACE_RUN["base"] = base
+        try:
+            _NAMESPACE_RUN["results"], _NAMESPACE_RUN["output"] = _mount.run_in_namespace(ids, base)
+        except BaseException:
+            _NAMESPACE_RUN.setdefault("results", {})
+            _NAMESPACE_RUN.setdefault("output", "")
+            raise
+    _mount.mirror(pyfuncitem.nodeid, _NAMESPACE_RUN["results"], _NAMESPACE_RUN["output"])
     return True
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if "base" in _NAMESPACE_RUN:
+        shutil.rmtree(_NAMESPACE_RUN["base"], ignore_errors=True)
 
 
 def backend_params() -> list[Any]:
