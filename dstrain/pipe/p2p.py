@@ -1,0 +1,335 @@
+"""Point-to-point messages between pipeline neighbours: receives posted ahead, metadata when it changes.
+
+One `Sender` / `Receiver` pair per direction and kind (activations flow to the next stage, gradients to the
+previous one). A message is::
+
+    header   int64[8] on tag base+0: magic, kind (DATA/ABORT), micro-batch, metadata words (0: unchanged),
+             ack (messages received on the reverse channel), labels fingerprint, sequence number, 0
+    metadata int64[n] on tag base+1, only when the tensors' dtypes/shapes/requires_grad changed
+             (an ABORT carries its error text here as bytes)
+    payload  each tensor on tag base+2
+
+Receives are posted ahead: as soon as message ``k`` is consumed the header of ``k + 1`` is posted, and when
+the metadata was unchanged at ``k`` the payload of ``k + 1`` is posted too, with ``k``'s shapes (on gloo a
+send only moves once its receive is posted, so this is what lets transfers overlap compute). Both ends apply
+the same rule, so when shapes change right after a stable run the sender first fills the receiver's
+speculative buffers with zeros of the old shapes (one wasted transfer per change), then sends the real
+payload: variable sequence lengths work, and no receive is ever left dangling.
+
+Every wait has a timeout (`P2PTimeoutError`). A failing rank sends ABORT in place of its next message on each
+outgoing channel; the receiver raises `PipelineAbortedError` naming the origin and its error, and forwards it.
+Sends are never waited on during a batch except when the peer acknowledged receiving them (so a failed peer
+never blocks its neighbours); the rest are waited on once the batch is known to have succeeded everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dstrain.pipe.errors import P2PTimeoutError, PipelineAbortedError, PipelineError, ShapeMismatchError
+
+__all__ = ["P2PStatistics", "Receiver", "Received", "Sender", "TensorMeta"]
+
+_MAGIC = 0x50495045  # "PIPE"
+_DATA, _ABORT = 1, 2
+_HEADER_WORDS = 8
+_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """What a receiver must know to post a tensor's receive."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    requires_grad: bool
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        if t.dtype not in _CODE:
+            raise TypeError(f"cannot send a {t.dtype} tensor between pipeline stages")
+        return TensorMeta(t.dtype, tuple(t.shape), bool(t.requires_grad))
+
+
+def encode_meta(metas: tuple[TensorMeta, ...]) -> list[int]:
+    """``[n, (dtype code, requires_grad, ndim, *shape) per tensor]``."""
+    words = [len(metas)]
+    for m in metas:
+        words += [_CODE[m.dtype], int(m.requires_grad), len(m.shape), *m.shape]
+    return words
+
+
+def decode_meta(words: list[int]) -> tuple[TensorMeta, ...]:
+    """Inverse of `encode_meta`."""
+    n, pos, out = words[0], 1, []
+    for _ in range(n):
+        code, rg, ndim = words[pos : pos + 3]
+        shape = tuple(words[pos + 3 : pos + 3 + ndim])
+        out.append(TensorMeta(_DTYPES[code], shape, bool(rg)))
+        pos += 3 + ndim
+    if pos != len(words):
+        raise PipelineError(f"corrupt pipeline metadata: {len(words)} words, {pos} used")
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class P2PStatistics:
+    """Counters of one direction of one channel."""
+
+    messages: int
+    payload_bytes: int
+    """Bytes of tensors (excluding headers and metadata)."""
+    metadata_messages: int
+    """Messages whose metadata changed and was sent."""
+    speculative_hits: int
+    """Messages whose payload receive was posted before their header arrived (receiver side)."""
+    wasted_bytes: int
+    """Zero payloads sent to fill speculative receives after a shape change."""
+    wait_seconds: float
+    """Time blocked waiting (receiver: for messages; sender: for acknowledged or final sends)."""
+
+
+def _wait(work: Any, timeout: float, what: str) -> None:
+    start = time.monotonic()
+    try:
+        work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as e:
+        if time.monotonic() - start >= 0.9 * timeout:
+            raise P2PTimeoutError(f"{what}: nothing arrived in {timeout:g} s (p2p_timeout)") from e
+        raise PipelineAbortedError(f"{what}: the connection failed ({e})") from e
+
+
+class _Channel:
+    def __init__(self, *, peer: int, tag: int, group: Any, timeout: float, name: str) -> None:
+        self.peer = peer
+        self.tag = tag
+        self.group = group
+        self.timeout = timeout
+        self.name = name
+        self._last: tuple[TensorMeta, ...] | None = None
+        self._stable = False  # the previous message kept its metadata: the next payload is posted ahead
+        self._seq = 0
+        self._stats = {"messages": 0, "payload_bytes": 0, "metadata_messages": 0, "speculative_hits": 0}
+        self._stats.update(wasted_bytes=0)
+        self._wait_seconds = 0.0
+
+    def statistics(self) -> P2PStatistics:
+        return P2PStatistics(**self._stats, wait_seconds=self._wait_seconds)
+
+
+class Sender(_Channel):
+    """Sends messages to ``peer`` (a global rank); posts, never blocks until `release`/`drain`."""
+
+    def __init__(self, *, peer: int, tag: int, group: Any, timeout: float, name: str) -> None:
+        super().__init__(peer=peer, tag=tag, group=group, timeout=timeout, name=name)
+        self._pending: list[tuple[int, list[Any], list[torch.Tensor]]] = []
+        self.aborted = False
+
+    def _isend(self, t: torch.Tensor, offset: int) -> Any:
+        return dist.isend(t, self.peer, group=self.group, tag=self.tag + offset)
+
+    def send(
+        self, tensors: tuple[torch.Tensor, ...], *, micro_batch: int, ack: int, fingerprint: int = -1
+    ) -> None:
+        """Post message ``micro_batch`` (the tensors are detached, made contiguous and kept until released)."""
+        metas = tuple(TensorMeta.of(t) for t in tensors)
+        payload = [t.detach().contiguous() for t in tensors]
+        changed = metas != self._last
+        meta_words = encode_meta(metas) if changed else []
+        header = torch.tensor(
+            [_MAGIC, _DATA, micro_batch, len(meta_words), ack, fingerprint, self._seq, 0], dtype=torch.int64
+        )
+        keep = [header]
+        works = [self._isend(header, 0)]
+        if changed:
+            meta = torch.tensor(meta_words, dtype=torch.int64)
+            keep.append(meta)
+            works.append(self._isend(meta, 1))
+            self._stats["metadata_messages"] += 1
+            if (
+                self._stable and self._last is not None
+            ):  # the receiver posted our last shapes ahead: fill them
+                for m in self._last:
+                    dummy = torch.zeros(m.shape, dtype=m.dtype)
+                    keep.append(dummy)
+                    works.append(self._isend(dummy, 2))
+                    self._stats["wasted_bytes"] += dummy.numel() * dummy.element_size()
+        for t in payload:
+            keep.append(t)
+            works.append(self._isend(t, 2))
+            self._stats["payload_bytes"] += t.numel() * t.element_size()
+        self._pending.append((self._seq, works, keep))
+        self._stats["messages"] += 1
+        self._stable = not changed
+        self._last = metas
+        self._seq += 1
+
+    def release(self, acked: int) -> None:
+        """Wait on (already complete) sends the peer acknowledged: sequence numbers below ``acked``."""
+        start = time.perf_counter()
+        while self._pending and self._pending[0][0] < acked:
+            _, works, _ = self._pending.pop(0)
+            for w in works:
+                _wait(w, self.timeout, f"{self.name}: acknowledged send to rank {self.peer}")
+        self._wait_seconds += time.perf_counter() - start
+
+    def drain(self) -> None:
+        """Wait on every pending send (call only once every receiver is known to have posted its receives)."""
+        self.release(self._seq)
+
+    @property
+    def pending(self) -> int:
+        """Messages posted and not yet waited on."""
+        return len(self._pending)
+
+    def abort(self, reason: str) -> None:
+        """Post an ABORT carrying ``reason`` in place of the next message (once; never waited on)."""
+        if self.aborted:
+            return
+        self.aborted = True
+        text = torch.tensor(list(reason.encode()[:4000]), dtype=torch.uint8)
+        header = torch.tensor([_MAGIC, _ABORT, -1, text.numel(), 0, -1, self._seq, 0], dtype=torch.int64)
+        works = [self._isend(header, 0), self._isend(text, 1)]
+        self._pending.append((self._seq, works, [header, text]))  # kept alive; never waited on
+        self._seq += 1
+
+    def forget(self) -> None:
+        """Drop pending sends without waiting (the batch failed; the channel is no longer used)."""
+        self._pending.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """One message: its tensors (receive buffers, ``requires_grad`` as sent) and header fields."""
+
+    tensors: tuple[torch.Tensor, ...]
+    micro_batch: int
+    ack: int
+    fingerprint: int
+
+
+class Receiver(_Channel):
+    """Receives the messages of ``peer``; call `expect` with the number of messages of the batch first."""
+
+    def __init__(self, *, peer: int, tag: int, group: Any, timeout: float, name: str) -> None:
+        super().__init__(peer=peer, tag=tag, group=group, timeout=timeout, name=name)
+        self._remaining = 0
+        self._header: tuple[torch.Tensor, Any] | None = None
+        self._spec: list[tuple[torch.Tensor, Any]] | None = None
+        self.received = 0
+        """Messages fully received so far (what this side acknowledges to the peer)."""
+
+    def _irecv(self, t: torch.Tensor, offset: int) -> Any:
+        return dist.irecv(t, self.peer, group=self.group, tag=self.tag + offset)
+
+    def _post_ahead(self) -> None:
+        header = torch.empty(_HEADER_WORDS, dtype=torch.int64)
+        self._header = (header, self._irecv(header, 0))
+        self._spec = None
+        if self._stable and self._last is not None:
+            bufs = [torch.empty(m.shape, dtype=m.dtype) for m in self._last]
+            self._spec = [(b, self._irecv(b, 2)) for b in bufs]
+
+    def expect(self, messages: int) -> None:
+        """Post the receives of the first of ``messages`` messages that make up the coming batch."""
+        if self._header is not None:
+            raise PipelineError(f"{self.name}: receives are still posted from the previous batch")
+        self._remaining = messages
+        if messages:
+            self._post_ahead()
+
+    def _wait(self, work: Any, what: str) -> None:
+        start = time.perf_counter()
+        try:
+            _wait(work, self.timeout, f"{self.name}: {what} from rank {self.peer}")
+        finally:
+            self._wait_seconds += time.perf_counter() - start
+
+    def recv(self, micro_batch: int) -> Received:
+        """Wait for message ``micro_batch`` (it must be the next one); raises if the peer aborted."""
+        if self._header is None:
+            raise PipelineError(f"{self.name}: recv of micro-batch {micro_batch} with nothing posted")
+        header_t, work = self._header
+        self._header = None
+        self._wait(work, f"header of micro-batch {micro_batch}")
+        magic, kind, mb, n_meta, ack, fingerprint, _, _ = header_t.tolist()
+        if magic != _MAGIC:
+            raise PipelineError(f"{self.name}: corrupt header from rank {self.peer}: {header_t.tolist()}")
+        if kind == _ABORT:
+            text = torch.empty(n_meta, dtype=torch.uint8)
+            self._wait(self._irecv(text, 1), "abort reason")
+            raise PipelineAbortedError(bytes(text.tolist()).decode(errors="replace"))
+        if mb != micro_batch:
+            raise PipelineError(
+                f"{self.name}: expected micro-batch {micro_batch} from rank {self.peer}, got {mb} (schedules differ)"
+            )
+        spec, self._spec = self._spec, None
+        if n_meta:
+            words = torch.empty(n_meta, dtype=torch.int64)
+            self._wait(self._irecv(words, 1), "metadata")
+            metas = decode_meta(words.tolist())
+            self._stats["metadata_messages"] += 1
+            for _, w in spec or []:  # zeros filling our speculative receives: discard
+                self._wait(w, "filler payload")
+            spec = None
+        else:
+            if self._last is None:
+                raise PipelineError(f"{self.name}: first message from rank {self.peer} carried no metadata")
+            metas = self._last
+        if spec is not None:
+            self._stats["speculative_hits"] += 1
+            posted = spec
+        else:
+            posted = [(b, self._irecv(b, 2)) for b in (torch.empty(m.shape, dtype=m.dtype) for m in metas)]
+        for _, w in posted:
+            self._wait(w, f"payload of micro-batch {micro_batch}")
+        tensors = []
+        for (buf, _), m in zip(posted, metas, strict=True):
+            if m.requires_grad:
+                buf.requires_grad_()
+            tensors.append(buf)
+            self._stats["payload_bytes"] += buf.numel() * buf.element_size()
+        self._stats["messages"] += 1
+        self._stable = not n_meta
+        self._last = metas
+        self.received += 1
+        self._remaining -= 1
+        if self._remaining > 0:
+            self._post_ahead()
+        return Received(tuple(tensors), mb, ack, fingerprint)
+
+    def forget(self) -> None:
+        """Drop posted receives (the batch failed; the channel is no longer used)."""
+        self._header = None
+        self._spec = None
+        self._remaining = 0
+
+
+def check_grads(
+    sent: tuple[TensorMeta, ...], grads: tuple[torch.Tensor, ...], micro_batch: int, peer: int
+) -> None:
+    """Gradients from the next stage must match the activations that required them, in dtype and shape."""
+    want = [(m.dtype, m.shape) for m in sent if m.requires_grad]
+    got = [(g.dtype, tuple(g.shape)) for g in grads]
+    if want != got:
+        raise ShapeMismatchError(
+            f"micro-batch {micro_batch}: rank {peer} returned gradients {got} for activations {want}"
+        )

@@ -1,0 +1,120 @@
+"""Pipeline p2p on 2 real gloo processes: metadata per change, receives posted ahead, aborts and timeouts."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _dstrain_helpers import spawn
+
+from dstrain.pipe.errors import P2PTimeoutError, PipelineAbortedError
+from dstrain.pipe.p2p import Receiver, Sender, TensorMeta, decode_meta, encode_meta
+
+# (shape, dtype) of each message: a stable run, a change right after it (the speculative receive gets
+# filler), every-message changes (variable sequence length), a dtype change, a two-tensor message
+SHAPES = [
+    [((2, 3), torch.float32)],
+    [((2, 3), torch.float32)],
+    [((2, 3), torch.float32)],
+    [((2, 3), torch.float32)],
+    [((2, 5), torch.float32)],
+    [((2, 7), torch.float32)],
+    [((2, 4), torch.float32)],
+    [((2, 4), torch.bfloat16)],
+    [((2, 4), torch.bfloat16)],
+    [((4,), torch.int64), ((2, 2, 2), torch.float16)],
+]
+
+
+def _tensor(k: int, j: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return (torch.arange(int(torch.Size(shape).numel())).reshape(shape) + 100 * k + 10 * j).to(dtype)
+
+
+def _scenarios() -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    # 1. variable shapes and dtypes arrive exactly, in order
+    if rank == 0:
+        s = Sender(peer=1, tag=10, group=None, timeout=30, name="t")
+        for k, spec in enumerate(SHAPES):
+            s.send(tuple(_tensor(k, j, sh, dt) for j, (sh, dt) in enumerate(spec)), micro_batch=k, ack=0)
+        s.drain()
+        out["send"] = s.statistics()
+    else:
+        r = Receiver(peer=0, tag=10, group=None, timeout=30, name="t")
+        r.expect(len(SHAPES))
+        ok = []
+        for k, spec in enumerate(SHAPES):
+            got = r.recv(k).tensors
+            want = [_tensor(k, j, sh, dt) for j, (sh, dt) in enumerate(spec)]
+            ok.append(
+                len(got) == len(want)
+                and all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want))
+            )
+        out["ok"] = ok
+        out["recv"] = r.statistics()
+    # 2. an ABORT arrives in place of the next message, with its reason
+    if rank == 0:
+        s = Sender(peer=1, tag=20, group=None, timeout=30, name="a")
+        s.send((torch.ones(3),), micro_batch=0, ack=0)
+        s.abort("rank 0 (stage 0) failed: ValueError: boom")
+    else:
+        r = Receiver(peer=0, tag=20, group=None, timeout=30, name="a")
+        r.expect(3)
+        r.recv(0)
+        start = time.monotonic()
+        try:
+            r.recv(1)
+            out["abort"] = None
+        except PipelineAbortedError as e:
+            out["abort"] = (str(e), time.monotonic() - start)
+    dist.barrier()
+    # 3. a peer that sends nothing: the wait times out (rank 0 stays alive meanwhile, silent: a timed-out
+    # gloo wait closes the connection, so nothing collective follows)
+    if rank == 0:
+        time.sleep(4.0)
+    else:
+        r = Receiver(peer=0, tag=30, group=None, timeout=1.0, name="silent")
+        r.expect(1)
+        start = time.monotonic()
+        try:
+            r.recv(0)
+            out["timeout"] = None
+        except P2PTimeoutError:
+            out["timeout"] = time.monotonic() - start
+    return out
+
+
+def test_p2p_two_processes() -> None:
+    start = time.monotonic()
+    r0, r1 = spawn(_scenarios, world=2)
+    assert time.monotonic() - start < 90
+    assert r1["ok"] == [True] * len(SHAPES)
+    sent, got = r0["send"], r1["recv"]
+    # metadata only when it changed: messages 0, 4, 5, 6, 7, 9
+    assert sent.metadata_messages == got.metadata_messages == 6
+    assert sent.messages == got.messages == len(SHAPES)
+    # after an unchanged message the next payload is posted ahead: 2, 3 (hits), 4 and 9 (changed: filled)
+    assert got.speculative_hits == 2
+    # the fillers: (2, 3) float32 before message 4, (2, 4) bfloat16 before message 9
+    assert sent.wasted_bytes == 2 * 3 * 4 + 2 * 4 * 2
+    payload = sum(
+        int(torch.Size(sh).numel()) * torch.tensor([], dtype=dt).element_size()
+        for spec in SHAPES
+        for sh, dt in spec
+    )
+    assert sent.payload_bytes == got.payload_bytes == payload
+    reason, waited = r1["abort"]
+    assert "ValueError: boom" in reason and waited < 10
+    assert 0.9 <= r1["timeout"] < 10
+
+
+def test_meta_roundtrip() -> None:
+    metas = (
+        TensorMeta(torch.float32, (2, 3), True),
+        TensorMeta(torch.int64, (), False),
+        TensorMeta(torch.bool, (0, 5), False),
+    )
+    assert decode_meta(encode_meta(metas)) == metas
