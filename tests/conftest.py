@@ -92,6 +92,25 @@ def backend_params() -> list[Any]:
     return out
 
 
+def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency; without it the async tests still run on asyncio
+        return None
+    return uvloop.new_event_loop
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    """Every ``async def`` test (pytest-asyncio, auto mode) runs twice: on asyncio's loop and on uvloop's.
+
+    The ids say which: ``test_x[asyncio]``, ``test_x[uvloop]``."""
+    factories: dict[str, Any] = {"asyncio": asyncio.new_event_loop}
+    uv = _uvloop_factory()
+    if uv is not None:
+        factories["uvloop"] = uv
+    return factories
+
+
 def run_loop(kind: str, coro: Coroutine[Any, Any, Any]) -> Any:
     """Run ``coro`` on a fresh loop of ``kind`` ("asyncio" or "uvloop")."""
     if kind == "uvloop":
@@ -110,6 +129,8 @@ def loop_kind(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def run(loop_kind: str) -> Callable[[Coroutine[Any, Any, Any]], Any]:
+    """The old way (kept for tests not yet converted): ``run(main())`` on a fresh loop of each kind.
+    New tests are ``async def`` and get both loops from pytest-asyncio (pytest_asyncio_loop_factories)."""
     return lambda coro: run_loop(loop_kind, coro)
 
 
