@@ -224,9 +224,10 @@ def render_metrics(src: dict[str, Any], source: str) -> str:
     modes = _get(src, "modes")
     return (
         f"Exporter cost (`{source}`, {modes['on']['windows']} on/off window pairs of 64 KiB O_DIRECT ops, "
-        f"scraped every second by {_get(src, 'meta', 'scraper')}): CPU per op {src['cpu_per_op_change_pct']:+.2f}% "
-        f"with the exporter ({modes['off']['cpu_us_per_op_median']:.2f} vs "
-        f"{modes['on']['cpu_us_per_op_median']:.2f} us); one scrape costs {src['scrape_cpu_us']:.0f} us of CPU.\n"
+        f"scraped every second by {_get(src, 'meta', 'scraper')}): CPU per op changed by "
+        f"{src['cpu_per_op_change_pct']:+.2f}% with the exporter (median of the paired on/off ratios; medians "
+        f"{modes['off']['cpu_us_per_op_median']:.2f} us off, {modes['on']['cpu_us_per_op_median']:.2f} us on); "
+        f"one scrape costs {src['scrape_cpu_us']:.0f} us of CPU.\n"
     )
 
 
