@@ -160,12 +160,21 @@ class LoopThread:
         if pending:
             _done, not_done = concurrent.futures.wait(pending, timeout)
             if not_done:
-                log.warning("%s: %d operation(s) still running after %.0f s at close", self.name, len(not_done), timeout or 0)
+                log.warning(
+                    "%s: %d operation(s) still running after %.0f s at close",
+                    self.name,
+                    len(not_done),
+                    timeout or 0,
+                )
         for fn in finalizers:
             try:
                 asyncio.run_coroutine_threadsafe(_call(fn), self._loop).result(timeout)
             except Exception as e:  # a finalizer must not stop the others
                 log.warning("%s: finalizer failed at close: %r", self.name, e)
+        # Tasks that submitted work started and left running (a background checkpoint save) are
+        # work the user asked for: let them finish, bounded, then cancel what is left.
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(_settle(self.name, timeout), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
 
@@ -178,6 +187,22 @@ class LoopThread:
 
 async def _call(fn: Callable[[], Awaitable[Any]]) -> Any:
     return await fn()
+
+
+async def _settle(name: str, timeout: float | None) -> None:
+    """On the loop: wait (up to ``timeout``) for every other task, then cancel the stragglers."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    if not tasks:
+        return
+    _done, left = await asyncio.wait(tasks, timeout=timeout)
+    if left:
+        log.warning(
+            "%s: cancelling %d task(s) still running after %.0f s at close", name, len(left), timeout or 0
+        )
+        for t in left:
+            t.cancel()
+        await asyncio.wait(left, timeout=1.0)
 
 
 def shared_loop() -> LoopThread:
@@ -203,10 +228,20 @@ def is_exiting() -> bool:
     return _exiting or sys.is_finalizing()
 
 
-@atexit.register
 def _drain_at_exit() -> None:
     global _exiting
     _exiting = True
     for lt in list(_live):
         with contextlib.suppress(Exception):
             lt.close()
+
+
+# Drain before concurrent.futures shuts its executors down (work being drained may still need
+# ``run_in_executor``, e.g. a checkpoint commit's fsyncs): threading's exit hooks run in reverse
+# order of registration and before ``atexit``'s, so register after importing its module.
+# ``atexit`` stays as a backstop (draining twice is a no-op).
+import concurrent.futures.thread  # noqa: E402,F401
+
+with contextlib.suppress(AttributeError, RuntimeError):  # other interpreters / already exiting
+    threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
+atexit.register(_drain_at_exit)

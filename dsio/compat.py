@@ -13,9 +13,18 @@ failures raise instead of returning -1 or killing the process, and a write at of
 replaces the file (DeepSpeed keeps the old tail of a longer file). Writes at a non-zero
 ``file_offset`` write in place.
 
-Each handle runs one private event loop in one thread; operations are coroutines of an
-:class:`~dsio.AsyncIOHandle` on that loop, so ``async_*`` calls make progress in the background
-while the caller computes, and ``wait()`` blocks until they are done.
+Operations are coroutines of an :class:`~dsio.AsyncIOHandle` run on dsio's one shared loop
+thread (:func:`dsio._bridge.shared_loop`, uvloop when installed), so ``async_*`` calls make
+progress in the background while the caller computes, and ``wait()`` blocks until they are done.
+One shared thread rather than one per handle: DeepSpeed code creates handles freely (a swapper
+per tensor group), each handle's completions arrive through its own eventfd on that one loop, and
+a thread per handle would only add context switches. ``wait()`` stays per handle.
+
+Lifetime: DeepSpeed scripts never close their handles. A handle that is dropped (``del h``) or
+left open at exit still finishes every ``async_*`` operation it started -- the data lands on disk
+-- and then frees its engine; the process exits promptly (the bridge drains its loop at exit and
+never blocks once the interpreter is finalizing). Garbage collection that happens to run on the
+loop thread schedules the close instead of blocking the loop it would wait on.
 """
 
 from __future__ import annotations
@@ -23,17 +32,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import threading
+import logging
+import sys
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 import torch
 
+from ._bridge import LoopThread, is_exiting, shared_loop
 from ._native import native
 from .config import ALIGNMENT, IOConfig
 from .errors import ChecksumError, ClosedError
 from .handle import AsyncIOHandle
 
 __all__ = ["AsyncIOBuilder", "GDSBuilder", "aio_handle", "gds_handle"]
+
+log = logging.getLogger("dsio")
 
 
 class aio_handle:  # noqa: N801 - DeepSpeed's name
@@ -60,12 +74,14 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
             backend=backend,
             gpu_backend=gpu_backend,
         )
+        self._closed = True  # until fully built: __del__ of a half-built handle does nothing
         self._h = AsyncIOHandle(cfg)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="dsio-compat", daemon=True)
-        self._thread.start()
+        self._lt: LoopThread = shared_loop()
         self._pending: list[concurrent.futures.Future[int]] = []
         self._locked: dict[int, Any] = {}
+        # Left open at exit: the bridge's exit hook first lets every submitted operation finish,
+        # then runs this (it holds the AsyncIOHandle, not this wrapper, so `del h` still collects).
+        self._finalizer = self._lt.add_finalizer(self._h.aclose)
         self._closed = False
 
     # -- DeepSpeed getters ---------------------------------------------------------------------
@@ -88,11 +104,11 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         return self._h.config.intra_op_parallelism * ALIGNMENT
 
     # -- operations ------------------------------------------------------------------------------
-    def _start(self, coro) -> concurrent.futures.Future[int]:
+    def _start(self, coro: Coroutine[Any, Any, int]) -> concurrent.futures.Future[int]:
         if self._closed:
             coro.close()
             raise ClosedError("the aio_handle is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return self._lt.submit(coro)
 
     def _write_coro(self, buffer: torch.Tensor, filename: str | int, file_offset: int):
         if isinstance(filename, int):
@@ -225,15 +241,28 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         return self._h
 
     def close(self) -> None:
+        """Finish every started ``async_*`` operation (its data lands), then free the engine.
+
+        Failures of operations nobody ``wait()``-ed for are logged, not raised. Never blocks when
+        called on dsio's loop thread (garbage collection there) or while the interpreter exits.
+        """
         if self._closed:
             return
         self._closed = True
+        pending, self._pending = self._pending, []
+        lt, h = self._lt, self._h
+        lt.remove_finalizer(self._finalizer)
         try:
-            asyncio.run_coroutine_threadsafe(self._h.aclose(), self._loop).result()
+            if lt.in_loop_thread():
+                # Blocking here would wait on the very loop we run on: close once they are done.
+                lt.loop.create_task(_close_after(h, pending))
+            elif lt.closed or is_exiting():
+                # The exit hook already let submitted work finish; what is left is closing now.
+                if not sys.is_finalizing():
+                    h.close()
+            else:
+                lt.run(_close_after(h, pending))
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
             self._locked.clear()
 
     def __enter__(self) -> aio_handle:
@@ -246,6 +275,17 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         if not getattr(self, "_closed", True):
             with contextlib.suppress(Exception):
                 self.close()
+
+
+async def _close_after(h: AsyncIOHandle, pending: Iterable[concurrent.futures.Future[int]]) -> None:
+    """On the loop: let ``pending`` operations finish (logging failures nobody collected), close ``h``."""
+    futs = [asyncio.wrap_future(f) for f in pending]
+    if futs:
+        await asyncio.wait(futs)
+        failed = [f.exception() for f in futs if not f.cancelled() and f.exception() is not None]
+        if failed:
+            log.warning("dsio.compat: %d operation(s) never wait()-ed for failed: %r", len(failed), failed[0])
+    await h.aclose()
 
 
 def _validate(buffer: torch.Tensor, filename: str, file_offset: int) -> None:
