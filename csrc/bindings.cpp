@@ -9,6 +9,7 @@
 #include "cuda.hpp"
 #include "engine.hpp"
 #include "memory.hpp"
+#include "prefault.hpp"
 
 namespace py = pybind11;
 using namespace dsio;
@@ -48,6 +49,12 @@ PYBIND11_MODULE(_C, m) {
            py::arg("overlap_events"))
       .def("submit", &Engine::submit, py::arg("op"), py::arg("fd"), py::arg("buf"), py::arg("nbytes"),
            py::arg("offset"), py::arg("tag"))
+      .def(
+          "prefault", [](Engine& e, uintptr_t ptr, uint64_t nbytes) { return e.prefaulter.add(ptr, nbytes); },
+          py::arg("ptr"), py::arg("nbytes"),
+          "Populate [ptr, ptr+nbytes) on the prefault thread; a token for prefault_cancel (0: nothing queued)")
+      .def(
+          "prefault_cancel", [](Engine& e, uint64_t token) { e.prefaulter.cancel(token); }, py::arg("token"))
       .def("reap", &Engine::reap)
       .def("notify_stream", &Engine::notify_stream, py::arg("stream"), py::arg("tag"))
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
@@ -65,6 +72,15 @@ PYBIND11_MODULE(_C, m) {
         d["short"] = e.short_.load();
         d["submit_syscalls"] = e.submit_syscalls();
         d["wait_syscalls"] = e.wait_syscalls();
+        const Prefaulter& p = e.prefaulter;
+        py::dict pf;
+        pf["ranges"] = p.ranges.load();
+        pf["populated_bytes"] = p.populated_bytes.load();
+        pf["resident_bytes"] = p.resident_bytes.load();
+        pf["cancelled_bytes"] = p.cancelled_bytes.load();
+        pf["busy_ns"] = p.busy_ns.load();
+        pf["last_errno"] = p.last_errno.load();
+        d["prefault"] = pf;
         return d;
       });
 
@@ -83,6 +99,10 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release nogil;
     std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
   }, py::arg("dst"), py::arg("src"), py::arg("nbytes"));
+  m.def("populate_write_supported", &populate_write_supported,
+        "True if the kernel has madvise(MADV_POPULATE_WRITE) (Linux >= 5.14): prefaulting works");
+  m.def("probably_resident", &probably_resident, py::arg("ptr"), py::arg("nbytes"),
+        "True if [ptr, ptr+nbytes) looks populated (first and last page of every 2 MiB step resident)");
   m.def("probe_io_uring", &probe_io_uring, "0 if io_uring works here, else -errno");
   m.def("probe_aio", &probe_aio, "0 if Linux AIO works here, else -errno");
   m.def("cuda_driver_status", [] {

@@ -323,6 +323,7 @@ void Engine::shutdown() {
     stopping_ = true;
   }
   qcv_.notify_all();
+  prefaulter.stop();
   for (auto& w : workers_)
     if (w->thread.joinable()) w->thread.join();
   std::lock_guard<std::mutex> g(qmu_);

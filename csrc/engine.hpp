@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "prefault.hpp"
 
 namespace dsio {
 
@@ -83,6 +84,8 @@ class Engine {
   const std::string& backend() const { return backend_name_; }
 
   OpStats stats[3];
+  // Populates read destinations ahead of the I/O (Python queues ranges; see prefault.hpp).
+  Prefaulter prefaulter;
   std::atomic<uint64_t> submitted_{0}, finished_{0}, pieces_{0}, short_{0};
   uint64_t submit_syscalls() const;
   uint64_t wait_syscalls() const;

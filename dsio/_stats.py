@@ -65,6 +65,14 @@ class IOEngineStatistics:
     """Requests that ended short (end of file, or a write the kernel would not finish)."""
     submit_syscalls: int
     wait_syscalls: int
+    prefault_ranges: int = 0
+    """Read destinations queued for prefaulting (large reads)."""
+    prefaulted_bytes: int = 0
+    """Read-destination bytes the prefault thread populated ahead of the I/O (fresh memory)."""
+    prefault_skipped_bytes: int = 0
+    """Read-destination bytes the prefault thread found already resident (touched or locked memory)."""
+    prefault_seconds_total: float = 0.0
+    """Time the prefault thread spent populating."""
 
     @classmethod
     def _from(cls, backend: str, d: dict) -> IOEngineStatistics:
@@ -80,6 +88,10 @@ class IOEngineStatistics:
             short=d["short"],
             submit_syscalls=d["submit_syscalls"],
             wait_syscalls=d["wait_syscalls"],
+            prefault_ranges=d.get("prefault", {}).get("ranges", 0),
+            prefaulted_bytes=d.get("prefault", {}).get("populated_bytes", 0),
+            prefault_skipped_bytes=d.get("prefault", {}).get("resident_bytes", 0),
+            prefault_seconds_total=d.get("prefault", {}).get("busy_ns", 0) / 1e9,
         )
 
 
