@@ -4,7 +4,6 @@ Move a DeepSpeed script over by replacing ``import deepspeed`` with ``import dst
 """
 
 from dstrain.checkpoint import CheckpointStore, DsioStore, TorchSaveStore
-from dstrain.comm import CommStatistics
 from dstrain.config import (
     AioConfig,
     BF16Config,
@@ -15,6 +14,7 @@ from dstrain.config import (
     SchedulerConfig,
     ZeroConfig,
 )
+from dstrain.dist.comm import CommStatistics
 from dstrain.engine import Engine, EngineStatistics
 from dstrain.errors import CheckpointNotFoundError, ConfigError, DstrainError, NotImplementedConfigError
 from dstrain.initialize import init_distributed, initialize

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from dstrain.comm import Comm
+from dstrain.dist.comm import Comm
 from dstrain.errors import CheckpointNotFoundError, DstrainError
 
 __all__ = [

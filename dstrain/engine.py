@@ -1,13 +1,15 @@
 """`Engine`: forward / backward / step with gradient accumulation, clipping and checkpoints.
 
-The engine wires the parts together and owns none of their logic: `Precision` (dtype, loss scale),
-a `ZeroStrategy` (parameter storage, master weights, gradient reduction), the torch optimizer over
-the master tensors, an optional `LRSchedule`, and a `CheckpointStore`.
+The engine wires the parts together and owns none of their logic: the `Topology` (process groups),
+`Precision` (dtype, loss scale), a `ZeroStrategy` (parameter storage, master weights, gradient
+reduction), a `Stepper` (the optimizer over the master tensors), an optional `LRSchedule`, and a
+`CheckpointStore`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -17,9 +19,12 @@ from typing import Any
 import torch
 
 from dstrain.checkpoint import CheckpointStore, PendingSave, load_rank_state, save_rank_state, snapshot
-from dstrain.comm import Comm, CommStatistics
 from dstrain.config import DSConfig
+from dstrain.dist.comm import CommStatistics
+from dstrain.dist.topology import Topology
 from dstrain.errors import DstrainError
+from dstrain.optim.clip import clip_grads_, global_grad_norm
+from dstrain.optim.stepper import Stepper
 from dstrain.precision import Precision
 from dstrain.scheduler import LRSchedule
 from dstrain.zero.base import ZeroStatistics, ZeroStrategy
@@ -63,19 +68,20 @@ class Engine:
         *,
         module: torch.nn.Module,
         config: DSConfig,
-        comm: Comm,
+        topology: Topology,
         precision: Precision,
         zero: ZeroStrategy,
-        optimizer: torch.optim.Optimizer,
+        stepper: Stepper,
         lr_scheduler: LRSchedule | None,
         store: CheckpointStore,
     ) -> None:
         self.module = module
         self.config = config
-        self.comm = comm
+        self.topology = topology
+        self.comm = topology.dp  # batches are split, and gradients averaged, over the data-parallel group
         self.precision = precision
         self.zero = zero
-        self.optimizer = optimizer
+        self.stepper = stepper
         self.lr_scheduler = lr_scheduler
         self.store = store
         self.global_steps = 0
@@ -113,6 +119,8 @@ class Engine:
         """Backward of ``loss`` x loss scale / accumulation steps; gradients accumulate over micro-steps."""
         start = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self.stepper.prepare()  # e.g. an offloading stepper starts reading its state now
         self.zero.before_backward(boundary)
         scaled = self.precision.scale_loss(
             loss, self.config.gradient_accumulation_steps, self.zero.loss_prescale
@@ -127,16 +135,11 @@ class Engine:
         if self.is_gradient_accumulation_boundary():
             start = time.perf_counter()
             self.zero.reduce_gradients()
-            overflow, self._grad_norm = self.precision.unscale_and_clip(
-                self.zero.master_grads(),
-                self.comm,
-                partitioned=self.zero.partitioned,
-                clip=self.config.gradient_clipping,
-            )
+            overflow = self._unscale_and_clip()
             if overflow:
                 self.skipped_steps += 1
             else:
-                self.optimizer.step()
+                self.stepper.step()
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             self.zero.after_step(stepped=not overflow)
@@ -149,6 +152,23 @@ class Engine:
             self._last_step_end = end
             self._report(overflow)
         self.micro_steps += 1
+
+    def _unscale_and_clip(self) -> bool:
+        """Unscale the master gradients, compute their global norm where needed (clipping, or fp16's
+        overflow check), clip; returns True when the step must be skipped (a non-finite norm)."""
+        self.precision.unscale_(self.zero.master_grads())
+        clip = self.config.gradient_clipping
+        if not (clip > 0 or self.precision.checks_overflow):
+            self._grad_norm = float("nan")
+            return False
+        # with fp16 every rank (every stage, too) must agree to skip or take the step
+        agree = self.topology.world if self.precision.checks_overflow else None
+        self._grad_norm = global_grad_norm(self.zero.grad_sets(), agree=agree)
+        overflow = not math.isfinite(self._grad_norm)
+        self.precision.update(overflow)
+        if not overflow:
+            clip_grads_(self.zero.master_grads(), clip, self._grad_norm)
+        return overflow
 
     def _report(self, overflow: bool) -> None:
         if self.comm.rank != 0 or self.global_steps % self.config.steps_per_print:
@@ -168,9 +188,15 @@ class Engine:
 
     # -- accessors DeepSpeed users call ---------------------------------------------------------
 
+    @property
+    def optimizer(self) -> Any:
+        """What `dstrain.initialize` returned as the optimizer: the torch optimizer behind a
+        `TorchStepper`, else the stepper itself (both have ``param_groups``)."""
+        return getattr(self.stepper, "optimizer", self.stepper)
+
     def get_lr(self) -> list[float]:
         """Current learning rate of each param group."""
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
+        return [float(g["lr"]) for g in self.stepper.param_groups]
 
     @property
     def loss_scale(self) -> float:
@@ -257,7 +283,7 @@ class Engine:
         state = {
             "format": _FORMAT,
             "zero": self.zero.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.stepper.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
             "precision": self.precision.state_dict(),
             "global_steps": self.global_steps,
@@ -308,7 +334,7 @@ class Engine:
             )
         self.zero.load_state_dict(saved)
         if load_optimizer_states:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.stepper.load_state_dict(state["optimizer"])
         if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.precision.load_state_dict(state["precision"])
@@ -324,6 +350,7 @@ class Engine:
     def close(self) -> None:
         """Finish a pending asynchronous save, remove the ZeRO strategy's hooks (the model keeps its weights)."""
         self.wait_checkpoint()
+        self.stepper.close()
         self.zero.close()
 
     def __enter__(self) -> Engine:

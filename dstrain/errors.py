@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointNotFoundError", "ConfigError", "DstrainError", "NotImplementedConfigError"]
+__all__ = [
+    "CheckpointNotFoundError",
+    "ConfigError",
+    "DstrainError",
+    "NotImplementedConfigError",
+    "TopologyError",
+]
 
 
 class DstrainError(Exception):
@@ -31,3 +37,9 @@ class NotImplementedConfigError(ConfigError):
 
 class CheckpointNotFoundError(DstrainError, FileNotFoundError):
     """`Engine.load_checkpoint` found no checkpoint (no ``latest`` file and no tag given, or no such tag)."""
+
+
+class TopologyError(DstrainError, ValueError):
+    """A parallel layout does not fit the world: a degree (``pp``, ``ep``) that is not a positive int or
+    does not divide the world (or data-parallel) size, or a rank outside the world. Raised by
+    `dstrain.dist.Layout` and `dstrain.dist.Topology` (so by `initialize`)."""

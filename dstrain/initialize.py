@@ -1,4 +1,12 @@
-"""`initialize`: DeepSpeed's entry point — build the engine, optimizer, data loader and LR schedule."""
+"""`initialize`: DeepSpeed's entry point, a composer of rooms that reads top to bottom.
+
+    topology -> precision -> zero (routes, + offload) -> stepper -> schedule, data -> Engine
+
+Each room is built by one function below (`build_topology`, `build_routes`, `build_zero`,
+`build_stepper`, ...). A feature is a folder of its own (``dstrain/offload``, ``pipe``, ``moe``,
+``onebit``) plugged in with a few lines in one of these functions: never a branch in the engine,
+never an engine subclass.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +19,26 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from dstrain.checkpoint import CheckpointStore, default_store
-from dstrain.comm import Comm
 from dstrain.config import DSConfig
+from dstrain.dist.topology import Topology
 from dstrain.engine import Engine
-from dstrain.optim import ClientOptimizer, build_optimizer
+from dstrain.optim.build import ClientOptimizer, build_optimizer
+from dstrain.optim.stepper import Stepper, TorchStepper
 from dstrain.precision import Precision
 from dstrain.scheduler import LRSchedule, build_scheduler
 from dstrain.zero.base import ZeroStrategy
 from dstrain.zero.dp import DataParallelZero
+from dstrain.zero.reduce import Route, default_routes
 
-__all__ = ["init_distributed", "initialize"]
+__all__ = [
+    "build_routes",
+    "build_schedule",
+    "build_stepper",
+    "build_topology",
+    "build_zero",
+    "init_distributed",
+    "initialize",
+]
 
 
 def init_distributed(backend: str | None = None) -> bool:
@@ -35,6 +53,15 @@ def init_distributed(backend: str | None = None) -> bool:
         return False
     dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
     return True
+
+
+# -- the rooms, in the order initialize builds them -------------------------------------------------
+
+
+def build_topology(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLike[str]) -> Topology:
+    """The process groups. Pipeline stages (``pp``) and expert parallelism (``ep``) come from the model
+    (a pipeline module's stages, its MoE layers' ``ep_size``) when those rooms are in; else 1 and 1."""
+    return Topology.from_world(pp=1, ep=1)
 
 
 def _param_groups(module: torch.nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
@@ -57,24 +84,99 @@ def _param_groups(module: torch.nn.Module, model_parameters: Iterable[Any] | Non
     return [g for g in groups if g["params"]]
 
 
-def _broadcast_module(module: torch.nn.Module, comm: Comm) -> None:
-    """Make every rank start from rank 0's weights and buffers."""
-    if comm.world_size == 1:
-        return
+def build_routes(groups: list[dict[str, Any]], topology: Topology) -> list[Route]:
+    """How each param group's gradients are reduced, and over which group it is partitioned.
+
+    Default: all-reduce / reduce-scatter over the data-parallel group. MoE routes expert groups over
+    ``topology.edp``; 1-bit Adam replaces the reducer.
+    """
+    return default_routes(groups, topology.dp)
+
+
+def _place_and_broadcast(
+    module: torch.nn.Module, groups: list[dict[str, Any]], routes: list[Route], topology: Topology
+) -> None:
+    """NCCL: move the model to this process's GPU. Then every rank starts from the weights of rank 0 of
+    its groups: each trainable parameter over its route's group, buffers and frozen ones over dp."""
+    if topology.world.backend == "nccl":
+        # NCCL talks to the GPU: put the model on this process's device, as DeepSpeed does
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        module.to(device)
+    comm_of = {id(p): route.comm for g, route in zip(groups, routes, strict=True) for p in g["params"]}
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=0, group=comm.group)
+            comm_of.get(id(t), topology.dp).broadcast(t.data, src=0)
 
 
-def _build_zero(
-    module: torch.nn.Module, groups: list[dict[str, Any]], config: DSConfig, comm: Comm, dtype: torch.dtype
+def build_zero(
+    module: torch.nn.Module,
+    groups: list[dict[str, Any]],
+    routes: list[Route],
+    config: DSConfig,
+    topology: Topology,
+    dtype: torch.dtype,
 ) -> ZeroStrategy:
-    stage = config.zero_optimization.stage
-    if stage == 3:
+    """The ZeRO strategy of the configured stage, partitioning over the data-parallel group."""
+    zc = config.zero_optimization
+    if zc.stage == 3:
         from dstrain.zero.stage3 import Stage3Zero
 
-        return Stage3Zero(module, groups, config=config.zero_optimization, comm=comm, dtype=dtype)
-    return DataParallelZero(groups, stage=stage, config=config.zero_optimization, comm=comm, dtype=dtype)
+        return Stage3Zero(module, groups, config=zc, comm=topology.dp, dtype=dtype, routes=routes)
+    return DataParallelZero(groups, stage=zc.stage, config=zc, comm=topology.dp, dtype=dtype, routes=routes)
+
+
+def build_stepper(zero: ZeroStrategy, config: DSConfig, client: ClientOptimizer | None) -> Stepper:
+    """What steps the master weights: a `TorchStepper` over the built optimizer. An offloading stepper
+    (``offload_optimizer``) or 1-bit Adam returns its own `Stepper` here.
+
+    A client callable (``initialize(optimizer=fn)``) is called with ZeRO's param groups and may return
+    a torch optimizer or a `Stepper` of its own.
+    """
+    if callable(client) and not isinstance(client, torch.optim.Optimizer):
+        made = client(zero.param_groups())
+        if isinstance(made, torch.optim.Optimizer):
+            return TorchStepper(made)
+        if isinstance(made, Stepper):
+            return made
+        raise TypeError(
+            f"optimizer= callable returned {type(made).__name__}: expected a torch optimizer or a dstrain Stepper"
+        )
+    return TorchStepper(build_optimizer(zero.param_groups(), config.optimizer, client))
+
+
+def build_schedule(
+    stepper: Stepper,
+    config: DSConfig,
+    client: Callable[[Any], LRSchedule] | None,
+) -> LRSchedule | None:
+    """The LR schedule: the client's callable (given the optimizer), or the config's, or none."""
+    optimizer = getattr(stepper, "optimizer", stepper)
+    if client is not None:
+        if not callable(client) or isinstance(client, LRSchedule):
+            raise ValueError("lr_scheduler must be a callable taking the optimizer (it is rebuilt over ZeRO's)")
+        return client(optimizer)
+    if config.scheduler is not None:
+        return build_scheduler(optimizer, config.scheduler)
+    return None
+
+
+def _build_loader(
+    data: Dataset[Any] | None,
+    config: DSConfig,
+    topology: Topology,
+    collate_fn: Callable[[list[Any]], Any] | None,
+) -> DataLoader[Any] | None:
+    """A loader of micro-batches, each data-parallel rank reading its own share."""
+    if data is None:
+        return None
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        data, num_replicas=topology.dp.world_size, rank=topology.dp.rank, shuffle=True, seed=config.seed or 0
+    )
+    return DataLoader(data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn)
+
+
+# -- the composer ----------------------------------------------------------------------------------
 
 
 def initialize(
@@ -89,13 +191,14 @@ def initialize(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     dist_init_required: bool | None = None,
     checkpoint_store: CheckpointStore | None = None,
-) -> tuple[Engine, torch.optim.Optimizer, DataLoader[Any] | None, LRSchedule | None]:
+) -> tuple[Engine, Any, DataLoader[Any] | None, LRSchedule | None]:
     """DeepSpeed-compatible: returns (engine, optimizer, training dataloader or None, LR schedule or None).
 
     ``model`` is modified in place: cast to the compute dtype, its trainable parameters moved into flat
     (and, at stage 3, partitioned) storage. ``optimizer`` may be a fresh torch optimizer (rebuilt with
     its class and defaults over the fp32 master tensors) or a callable taking param groups;
     ``lr_scheduler`` a callable taking the optimizer. ``args.deepspeed_config`` is read like DeepSpeed.
+    The optimizer returned is the torch optimizer (or the `Stepper` when one replaces it).
     """
     if model is None:
         raise ValueError("initialize needs model=")
@@ -105,50 +208,31 @@ def initialize(
         raise ValueError("initialize needs config= (a DeepSpeed JSON dict or path)")
     if dist_init_required is not False:
         init_distributed()
-    comm = Comm()
-    cfg = DSConfig.load(config, world_size=comm.world_size)
+
+    topology = build_topology(model, config)
+    cfg = DSConfig.load(config, world_size=topology.dp.world_size)  # batch sizes count data-parallel ranks
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     precision = Precision(cfg.precision, cfg.fp16)
+
     groups = _param_groups(model, model_parameters)
-    if comm.distributed and dist.get_backend(comm.group) == "nccl":
-        # NCCL talks to the GPU: put the model on this process's device, as DeepSpeed does
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        model.to(device)
-    _broadcast_module(model, comm)
+    routes = build_routes(groups, topology)
+    _place_and_broadcast(model, groups, routes, topology)
     model.to(precision.dtype)
-    zero = _build_zero(model, groups, cfg, comm, precision.dtype)
-    torch_optimizer = build_optimizer(zero.param_groups(), cfg.optimizer, optimizer)
-    if lr_scheduler is not None:
-        if not callable(lr_scheduler) or isinstance(lr_scheduler, LRSchedule):
-            raise ValueError(
-                "lr_scheduler must be a callable taking the optimizer (it is rebuilt over ZeRO's)"
-            )
-        schedule: LRSchedule | None = lr_scheduler(torch_optimizer)
-    elif cfg.scheduler is not None:
-        schedule = build_scheduler(torch_optimizer, cfg.scheduler)
-    else:
-        schedule = None
-    loader = None
-    if training_data is not None:
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            training_data, num_replicas=comm.world_size, rank=comm.rank, shuffle=True, seed=cfg.seed or 0
-        )
-        loader = DataLoader(
-            training_data,
-            batch_size=cfg.train_micro_batch_size_per_gpu,
-            sampler=sampler,
-            collate_fn=collate_fn,
-        )
+    zero = build_zero(model, groups, routes, cfg, topology, precision.dtype)
+
+    stepper = build_stepper(zero, cfg, optimizer)
+    schedule = build_schedule(stepper, cfg, lr_scheduler)
+    loader = _build_loader(training_data, cfg, topology, collate_fn)
+
     engine = Engine(
         module=model,
         config=cfg,
-        comm=comm,
+        topology=topology,
         precision=precision,
         zero=zero,
-        optimizer=torch_optimizer,
+        stepper=stepper,
         lr_scheduler=schedule,
         store=checkpoint_store or default_store(),
     )
-    return engine, torch_optimizer, loader, schedule
+    return engine, engine.optimizer, loader, schedule

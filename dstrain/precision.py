@@ -1,19 +1,17 @@
 """Mixed precision: the compute dtype, loss scaling and overflow handling; master weights are fp32.
 
-`Precision` owns the loss scale; the ZeRO strategy owns the fp32 master copy and hands its gradients
-here to be unscaled, checked for overflow and clipped by global norm.
+`Precision` owns the loss scale and nothing else: no communication. The ZeRO strategy owns the fp32 master
+copy; the engine unscales its gradients here, computes the global norm with `dstrain.optim.clip` (an
+overflow is a non-finite norm) and reports the outcome back with `Precision.update`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from dstrain.comm import Comm
 from dstrain.config_sections import FP16Config
 
 __all__ = ["LossScaler", "LossScalerStatistics", "Precision"]
@@ -122,44 +120,22 @@ class Precision:
         """The tensor to call backward on: loss x scale x prescale / accumulation steps, in fp32."""
         return loss.float() * (self.loss_scale * prescale / accumulation_steps)
 
-    def unscale_and_clip(
-        self,
-        grads: list[torch.Tensor],
-        comm: Comm,
-        *,
-        partitioned: bool,
-        clip: float,
-    ) -> tuple[bool, float]:
-        """Unscale fp32 master gradients in place, detect overflow, clip by the global norm.
+    @property
+    def checks_overflow(self) -> bool:
+        """True when steps depend on an overflow check (fp16): the engine then needs the global norm."""
+        return self.scaler is not None
 
-        ``partitioned`` says each rank holds a different slice, so the squared norm is summed over
-        ranks. Returns (overflow, global norm before clipping; nan when not computed).
-        """
-        need_norm = clip > 0 or self.scaler is not None
+    def unscale_(self, grads: list[torch.Tensor]) -> None:
+        """Divide fp32 master gradients by the loss scale, in place (nothing to do unless fp16)."""
         if self.scaler is not None and self.scaler.scale != 1.0:
             inv = 1.0 / self.scaler.scale
             for g in grads:
                 g.mul_(inv)
-        if not need_norm:
-            return False, math.nan
-        # squared norm in float64: a finite fp32 gradient must not overflow the sum
-        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
-        for g in grads:
-            sq += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
-        if partitioned or self.scaler is not None:
-            # every rank must agree on overflow and norm, even at stage 0
-            comm.all_reduce(sq, op=dist.ReduceOp.SUM if partitioned else dist.ReduceOp.MAX)
-        norm = float(sq.sqrt())
-        overflow = not math.isfinite(norm)
+
+    def update(self, overflow: bool) -> None:
+        """Account for one step's outcome (the loss scaler's window and hysteresis)."""
         if self.scaler is not None:
             self.scaler.update(overflow)
-        if overflow:
-            return True, norm
-        if clip > 0 and norm > clip:
-            coef = clip / (norm + 1e-6)
-            for g in grads:
-                g.mul_(coef)
-        return False, norm
 
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "scaler": self.scaler.state_dict() if self.scaler else None}

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from dstrain.comm import Comm
+from dstrain.dist.comm import Comm
+from dstrain.optim.clip import GradSet
 
 __all__ = ["ZeroStatistics", "ZeroStrategy"]
 
@@ -37,8 +38,9 @@ class ZeroStrategy(ABC):
     """Owns the flat parameter storage, the fp32 master copy and gradient reduction of one stage.
 
     The engine calls, in order per optimizer step: `before_backward` / `after_backward` for each
-    micro-step, then `reduce_gradients`, `master_grads` (to unscale and clip), the optimizer's step on
-    `param_groups`, `after_step`, `zero_grad`.
+    micro-step, then `reduce_gradients`, `master_grads` (to unscale) and `grad_sets` (the global norm
+    for clipping and overflow), the stepper's step on `param_groups`, `after_step`, `zero_grad`.
+    Gradients are reduced through `dstrain.zero.reduce` (one `Route` per param group).
     """
 
     stage: int
@@ -74,6 +76,11 @@ class ZeroStrategy(ABC):
     @abstractmethod
     def master_grads(self) -> list[torch.Tensor]:
         """The fp32 gradients of the master tensors (what precision unscales and clips)."""
+
+    def grad_sets(self) -> list[GradSet]:
+        """`master_grads` as sets for `dstrain.optim.clip.global_grad_norm` (with the group each is
+        partitioned over). Default: one set, summed over ``comm`` when `partitioned`."""
+        return [GradSet(self.master_grads(), self.comm if self.partitioned else None)]
 
     @abstractmethod
     def after_step(self, stepped: bool) -> None:

@@ -11,30 +11,35 @@ from typing import Any
 
 import torch
 
-from dstrain.comm import Comm
 from dstrain.config_sections import ZeroConfig
+from dstrain.dist.comm import Comm
+from dstrain.optim.clip import GradSet
 from dstrain.zero.base import ZeroStatistics, ZeroStrategy
 from dstrain.zero.buckets import BoundaryBuckets, Stage2Buckets
 from dstrain.zero.flat import STEP_CHUNK, FlatLayout, optimizer_views
+from dstrain.zero.reduce import ReductionQueue, Route, default_routes
 
 __all__ = ["DataParallelZero"]
 
 
-class _Group:
-    """One param group: flat params, its master range and gradient storage."""
+class FlatGroup:
+    """One param group: flat params, its master range and gradient storage, partitioned over its
+    route's comm (the data-parallel group, or e.g. the expert-data-parallel group for experts)."""
 
     def __init__(
         self,
         options: dict[str, Any],
         params: list[torch.nn.Parameter],
         stage: int,
-        comm: Comm,
+        route: Route,
         dtype: torch.dtype,
         chunk: int,
         reduce_scatter: bool,
     ) -> None:
         self.options = options
         self.params = params
+        self.route = route
+        comm = route.comm
         self.layout = FlatLayout(params, comm.world_size, comm.rank)
         self.flat = self.layout.flatten(params, dtype)  # (padded,)
         for p, view in zip(params, self.layout.views(self.flat), strict=True):
@@ -78,47 +83,58 @@ def _shares(t: torch.Tensor, *others: torch.Tensor | None) -> bool:
 
 
 class DataParallelZero(ZeroStrategy):
-    """Stages 0-2 over ``comm``; ``groups`` are optimizer param groups of trainable parameters."""
+    """Stages 0-2 over ``comm`` (the data-parallel group); ``groups`` are optimizer param groups of
+    trainable parameters, each reduced (and partitioned) along its `Route` (default: over ``comm``)."""
 
     def __init__(
-        self, groups: list[dict[str, Any]], *, stage: int, config: ZeroConfig, comm: Comm, dtype: torch.dtype
+        self,
+        groups: list[dict[str, Any]],
+        *,
+        stage: int,
+        config: ZeroConfig,
+        comm: Comm,
+        dtype: torch.dtype,
+        routes: list[Route] | None = None,
     ) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"DataParallelZero handles stages 0-2, not {stage}")
+        routes = routes if routes is not None else default_routes(groups, comm)
+        if len(routes) != len(groups):
+            raise ValueError(f"{len(routes)} routes for {len(groups)} param groups")
         self.stage = stage
         self.comm = comm
         self.config = config
         self.dtype = dtype
         self.groups = [
-            _Group(
+            FlatGroup(
                 {k: v for k, v in g.items() if k != "params"},
                 list(g["params"]),
                 stage,
-                comm,
+                route,
                 dtype,
                 min(config.sub_group_size, STEP_CHUNK),
                 # a true reduce-scatter only where it beats an all-reduce (not on gloo, see Comm)
                 reduce_scatter=stage == 1
                 and config.reduce_scatter
                 and not config.overlap_comm
-                and comm.world_size > 1
-                and not comm.emulate,
+                and route.comm.world_size > 1
+                and not route.comm.emulate,
             )
-            for g in groups
+            for g, route in zip(groups, routes, strict=True)
         ]
         self._hooks: list[Any] = []
         self._buckets: Stage2Buckets | None = None
         self._boundary: list[BoundaryBuckets] = []
         if stage == 2:
-            self._buckets = Stage2Buckets(self.groups, config, comm, dtype)
+            self._buckets = Stage2Buckets(self.groups, config, comm.world_size, dtype)
             for gi, group in enumerate(self.groups):
                 for pi, p in enumerate(group.params):
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._buckets.hook(gi, pi)))
-        elif config.overlap_comm and comm.world_size > 1:
+        elif config.overlap_comm and any(g.route.comm.world_size > 1 for g in self.groups):
             # like DDP: all-reduce each bucket of the flat gradient as soon as backward has filled it
             for group in self.groups:
                 assert group.flat_grad is not None
-                buckets = BoundaryBuckets(group.layout, group.flat_grad, config.reduce_bucket_size, comm)
+                buckets = BoundaryBuckets(group.layout, group.flat_grad, config.reduce_bucket_size, group.route)
                 self._boundary.append(buckets)
                 for pi, p in enumerate(group.params):
                     self._hooks.append(p.register_post_accumulate_grad_hook(buckets.hook(pi)))
@@ -130,7 +146,11 @@ class DataParallelZero(ZeroStrategy):
 
     @property
     def partitioned(self) -> bool:
-        return self.stage > 0 and self.comm.world_size > 1
+        return self.stage > 0 and any(g.route.comm.world_size > 1 for g in self.groups)
+
+    def grad_sets(self) -> list[GradSet]:
+        # stage 0: every rank holds the whole (all-reduced) gradient; 1-2: its slice over the route
+        return [GradSet([g.master_grad], g.route.comm if self.stage > 0 else None) for g in self.groups]
 
     def param_groups(self) -> list[dict[str, Any]]:
         return [{"params": g.views, **g.options} for g in self.groups]
@@ -155,24 +175,22 @@ class DataParallelZero(ZeroStrategy):
             if self._boundary:
                 self._boundary[gi].finish()  # (padded,) summed over ranks
             elif g.part_grad is not None:
-                self.comm.reduce_scatter(g.part_grad, g.flat_grad, scratch_input=True)
+                g.route.reducer.reduce(g.flat_grad, g.route.comm, out=g.part_grad, async_op=False).wait()
             else:
-                self._all_reduce_bucketed(g.flat_grad)
+                self._all_reduce_bucketed(g.flat_grad, g.route)
             lo, hi = g.range
             src = g.part_grad if g.part_grad is not None else g.flat_grad[lo:hi]
             if g.master_grad.data_ptr() != src.data_ptr():
                 g.master_grad.copy_(src)
 
-    def _all_reduce_bucketed(self, flat: torch.Tensor) -> None:
-        world = self.comm.world_size
-        if world == 1:
+    def _all_reduce_bucketed(self, flat: torch.Tensor, route: Route) -> None:
+        if route.comm.world_size == 1:
             return
         size = self.config.reduce_bucket_size
-        handles = [
-            self.comm.all_reduce(flat[i : i + size], async_op=True) for i in range(0, flat.numel(), size)
-        ]
-        for h in handles:
-            h.wait()
+        queue = ReductionQueue()  # every bucket in flight at once, then wait for all
+        for i in range(0, flat.numel(), size):
+            queue.push(route.reducer.reduce(flat[i : i + size], route.comm))
+        queue.drain()
 
     def master_grads(self) -> list[torch.Tensor]:
         return [g.master_grad for g in self.groups]
@@ -185,7 +203,7 @@ class DataParallelZero(ZeroStrategy):
             if not g.alias:
                 g.flat[lo:hi].copy_(g.master.detach())
             if self.stage > 0:
-                self.comm.all_gather(g.flat, g.flat[lo:hi])
+                g.route.comm.all_gather(g.flat, g.flat[lo:hi])
 
     def zero_grad(self) -> None:
         for g in self.groups:
@@ -212,7 +230,7 @@ class DataParallelZero(ZeroStrategy):
                 if not g.alias:
                     g.flat[lo:hi].copy_(master)
             if self.stage > 0:
-                self.comm.all_gather(g.flat, g.flat[lo:hi])
+                g.route.comm.all_gather(g.flat, g.flat[lo:hi])
 
     def statistics(self) -> ZeroStatistics:
         resident = sum(g.layout.padded for g in self.groups)

@@ -13,29 +13,33 @@ from typing import Any
 
 import torch
 
-from dstrain.comm import Comm
 from dstrain.config_sections import ZeroConfig
+from dstrain.dist.comm import Comm
+from dstrain.optim.clip import GradSet
 from dstrain.zero.base import ZeroStatistics, ZeroStrategy
 from dstrain.zero.flat import STEP_CHUNK, optimizer_views
 from dstrain.zero.gather import GatherScheduler
+from dstrain.zero.reduce import ReductionQueue, Route, default_routes
 from dstrain.zero.units import Unit
 
 __all__ = ["Stage3Zero"]
 
 
-class _Group:
+class ShardGroup:
     """A param group's units; their shards are views of one buffer that the optimizer steps."""
 
     def __init__(
         self,
         options: dict[str, Any],
         units: list[Unit],
+        route: Route,
         dtype: torch.dtype,
         device: torch.device,
         chunk: int,
     ) -> None:
         self.options = options
         self.units = units
+        self.route = route
         total = sum(u.layout.shard for u in units)
         self.shards = torch.zeros(total, dtype=dtype, device=device)  # (sum of shards,)
         self.offsets: dict[int, int] = {}
@@ -51,7 +55,8 @@ class _Group:
 
 
 class Stage3Zero(ZeroStrategy):
-    """Stage 3 for ``module``; ``groups`` are optimizer param groups of trainable parameters."""
+    """Stage 3 for ``module`` over ``comm`` (the data-parallel group); ``groups`` are optimizer param
+    groups of trainable parameters, each sharded over and reduced along its `Route` (default: ``comm``)."""
 
     stage = 3
 
@@ -63,7 +68,11 @@ class Stage3Zero(ZeroStrategy):
         config: ZeroConfig,
         comm: Comm,
         dtype: torch.dtype,
+        routes: list[Route] | None = None,
     ) -> None:
+        routes = routes if routes is not None else default_routes(groups, comm)
+        if len(routes) != len(groups):
+            raise ValueError(f"{len(routes)} routes for {len(groups)} param groups")
         self.comm = comm
         self.config = config
         self.dtype = dtype
@@ -78,7 +87,7 @@ class Stage3Zero(ZeroStrategy):
             for gi in range(len(groups)):
                 mine = [p for p in direct if group_of[id(p)] == gi and id(p) not in owner]
                 if mine:
-                    unit = Unit(len(units), mine, comm, dtype)
+                    unit = Unit(len(units), mine, routes[gi].comm, dtype)
                     unit.persistent = unit.layout.total < config.stage3_param_persistence_threshold
                     units.append(unit)
                     per_group[gi].append(unit)
@@ -89,9 +98,10 @@ class Stage3Zero(ZeroStrategy):
                 module_units[sub] = needed
         self.units = units
         self.groups = [
-            _Group(
+            ShardGroup(
                 {k: v for k, v in g.items() if k != "params"},
                 per_group[gi],
+                routes[gi],
                 dtype,
                 self.device,
                 min(config.sub_group_size, STEP_CHUNK),
@@ -102,14 +112,18 @@ class Stage3Zero(ZeroStrategy):
             unit.release()
         self.scheduler = GatherScheduler(module, module_units, units, config)
         self._unit_group = {u.index: g for g in self.groups for u in g.units}
-        self._pending: list[tuple[Any, torch.Tensor, Unit]] = []
+        # overlap: up to three units in flight, then finish down to one; else each finishes at once
+        self._queue = ReductionQueue(limit=2, keep=1) if config.overlap_comm else ReductionQueue(limit=0)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._grad_hook(unit)) for unit in units for p in unit.params
         ]
 
     @property
     def partitioned(self) -> bool:
-        return self.comm.world_size > 1
+        return any(g.route.comm.world_size > 1 for g in self.groups)
+
+    def grad_sets(self) -> list[GradSet]:
+        return [GradSet([g.master_grad], g.route.comm) for g in self.groups]
 
     def param_groups(self) -> list[dict[str, Any]]:
         return [{"params": g.views, **g.options} for g in self.groups]
@@ -128,26 +142,21 @@ class Stage3Zero(ZeroStrategy):
     def _reduce(self, unit: Unit) -> None:
         flat = unit.pop_flat_grad(self.dtype)  # (padded,)
         out = torch.empty(unit.layout.shard, dtype=self.dtype, device=flat.device)
-        handle = self.comm.reduce_scatter(out, flat, async_op=self.config.overlap_comm, scratch_input=True)
-        self._pending.append((handle, out, unit))
+        group = self._unit_group[unit.index]
+        handle = group.route.reducer.reduce(
+            flat, group.route.comm, out=out, async_op=self.config.overlap_comm
+        )
         del flat  # the pending handle keeps the input alive inside the process group
-        if not self.config.overlap_comm or len(self._pending) > 2:
-            self._finish(keep=1 if self.config.overlap_comm else 0)
-
-    def _finish(self, keep: int = 0) -> None:
-        world = self.comm.world_size
-        while len(self._pending) > keep:
-            handle, out, unit = self._pending.pop(0)
-            handle.wait()
-            group = self._unit_group[unit.index]
-            off = group.offsets[unit.index]
-            group.master_grad[off : off + unit.layout.shard].add_(out, alpha=1.0 / world)
+        off = group.offsets[unit.index]
+        target = group.master_grad[off : off + unit.layout.shard]
+        dp = self.comm.world_size  # mean over the data-parallel group (see dstrain.zero.reduce)
+        self._queue.push(handle, lambda: target.add_(out, alpha=1.0 / dp))
 
     def after_backward(self, boundary: bool) -> None:
         for unit in self.units:
             if unit.grads_ready:  # some parameters of the unit were unused this pass
                 self._reduce(unit)
-        self._finish(keep=0)
+        self._queue.drain()
         for unit in self.units:
             unit.release()
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dstrain.comm import Comm
+from dstrain.dist.comm import Comm
 from dstrain.zero.flat import FlatLayout
 
 __all__ = ["Unit"]

@@ -9,7 +9,7 @@ import torch
 
 from dstrain.config_sections import OptimizerConfig
 
-__all__ = ["build_optimizer"]
+__all__ = ["ClientOptimizer", "build_optimizer"]
 
 ClientOptimizer = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 

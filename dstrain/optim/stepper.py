@@ -1,0 +1,100 @@
+"""`Stepper`: how the engine updates the master weights, without knowing what does it.
+
+The engine never calls ``optimizer.step()`` or ``optimizer.state_dict()`` itself; it calls a
+`Stepper`. `TorchStepper` wraps a torch optimizer (the default). An offloading stepper (optimizer
+state on CPU/NVMe: read ahead, step, write behind per sub-group), CPU Adam or 1-bit Adam implement the
+same protocol and plug in through `dstrain.initialize`'s ``build_stepper`` without touching the engine.
+
+Order of calls per optimizer step (at a gradient-accumulation boundary)::
+
+    prepare()        start of the boundary micro-step's backward (an offloading stepper starts reading
+                     the state it will need; gradients are not final yet)
+    ... backward, reduction, unscale, overflow check, clipping ...
+    step()           only when the step is not skipped (fp16 overflow); gradients are final
+    (the LR schedule edits ``param_groups[i]["lr"]`` after a step)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Stepper", "StepperStatistics", "TorchStepper"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepperStatistics:
+    """Counters of a stepper (an offloading stepper adds its own snapshot type)."""
+
+    steps: int
+    """Optimizer steps taken (skipped steps not counted)."""
+    prepares: int
+    """`Stepper.prepare` calls (one per accumulation boundary, skipped steps included)."""
+
+
+@runtime_checkable
+class Stepper(Protocol):
+    """What the engine steps through. ``param_groups`` are dicts whose ``"lr"`` the LR schedule sets."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The groups the LR schedule edits (``"lr"`` and the user's other options)."""
+        ...
+
+    def prepare(self) -> None:
+        """Called at the start of the accumulation-boundary backward, before gradients are final."""
+        ...
+
+    def step(self) -> None:
+        """Update the master weights from their (final, unscaled, clipped) gradients."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state (what a checkpoint stores under the ``"stepper"`` key)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        ...
+
+    def statistics(self) -> Any:
+        """A frozen snapshot of counters."""
+        ...
+
+    def close(self) -> None:
+        """Release files, memory and threads; the master weights keep their values."""
+        ...
+
+
+class TorchStepper:
+    """A torch optimizer (over the ZeRO strategy's master tensors) as a `Stepper`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._steps = 0
+        self._prepares = 0
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def prepare(self) -> None:
+        self._prepares += 1  # the state is in memory already: nothing to read ahead
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self._steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def statistics(self) -> StepperStatistics:
+        return StepperStatistics(steps=self._steps, prepares=self._prepares)
+
+    def close(self) -> None:
+        return None
