@@ -26,7 +26,7 @@ def test_thousand_ops_one_file(backend, run, data_dir):
     run(main())
 
 
-def test_thousand_ops_many_files(run, data_dir):
+def test_thousand_ops_many_files(run, data_dir, many_fds):  # many_fds: ~1,000 fds at once
     async def main():
         async with dsio.AsyncIOHandle(queue_depth=32) as h:
             ts = [torch.full((1024 + i,), float(i)) for i in range(1000)]
