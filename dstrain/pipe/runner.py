@@ -1,0 +1,441 @@
+"""`PipelineRunner`: ``train_batch`` / ``eval_batch`` of one pipeline stage, from the engine's parts.
+
+The runner executes the stage's instruction list (`dstrain.pipe.schedule`) with the engine's parts: the
+ZeRO strategy's backward hooks, the precision's loss scaling, and the engine's micro-step (``engine.step``),
+which reduces over the data-parallel group and steps the optimizer at the accumulation boundary. It is not
+an engine and does not subclass one.
+
+One batch, on every rank::
+
+    1F1B steps (forward / backward, p2p with neighbours; a failure sends ABORT to them and stops)
+    status all-reduce over the world: [sum of last-stage micro-batch losses, failed ranks]
+        -> failure anywhere: every rank raises, no rank steps (weights stay consistent)
+    wait on the sends, reduce tied gradients over the stages holding them, engine step
+
+The returned loss is the mean over micro-batches and data-parallel ranks, on every stage.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dstrain.pipe.errors import (
+    DataExhaustedError,
+    LabelMismatchError,
+    PipelineAbortedError,
+    PipelineError,
+    ShapeMismatchError,
+)
+from dstrain.pipe.module import PipelineModule
+from dstrain.pipe.p2p import P2PStatistics, Receiver, Sender, TensorMeta, check_grads
+from dstrain.pipe.schedule import Instruction, Op, Schedule, eval_schedule, train_schedule
+
+__all__ = ["PipelineRunner", "PipelineStatistics", "labels_fingerprint"]
+
+_ACT, _GRAD, _EVAL = 100, 200, 300  # tag bases of the three channel kinds
+
+
+def labels_fingerprint(labels: Any) -> int:
+    """A 31-bit checksum of a micro-batch's labels (shape, dtype and bytes), or -1 when they are not tensors."""
+    tensors = labels if isinstance(labels, (tuple, list)) else (labels,)
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return -1
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
+        crc = zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return crc & 0x7FFFFFFF
+
+
+def _as_tuple(x: Any) -> tuple[torch.Tensor, ...]:
+    items = x if isinstance(x, tuple) else (x,)
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"a stage's output must be a tensor or a tuple of tensors; item {i} is {type(t).__name__}"
+            )
+    return items
+
+
+def _unpack(tensors: tuple[torch.Tensor, ...]) -> Any:
+    return tensors[0] if len(tensors) == 1 else tensors
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineStatistics:
+    """Counters and timings of one stage's runner."""
+
+    stage: int
+    stages: int
+    batches: int
+    micro_batches: int
+    """Micro-batches run forward on this stage."""
+    compute_seconds: float
+    """Time in forward and backward passes (the last batch)."""
+    batch_seconds: float
+    """Wall time of the last batch (schedule, status, step)."""
+    peak_live_activations: int
+    """Most micro-batches held between forward and backward at once (1F1B: at most stages - stage)."""
+    peak_activation_bytes: int
+    """Largest bytes of tensors saved for backward at once (autograd saved tensors, from a pack hook)."""
+    send_activation: P2PStatistics | None
+    recv_activation: P2PStatistics | None
+    send_grad: P2PStatistics | None
+    recv_grad: P2PStatistics | None
+
+
+class _SavedBytes:
+    """Counts the bytes of tensors autograd saves for backward (live: freed when the graph is)."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        n = t.numel() * t.element_size()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        return _Saved(t, n, self)
+
+    @staticmethod
+    def unpack(s: Any) -> torch.Tensor:
+        return s.t
+
+
+class _Saved:
+    __slots__ = ("counter", "n", "t")
+
+    def __init__(self, t: torch.Tensor, n: int, counter: _SavedBytes) -> None:
+        self.t, self.n, self.counter = t, n, counter
+
+    def __del__(self) -> None:
+        self.counter.live -= self.n
+
+
+class PipelineRunner:
+    """Runs this stage's part of every batch.
+
+    ``engine`` provides ``zero`` (``before_backward``/``after_backward``/``loss_prescale``), ``precision``
+    (``scale_loss``, ``cast_inputs``), ``step()`` (one micro-step; the optimizer steps at the boundary) and
+    ``is_gradient_accumulation_boundary()``. ``pp_ranks`` are the global ranks of this rank's pipeline group
+    (index = stage); ``dp_size`` the data-parallel size; ``tied_groups`` maps each tied key held by more than
+    one stage to the process group of the ranks holding it (same data-parallel index). Pipelines sharing a
+    process group (e.g. a second model) need distinct ``channel_id``s: their messages use distinct tags.
+    """
+
+    def __init__(
+        self,
+        *,
+        module: PipelineModule,
+        engine: Any,
+        micro_batches: int,
+        pp_ranks: list[int],
+        pp_group: Any,
+        dp_size: int,
+        tied_groups: dict[str, Any] | None = None,
+        p2p_timeout: float = 300.0,
+        channel_id: int = 0,
+    ) -> None:
+        self.module = module
+        self.engine = engine
+        self.micro_batches = micro_batches
+        self.stage = module.stage_id
+        self.stages = module.num_stages
+        if len(pp_ranks) != self.stages:
+            raise PipelineError(f"pipeline group has {len(pp_ranks)} ranks for {self.stages} stages")
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.dp_size = dp_size
+        self.tied_groups = tied_groups or {}
+        self.first = self.stage == 0
+        self.last = self.stage == self.stages - 1
+        prev = pp_ranks[self.stage - 1] if not self.first else None
+        nxt = pp_ranks[self.stage + 1] if not self.last else None
+
+        def ch(cls: type, peer: int | None, tag: int, name: str) -> Any:
+            if peer is None:
+                return None
+            return cls(peer=peer, tag=tag + 1000 * channel_id, group=pp_group, timeout=p2p_timeout, name=name)
+
+        self.act_out: Sender | None = ch(Sender, nxt, _ACT, "activations out")
+        self.act_in: Receiver | None = ch(Receiver, prev, _ACT, "activations in")
+        self.grad_out: Sender | None = ch(Sender, prev, _GRAD, "gradients out")
+        self.grad_in: Receiver | None = ch(Receiver, nxt, _GRAD, "gradients in")
+        self.eval_out: Sender | None = ch(Sender, nxt, _EVAL, "eval activations out")
+        self.eval_in: Receiver | None = ch(Receiver, prev, _EVAL, "eval activations in")
+        self._broken: str | None = None
+        self._batches = 0
+        self._micro = 0
+        self._compute = 0.0
+        self._batch_seconds = 0.0
+        self._peak_live = 0
+        self._saved = _SavedBytes()
+        self._peak_saved = 0
+
+    # -- public --------------------------------------------------------------------------------------
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """One optimizer step over ``micro_batches`` micro-batches; returns the mean loss (every stage).
+
+        The first and last stage draw ``(inputs, labels)`` from ``data_iter`` once per micro-batch.
+        """
+        self.module.train()
+        sched = train_schedule(self.micro_batches, self.stages, self.stage)
+        return self._run(sched, data_iter, train=True)
+
+    def eval_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """Forward only (no gradients, no step); returns the mean loss over micro-batches and dp ranks."""
+        self.module.eval()
+        sched = eval_schedule(self.micro_batches, self.stages, self.stage)
+        with torch.no_grad():
+            return self._run(sched, data_iter, train=False)
+
+    def statistics(self) -> PipelineStatistics:
+        def st(c: Any) -> P2PStatistics | None:
+            return c.statistics() if c is not None else None
+
+        return PipelineStatistics(
+            stage=self.stage,
+            stages=self.stages,
+            batches=self._batches,
+            micro_batches=self._micro,
+            compute_seconds=self._compute,
+            batch_seconds=self._batch_seconds,
+            peak_live_activations=self._peak_live,
+            peak_activation_bytes=self._peak_saved,
+            send_activation=st(self.act_out),
+            recv_activation=st(self.act_in),
+            send_grad=st(self.grad_out),
+            recv_grad=st(self.grad_in),
+        )
+
+    # -- one batch -----------------------------------------------------------------------------------
+
+    def _run(self, sched: Schedule, data_iter: Iterator[Any] | None, *, train: bool) -> torch.Tensor:
+        if self._broken is not None:
+            raise PipelineError(f"the pipeline failed earlier ({self._broken}); restart the job")
+        start = time.perf_counter()
+        self._compute = 0.0
+        m = self.micro_batches
+        send_act = self.act_out if train else self.eval_out
+        recv_act = self.act_in if train else self.eval_in
+        if recv_act is not None:
+            recv_act.expect(m)
+        if train and self.grad_in is not None:
+            self.grad_in.expect(m)
+        state = _BatchState(sched.num_buffers)
+        error: BaseException | None = None
+        try:
+            if (self.first or self.last) and data_iter is None:
+                raise PipelineError(f"stage {self.stage} loads micro-batches: train_batch needs data_iter")
+            for step in sched.steps:
+                for ins in step:
+                    if ins.op in (Op.REDUCE_TIED_GRADS, Op.REDUCE_GRADS, Op.OPTIMIZER_STEP):
+                        continue  # after the status check below
+                    self._execute(ins, state, data_iter, train, send_act, recv_act)
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the status all-reduce
+            error = e
+            origin = e if isinstance(e, PipelineAbortedError) else None
+            reason = (
+                str(origin)
+                if origin
+                else f"rank {self.rank} (stage {self.stage}) failed: {type(e).__name__}: {e}"
+            )
+            for c in (send_act, self.grad_out if train else None):
+                if c is not None:
+                    c.abort(reason)
+        # every rank arrives here: [sum of its micro-batch losses (last stage), failed]
+        status = torch.tensor(
+            [float(sum(state.losses)) if self.last and error is None else 0.0, 1.0 if error else 0.0],
+            dtype=torch.float64,
+        )
+        if dist.is_initialized():
+            dist.all_reduce(status)
+        if error is not None or status[1] > 0:
+            self._broken = repr(error) if error is not None else "another rank failed"
+            for c in (self.act_out, self.act_in, self.grad_out, self.grad_in, self.eval_out, self.eval_in):
+                if c is not None:
+                    c.forget()
+            if error is not None:
+                if isinstance(error, PipelineError) or not isinstance(error, Exception):
+                    raise error
+                raise PipelineError(f"stage {self.stage} failed: {type(error).__name__}: {error}") from error
+            raise PipelineAbortedError(
+                f"{int(status[1])} rank(s) failed during this batch; no optimizer step was taken"
+            )
+        if send_act is not None:
+            send_act.drain()
+        if train:
+            if self.grad_out is not None:
+                self.grad_out.drain()
+            self._reduce_tied_grads()
+            self.engine.step()  # the boundary micro-step: reduce over dp, unscale, clip, optimizer step
+        self._batches += 1
+        self._micro += m
+        self._peak_saved = max(self._peak_saved, self._saved.peak)
+        self._batch_seconds = time.perf_counter() - start
+        return torch.tensor(float(status[0]) / (m * self.dp_size), dtype=torch.float32)
+
+    def _execute(
+        self,
+        ins: Instruction,
+        state: _BatchState,
+        data_iter: Iterator[Any] | None,
+        train: bool,
+        send_act: Sender | None,
+        recv_act: Receiver | None,
+    ) -> None:
+        b, mb = ins.buffer_id, ins.micro_batch
+        assert b is not None and mb is not None
+        op = ins.op
+        if op is Op.LOAD_MICRO_BATCH:
+            self._load(b, mb, state, data_iter)
+        elif op is Op.RECV_ACTIVATION:
+            assert recv_act is not None
+            r = recv_act.recv(mb)
+            if train and self.grad_out is not None:
+                self.grad_out.release(r.ack)
+            state.inputs[b] = _unpack(r.tensors)
+            state.fingerprint[b] = r.fingerprint
+        elif op is Op.FORWARD:
+            self._forward(b, mb, state, train)
+        elif op is Op.SEND_ACTIVATION:
+            assert send_act is not None
+            out = _as_tuple(state.outputs[b])
+            state.sent[b] = tuple(TensorMeta.of(t) for t in out)
+            ack = self.grad_in.received if train and self.grad_in is not None else 0
+            send_act.send(out, micro_batch=mb, ack=ack, fingerprint=state.fingerprint.get(b, -1))
+            if not train:
+                state.outputs.pop(b)
+        elif op is Op.RECV_GRAD:
+            assert self.grad_in is not None and self.act_out is not None
+            r = self.grad_in.recv(mb)
+            self.act_out.release(r.ack)
+            check_grads(state.sent[b], r.tensors, mb, self.grad_in.peer)
+            state.grads[b] = r.tensors
+        elif op is Op.BACKWARD:
+            self._backward(b, mb, state)
+        elif op is Op.SEND_GRAD:
+            assert self.grad_out is not None and self.act_in is not None
+            self.grad_out.send(state.grads.pop(b), micro_batch=mb, ack=self.act_in.received)
+        else:  # pragma: no cover - the schedule has no other buffer instructions
+            raise PipelineError(f"unexpected instruction {ins}")
+
+    def _load(self, b: int, mb: int, state: _BatchState, data_iter: Iterator[Any] | None) -> None:
+        assert data_iter is not None
+        try:
+            batch = next(data_iter)
+        except StopIteration:
+            raise DataExhaustedError(
+                f"stage {self.stage}: the data iterator ran out at micro-batch {mb} of {self.micro_batches}"
+            ) from None
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError(
+                f"the data iterator must yield (inputs, labels) pairs, got {type(batch).__name__}"
+            )
+        inputs, labels = batch
+        fp = labels_fingerprint(labels)
+        if self.first:
+            state.inputs[b] = self.engine.precision.cast_inputs(inputs)
+            state.fingerprint[b] = fp
+            self._check_batch(inputs, labels, mb)
+        if self.last:
+            if not self.first and fp != state.fingerprint.get(b, -1) and state.fingerprint.get(b, -1) != -1:
+                raise LabelMismatchError(
+                    f"stage {self.stage}: the labels of micro-batch {mb} differ from those the first stage loaded "
+                    "with its inputs (the stages' data iterators are out of step)"
+                )
+            state.labels[b] = labels
+
+    @staticmethod
+    def _check_batch(inputs: Any, labels: Any, mb: int) -> None:
+        """Inputs and labels of a micro-batch must agree in their leading (batch) dimension."""
+        first_in = _as_tuple(inputs)[0] if isinstance(inputs, (torch.Tensor, tuple)) else None
+        if not (isinstance(first_in, torch.Tensor) and isinstance(labels, torch.Tensor)):
+            return
+        if first_in.dim() and labels.dim() and first_in.shape[0] != labels.shape[0]:
+            raise ShapeMismatchError(
+                f"micro-batch {mb}: inputs hold {first_in.shape[0]} samples, labels {labels.shape[0]}"
+            )
+
+    def _forward(self, b: int, mb: int, state: _BatchState, train: bool) -> None:
+        start = time.perf_counter()
+        x = state.inputs[b]
+        if train:
+            with torch.autograd.graph.saved_tensors_hooks(self._saved.pack, self._saved.unpack):
+                out = self.module(x)
+        else:
+            out = self.module(x)
+        if self.last:
+            labels = state.labels.pop(b)
+            loss_fn = self.module.loss_fn
+            out = loss_fn(out, labels) if loss_fn is not None else out
+            if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                raise ShapeMismatchError(
+                    f"micro-batch {mb}: the loss must be a scalar tensor, got {out!r:.80}"
+                )
+            state.losses.append(out.detach().float().item())
+        state.outputs[b] = out
+        if train:
+            state.live += 1
+            self._peak_live = max(self._peak_live, state.live)
+        else:
+            state.inputs.pop(b, None)
+            if self.last:
+                state.outputs.pop(b)
+        self._compute += time.perf_counter() - start
+
+    def _backward(self, b: int, mb: int, state: _BatchState) -> None:
+        start = time.perf_counter()
+        engine = self.engine
+        boundary = mb == self.micro_batches - 1
+        engine.zero.before_backward(boundary)
+        out = state.outputs.pop(b)
+        if self.last:
+            scaled = engine.precision.scale_loss(out, self.micro_batches, engine.zero.loss_prescale)
+            scaled.backward()
+        else:
+            outs = [t for t in _as_tuple(out) if t.requires_grad]
+            grads = state.grads.pop(b)
+            torch.autograd.backward(outs, grads)
+        engine.zero.after_backward(boundary)
+        if not boundary:
+            engine.step()  # counts the micro-step (no optimizer step off the boundary)
+        inputs = state.inputs.pop(b)
+        if not self.first:
+            state.grads[b] = tuple(
+                t.grad if t.grad is not None else torch.zeros_like(t)
+                for t in _as_tuple(inputs)
+                if t.requires_grad
+            )
+        state.live -= 1
+        self._compute += time.perf_counter() - start
+
+    def _reduce_tied_grads(self) -> None:
+        """Sum the tied weights' gradients over the stages holding them (same dp index), in place."""
+        for key, group in self.tied_groups.items():
+            for p in self.module.tied_weights(key):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+
+
+class _BatchState:
+    """Per-buffer tensors of one batch."""
+
+    def __init__(self, num_buffers: int) -> None:
+        self.num_buffers = num_buffers
+        self.inputs: dict[int, Any] = {}
+        self.labels: dict[int, Any] = {}
+        self.outputs: dict[int, Any] = {}
+        self.grads: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.sent: dict[int, tuple[TensorMeta, ...]] = {}
+        self.fingerprint: dict[int, int] = {}
+        self.losses: list[float] = []
+        self.live = 0

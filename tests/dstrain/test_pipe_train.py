@@ -1,0 +1,304 @@
+"""train_batch / eval_batch on 2 real gloo processes (one spawn runs every scenario; each test checks one).
+
+PP=2 equals single-process gradient accumulation bitwise; tied weights across stages; variable sequence
+lengths; activation checkpointing; eval; and the failures that must end every rank with an error, never a
+hang: an exhausted iterator, a raising stage, mismatched shapes, out-of-step labels.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _dstrain_helpers import spawn
+from torch import nn
+
+from dstrain.pipe.errors import PipelineError
+from dstrain.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+
+DIM, VOCAB, MB = 16, 12, 4
+
+
+def mlp_layers() -> list[Any]:
+    return [
+        LayerSpec(nn.Linear, DIM, 32),
+        nn.Tanh(),
+        LayerSpec(nn.Linear, 32, 32),
+        nn.Tanh(),
+        LayerSpec(nn.Linear, 32, 32),
+        nn.Tanh(),
+        LayerSpec(nn.Linear, 32, 8),
+    ]
+
+
+def lm_head(emb: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x @ emb.weight.t()  # (B, T, V)
+
+
+def tied_layers() -> list[Any]:
+    return [
+        TiedLayerSpec("emb", nn.Embedding, VOCAB, DIM),
+        LayerSpec(nn.Linear, DIM, DIM),
+        torch.tanh,
+        LayerSpec(nn.Linear, DIM, DIM),
+        TiedLayerSpec("emb", nn.Embedding, VOCAB, DIM, forward_fn=lm_head),
+    ]
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def mlp_data(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(MB, DIM, generator=g), torch.randint(0, 8, (MB,), generator=g)) for _ in range(n)]
+
+
+def lm_data(n: int, seed: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token batches whose sequence length changes from micro-batch to micro-batch (3..8)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        seq = int(torch.randint(3, 9, (), generator=g))
+        idx = torch.randint(0, VOCAB, (MB, seq), generator=g)
+        out.append((idx, (idx * 5 + 1) % VOCAB))
+    return out
+
+
+def config(gas: int, **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+        "steps_per_print": 10**6,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def build_engine(module: PipelineModule, cfg: dict[str, Any], channel: int = 0) -> tuple[Any, Any]:
+    """(engine, runner) for this rank's stage, composed as dstrain.initialize does."""
+    import sys
+
+    import dstrain
+    from dstrain.dist.topology import Topology
+    from dstrain.pipe.compose import attach, tied_groups
+    from dstrain.pipe.config import PipelineConfig
+
+    init_mod = sys.modules["dstrain.initialize"]
+    pipe_cfg = PipelineConfig.from_dict(cfg.pop("pipeline", None))
+    topo = Topology.from_world(pp=module.num_stages)
+    tied = tied_groups(module, topo)
+    orig = init_mod.build_topology
+    init_mod.build_topology = lambda m, c: topo  # type: ignore[attr-defined]
+    try:
+        engine, _, _, _ = dstrain.initialize(model=module, config=cfg)
+    finally:
+        init_mod.build_topology = orig  # type: ignore[attr-defined]
+    return engine, attach(engine, module, topo, tied, pipe_cfg, channel_id=channel)
+
+
+def reference(layers: list[Any], loss_fn: Any, data: list[Any], gas: int, steps: int) -> dict[str, Any]:
+    """The whole model in one process: gradient accumulation over the same micro-batches, same SGD."""
+    model = PipelineModule(layers, num_stages=1, loss_fn=loss_fn, seed_layers=True, stage_id=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for s in range(steps):
+        total = 0.0
+        for m in range(gas):
+            x, y = data[s * gas + m]
+            loss = loss_fn(model(x), y)
+            (loss.float() * (1.0 / gas)).backward()  # what Precision.scale_loss computes at fp32
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(torch.tensor(total / gas, dtype=torch.float32)))
+    return {"model": model, "losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _compare(module: PipelineModule, ref: dict[str, Any]) -> dict[str, Any]:
+    state = module.state_dict()
+    return {
+        "max_param_diff": max((state[k] - ref["state"][k]).abs().max().item() for k in state),
+        "bitwise": all(torch.equal(state[k], ref["state"][k]) for k in state),
+    }
+
+
+def _train(kind: str, gas: int, steps: int, channel: int, **pipe: Any) -> dict[str, Any]:
+    layers, loss_fn, data = (
+        (mlp_layers(), F.cross_entropy, mlp_data(gas * steps + gas))
+        if kind == "mlp"
+        else (tied_layers(), lm_loss, lm_data(gas * steps))
+    )
+    module = PipelineModule(
+        layers, num_stages=2, loss_fn=loss_fn, partition_method="uniform", seed_layers=True
+    )
+    cfg = config(gas, pipeline=pipe) if pipe else config(gas)
+    engine, runner = build_engine(module, cfg, channel)
+    it = iter(data)
+    losses = [runner.train_batch(it).item() for _ in range(steps)]
+    ref = reference(layers, loss_fn, data, gas, steps)
+    out: dict[str, Any] = {"losses": losses, "ref_losses": ref["losses"], **_compare(module, ref)}
+    if kind == "mlp":  # eval on the next micro-batches: no step, the mean loss on every stage
+        eval_loss = runner.eval_batch(it).item()
+        with torch.no_grad():
+            ref_eval = [F.cross_entropy(ref["model"](x), y).item() for x, y in data[gas * steps :]]
+        out["eval"] = (eval_loss, float(torch.tensor(sum(ref_eval) / gas, dtype=torch.float32)))
+        out["unchanged_by_eval"] = _compare(module, ref)["bitwise"]
+    else:
+        w = module.tied_modules["emb"].weight.detach().clone()
+        got = [torch.zeros_like(w) for _ in range(2)]
+        dist.all_gather(got, w)
+        out["tied_identical"] = torch.equal(got[0], got[1])
+    out["stats"] = runner.statistics()
+    engine.close()
+    return out
+
+
+class Boom(nn.Module):
+    """Raises on its ``at``-th call (a stage that fails mid-batch)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("boom in stage 1")
+        return x
+
+
+def _failure(case: str, channel: int) -> dict[str, Any]:
+    """Run one failing batch; returns (exception class name, seconds until raised, weights unchanged)."""
+    rank = dist.get_rank()
+    layers = mlp_layers()
+    if case == "raises":
+        layers.insert(5, Boom(at=2))  # lands on stage 1 (uniform split of 8: [0, 4), [4, 8))
+    module = PipelineModule(
+        layers, num_stages=2, loss_fn=F.cross_entropy, partition_method="uniform", seed_layers=True
+    )
+    # a neighbour that missed the abort would wait this long and raise P2PTimeoutError instead
+    engine, runner = build_engine(module, config(4, pipeline={"p2p_timeout": 60}), channel)
+    data = mlp_data(4)
+    if case == "exhausted":
+        data = data[:2]
+    elif case == "shapes":  # micro-batch 2: 3 labels for 4 inputs
+        data[2] = (data[2][0], data[2][1][:3])
+    elif case == "labels" and rank == 1:  # the last stage's iterator is one micro-batch ahead
+        data = data[1:] + data[:1]
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    start = time.monotonic()
+    err: BaseException | None = None
+    try:
+        runner.train_batch(iter(data))
+    except Exception as e:
+        err = e
+    took = time.monotonic() - start
+    again = None
+    try:  # a poisoned pipeline refuses at once
+        runner.train_batch(iter(mlp_data(4)))
+    except Exception as e:
+        again = type(e).__name__
+    unchanged = all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    return {
+        "error": type(err).__name__ if err else None,
+        "message": str(err),
+        "is_pipeline_error": isinstance(err, PipelineError),
+        "seconds": took,
+        "again": again,
+        "unchanged": unchanged,
+    }
+
+
+def _scenarios() -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "mlp": _train("mlp", 4, 3, channel=0),
+        "tied": _train("tied", 4, 3, channel=1),
+        "ckpt": _train("mlp", 4, 2, channel=2, activation_checkpoint_interval=2),
+        "mlp8": _train("mlp", 8, 1, channel=3),
+        "few": _train("mlp", 1, 2, channel=4),  # fewer micro-batches than stages
+    }
+    for i, case in enumerate(("exhausted", "raises", "shapes", "labels")):
+        out[case] = _failure(case, channel=10 + i)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    start = time.monotonic()
+    res = spawn(_scenarios, world=2)
+    assert time.monotonic() - start < 300  # never a hang
+    return res
+
+
+def test_pp2_equals_single_process_accumulation_bitwise(results: list[dict[str, Any]]) -> None:
+    """fp32 MLP, 1, 4 and 8 micro-batches: losses and every weight bitwise equal to one process."""
+    for case in ("mlp", "mlp8", "few"):
+        for r in results:
+            assert r[case]["bitwise"], (case, r[case]["max_param_diff"])
+            assert r[case]["losses"] == r[case]["ref_losses"], case  # the same mean loss on every stage
+    s0, s1 = results[0]["mlp"]["stats"], results[1]["mlp"]["stats"]
+    assert s0.peak_live_activations == 2 and s1.peak_live_activations == 1  # 1F1B: S - s in flight
+    assert s0.send_activation.messages == 12 and s1.recv_grad is None
+    assert s0.send_activation.metadata_messages == 1  # fixed shapes: metadata once
+    assert s1.recv_activation.speculative_hits == 10  # payload receives posted ahead (all but 0 and 1)
+    assert s1.send_grad.payload_bytes == s0.send_activation.payload_bytes == 12 * MB * 32 * 4
+
+
+def test_eval_batch(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        got, want = r["mlp"]["eval"]
+        assert got == want
+        assert r["mlp"]["unchanged_by_eval"]
+
+
+def test_tied_weights_and_variable_sequence_length(results: list[dict[str, Any]]) -> None:
+    """Embedding tied to the LM head on the other stage, sequence length changing every micro-batch:
+    within 1e-6 of one process, and the two stages' copies bitwise identical.
+
+    Not bitwise: one process accumulates the head's and the embedding's gradient of each micro-batch into
+    one tensor in turn; the pipeline sums each stage's accumulated part once at the end (another order).
+    """
+    for r in results:
+        t = r["tied"]
+        assert t["max_param_diff"] <= 1e-6
+        assert max(abs(a - b) for a, b in zip(t["losses"], t["ref_losses"], strict=True)) <= 1e-6
+        assert t["tied_identical"]
+    assert results[0]["tied"]["stats"].send_activation.metadata_messages > 6  # shapes changed, sent again
+
+
+def test_activation_checkpointing(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["ckpt"]["bitwise"]
+    # stage 0 holds 4 layers: every 2 recomputed, so fewer bytes saved for backward
+    assert (
+        results[0]["ckpt"]["stats"].peak_activation_bytes < results[0]["mlp"]["stats"].peak_activation_bytes
+    )
+
+
+@pytest.mark.parametrize(
+    ("case", "errors"),
+    [
+        ("exhausted", ("DataExhaustedError", "PipelineAbortedError")),
+        ("raises", ("PipelineAbortedError", "PipelineError")),
+        ("shapes", ("ShapeMismatchError", "PipelineAbortedError")),
+        ("labels", ("PipelineAbortedError", "LabelMismatchError")),
+    ],
+)
+def test_failures_end_every_rank(results: list[dict[str, Any]], case: str, errors: tuple[str, str]) -> None:
+    """Each rank raises a PipelineError (the failing rank its own, the other the abort), promptly; no rank
+    stepped the optimizer; the pipeline then refuses further batches."""
+    for rank, r in enumerate(results):
+        f = r[case]
+        assert f["error"] == errors[rank], (rank, f)
+        assert f["is_pipeline_error"]
+        assert f["seconds"] < 60
+        assert f["unchanged"]
+        assert f["again"] == "PipelineError"
+    if case == "raises":
+        assert "boom in stage 1" in results[0]["raises"]["message"]  # the origin's error, on the other rank
