@@ -25,6 +25,9 @@ py::dict op_stats(const OpStats& s) {
   py::list h;
   for (const auto& b : s.hist) h.append(b.load());
   d["latency_hist"] = h;
+  py::list ph;
+  for (const auto& b : s.piece_hist) ph.append(b.load());
+  d["piece_latency_hist"] = ph;
   py::list sizes;
   for (const auto& b : s.size_hist) sizes.append(b.load());
   d["size_hist"] = sizes;

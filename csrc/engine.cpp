@@ -148,7 +148,8 @@ void Engine::run(Worker& w) {
         uint32_t slot = w.free.back();
         if (!carve(w.slots[slot])) break;
         w.free.pop_back();
-        const Slot& s = w.slots[slot];
+        Slot& s = w.slots[slot];
+        s.t_submit_ns = now_ns();
         be.prepare(slot, s.req->op, s.req->fd, s.buf, s.len, s.off);
         ++inflight;
         pieces_.fetch_add(1, std::memory_order_relaxed);
@@ -191,6 +192,8 @@ void Engine::run(Worker& w) {
         resubmit.push_back(c.slot);
         continue;
       }
+      stats[static_cast<int>(s.req->op)].piece_hist[bucket_for(now_ns() - s.t_submit_ns)].fetch_add(
+          1, std::memory_order_relaxed);
       piece_done(s.req, c.result, s);
       w.free.push_back(c.slot);
       --inflight;

@@ -40,6 +40,9 @@ constexpr int kErrnoSlots = 134;  // errno counts by value; slot 0 collects errn
 struct OpStats {
   std::atomic<uint64_t> ops{0}, bytes{0}, errors{0}, latency_ns{0};
   std::array<std::atomic<uint64_t>, kHistBuckets> hist{};
+  // Per piece: submission to completion of each block_size piece in the kernel (same buckets as
+  // hist), i.e. the latency the device gives one piece at the queue depth the engine keeps.
+  std::array<std::atomic<uint64_t>, kHistBuckets> piece_hist{};
   std::array<std::atomic<uint64_t>, kSizeBuckets> size_hist{};
   std::array<std::atomic<uint64_t>, kErrnoSlots> errno_counts{};
 };
@@ -96,6 +99,7 @@ class Engine {
     char* buf;
     uint64_t len;
     int64_t off;
+    uint64_t t_submit_ns = 0;
   };
   struct Worker {
     std::unique_ptr<Backend> backend;

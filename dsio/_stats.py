@@ -35,6 +35,9 @@ class OpStatistics:
     """Non-cumulative counts of request sizes per bucket of ``SIZE_BUCKET_BOUNDS_BYTES``."""
     errors_by_errno: Mapping[int, int] = field(default_factory=dict)
     """Failed requests by errno (0: errno >= 134); short transfers are counted in ``errors`` only."""
+    piece_latency_buckets: tuple[int, ...] = ()
+    """Non-cumulative counts per bucket of ``LATENCY_BUCKET_BOUNDS_S`` of each block_size piece's time
+    in the kernel (submission to completion): what the device gives one piece at the engine's depth."""
 
     @classmethod
     def _from(cls, d: dict) -> OpStatistics:
@@ -46,6 +49,7 @@ class OpStatistics:
             tuple(d["latency_hist"]),
             tuple(d.get("size_hist", ())),
             dict(d.get("errno_counts", {})),
+            tuple(d.get("piece_latency_hist", ())),
         )
 
 

@@ -183,3 +183,14 @@ def test_writes_and_small_reads_never_prefault(data_dir, run):
             return h.statistics().engine.prefault_ranges
 
     assert run(main()) == 0
+
+
+async def test_piece_latency_histogram_counts_every_piece(backend, data_dir):
+    """Where read time goes: every block_size piece lands in one latency bucket, per op."""
+    path = os.path.join(data_dir, "h.bin")
+    async with dsio.AsyncIOHandle(dsio.IOConfig(backend=backend, **SMALL)) as h:
+        await h.pwrite(fill_random(_aligned(2 * MIB, True)), path)
+        await h.pread(_aligned(2 * MIB, True), path)
+        st = h.statistics().engine
+    assert sum(st.read.piece_latency_buckets) == 2 * MIB // SMALL["block_size"]
+    assert sum(st.read.piece_latency_buckets) + sum(st.write.piece_latency_buckets) == st.pieces
