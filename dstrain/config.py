@@ -25,6 +25,7 @@ from dstrain.config_sections import (
     ZeroConfig,
 )
 from dstrain.errors import ConfigError
+from dstrain.pipe.config import PipelineConfig
 
 __all__ = [
     "AioConfig",
@@ -72,6 +73,8 @@ class DSConfig:
     """Log the forward/backward/step time split every `steps_per_print` steps."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint options."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline-parallel settings (the model must be a `dstrain.pipe.PipelineModule`); parsed strictly."""
     seed: int | None = None
     """If set, `initialize` seeds torch's RNG with it (same on every rank) before building anything."""
 
@@ -99,7 +102,6 @@ class DSConfig:
         "wandb",
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",
-        "pipeline",
     )
 
     def __post_init__(self) -> None:
@@ -120,6 +122,7 @@ class DSConfig:
             ("zero_optimization", ZeroConfig),
             ("aio", AioConfig),
             ("checkpoint", CheckpointConfig),
+            ("pipeline", PipelineConfig),
         ):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(name, f"expected {cls.__name__}, got {type(getattr(self, name)).__name__}")
@@ -163,6 +166,7 @@ class DSConfig:
             "zero_optimization": ZeroConfig,
             "aio": AioConfig,
             "checkpoint": CheckpointConfig,
+            "pipeline": PipelineConfig,
             "optimizer": OptimizerConfig,
             "scheduler": SchedulerConfig,
         }
