@@ -93,6 +93,9 @@ class Engine:
         self._last_step_end: float | None = None
         self._last_step_seconds = 0.0
         self._pending_save: PendingSave | None = None
+        self.runner: Any = None
+        """What runs whole batches (`train_batch` / `eval_batch`): a `dstrain.pipe.PipelineRunner` that
+        `initialize` attaches for a pipeline model; None otherwise (train with forward/backward/step)."""
 
     # -- training ----------------------------------------------------------------------------
 
@@ -152,6 +155,21 @@ class Engine:
             self._last_step_end = end
             self._report(overflow)
         self.micro_steps += 1
+
+    def train_batch(self, data_iter: Any = None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches drawn from ``data_iter``
+        (``(inputs, labels)`` pairs); returns the mean loss. Pipeline models only (DeepSpeed's API)."""
+        if self.runner is None:
+            raise DstrainError(
+                "train_batch needs a pipeline model (dstrain.pipe.PipelineModule); use forward/backward/step"
+            )
+        return self.runner.train_batch(data_iter)
+
+    def eval_batch(self, data_iter: Any = None) -> torch.Tensor:
+        """Forward ``gradient_accumulation_steps`` micro-batches without gradients; the mean loss."""
+        if self.runner is None:
+            raise DstrainError("eval_batch needs a pipeline model (dstrain.pipe.PipelineModule)")
+        return self.runner.eval_batch(data_iter)
 
     def _unscale_and_clip(self) -> bool:
         """Unscale the master gradients, compute their global norm where needed (clipping, or fp16's

@@ -24,6 +24,8 @@ from dstrain.dist.topology import Topology
 from dstrain.engine import Engine
 from dstrain.optim.build import ClientOptimizer, build_optimizer
 from dstrain.optim.stepper import Stepper, TorchStepper
+from dstrain.pipe.compose import attach, pipeline_stages, tied_groups
+from dstrain.pipe.module import PipelineModule
 from dstrain.precision import Precision
 from dstrain.scheduler import LRSchedule, build_scheduler
 from dstrain.zero.base import ZeroStrategy
@@ -61,7 +63,7 @@ def init_distributed(backend: str | None = None) -> bool:
 def build_topology(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLike[str]) -> Topology:
     """The process groups. Pipeline stages (``pp``) and expert parallelism (``ep``) come from the model
     (a pipeline module's stages, its MoE layers' ``ep_size``) when those rooms are in; else 1 and 1."""
-    return Topology.from_world(pp=1, ep=1)
+    return Topology.from_world(pp=pipeline_stages(model), ep=1)
 
 
 def _param_groups(module: torch.nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
@@ -218,6 +220,7 @@ def initialize(
     groups = _param_groups(model, model_parameters)
     routes = build_routes(groups, topology)
     _place_and_broadcast(model, groups, routes, topology)
+    tied = tied_groups(model, topology) if isinstance(model, PipelineModule) else {}  # before ZeRO copies
     model.to(precision.dtype)
     zero = build_zero(model, groups, routes, cfg, topology, precision.dtype)
 
@@ -235,4 +238,6 @@ def initialize(
         lr_scheduler=schedule,
         store=checkpoint_store or default_store(),
     )
+    if isinstance(model, PipelineModule):  # train_batch / eval_batch run the 1F1B schedule (dstrain/pipe)
+        engine.runner = attach(engine, model, topology, tied, cfg.pipeline)
     return engine, engine.optimizer, loader, schedule
