@@ -32,8 +32,8 @@ $(VENV)/.stamp-deps: $(BIN)/python pyproject.toml
 	touch $@
 
 # The native core is rebuilt whenever csrc/ changes (editable install: Python edits need no rebuild).
-# A new top-level package needs a fresh editable install too (the redirect maps packages at install time).
-$(VENV)/.stamp-build: $(VENV)/.stamp-deps $(wildcard csrc/*) CMakeLists.txt $(wildcard */__init__.py)
+# A new package (top-level or nested) needs a fresh editable install too (the redirect maps modules at install time).
+$(VENV)/.stamp-build: $(VENV)/.stamp-deps $(wildcard csrc/*) CMakeLists.txt $(shell find dsio dstrain -name __init__.py)
 	$(BIN)/pip install -q --no-build-isolation -e ".[test,dev,bench]"
 	touch $@
 
