@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._dispatch import READ, WRITE
-from ._tensor import as_bytes, check_offset
+from ._tensor import as_bytes, check_range
 from ._transfer import FileRef, fsync
 from .errors import ClosedError
 
@@ -54,10 +54,12 @@ class AsyncFile:
         ptr, n = as_bytes(tensor)
         ref = self._live()
         if tensor.is_cuda:
-            return int(await self._h._gpu_io().pwrite_file(self, tensor, check_offset(offset)))
+            return int(
+                await self._h._gpu_io().pwrite_file(self, tensor, check_range(offset, n, path=self.path))
+            )
         h = self._h
         h._ready()
-        off = check_offset(offset)
+        off = check_range(offset, n, path=self.path)
         with h._scope(WRITE, n):
             fut = h._fast(WRITE, ref, ptr, n, off, tensor)
             await (fut if fut is not None else h._general(WRITE, ref, ptr, n, off, tensor))
@@ -68,10 +70,10 @@ class AsyncFile:
         ptr, n = as_bytes(tensor)
         ref = self._live()
         if tensor.is_cuda:
-            return int(await self._h._gpu_io().pread_file(self, tensor, check_offset(offset)))
+            return int(await self._h._gpu_io().pread_file(self, tensor, check_range(offset, n)))
         h = self._h
         h._ready()
-        off = check_offset(offset)
+        off = check_range(offset, n)
         with h._scope(READ, n):
             fut = h._fast(READ, ref, ptr, n, off, tensor)
             await (fut if fut is not None else h._general(READ, ref, ptr, n, off, tensor))

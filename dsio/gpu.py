@@ -102,10 +102,10 @@ class GpuIO:
     async def pwrite(
         self, tensor: torch.Tensor, path: Any, offset: int | None, *, fsync: bool = False
     ) -> int:
-        from ._tensor import check_offset
+        from ._tensor import check_range
 
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset is None else 0)
-        off = 0 if offset is None else check_offset(offset)
+        off = 0 if offset is None else check_range(offset, tensor.nbytes, path=path)
         ref = FileRef(os.fspath(path), flags, o_direct=self._h.config.o_direct)
         try:
             if offset is None and tensor.nbytes:
@@ -118,12 +118,12 @@ class GpuIO:
         return tensor.nbytes
 
     async def pread(self, tensor: torch.Tensor, path: Any, offset: int = 0) -> int:
-        from ._tensor import check_offset
+        from ._tensor import check_range
         from ._transfer import check_readable
 
         ref = FileRef(os.fspath(path), os.O_RDONLY, o_direct=self._h.config.o_direct)
         try:
-            check_readable(ref, tensor.nbytes, check_offset(offset))
+            check_readable(ref, tensor.nbytes, check_range(offset, tensor.nbytes))
             await self._io(READ, ref, tensor, offset)
         finally:
             ref.release()

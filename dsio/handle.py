@@ -13,15 +13,15 @@ import torch
 
 from ._backends import open_engine
 from ._dispatch import READ, WRITE, Dispatcher
+from ._registry import track as _track_metrics
+from ._registry import untrack as _untrack_metrics
 from ._stats import HandleStatistics, IOEngineStatistics
-from ._tensor import as_bytes, check_offset
+from ._tensor import as_bytes, check_range
 from ._transfer import FileRef, TransferCounters, check_readable, submit_one, transfer
 from ._transfer import fsync as _fsync
 from .config import ALIGNMENT, IOConfig
 from .errors import BackendUnavailableError, ClosedError, IOFailedError
 from .file import AsyncFile
-from .metrics import track as _track_metrics
-from .metrics import untrack as _untrack_metrics
 from .pool import PinnedPool
 
 __all__ = ["AsyncIOHandle"]
@@ -101,7 +101,7 @@ class AsyncIOHandle:
         if tensor.is_cuda:
             return int(await self._gpu_io().pwrite(tensor, path, offset, fsync=fsync))
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset is None else 0)
-        off = 0 if offset is None else check_offset(offset)
+        off = 0 if offset is None else check_range(offset, n, path=path)
         ref = FileRef(os.fspath(path), flags, o_direct=self.config.o_direct)
         try:
             with self._scope(WRITE, n):
@@ -126,7 +126,7 @@ class AsyncIOHandle:
         self._ready()
         if tensor.is_cuda:
             return int(await self._gpu_io().pread(tensor, path, offset))
-        off = check_offset(offset)
+        off = check_range(offset, n)
         ref = FileRef(os.fspath(path), os.O_RDONLY, o_direct=self.config.o_direct)
         try:
             with self._scope(READ, n):

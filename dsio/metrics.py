@@ -1,12 +1,18 @@
 """Prometheus metrics read from ``statistics()`` snapshots at scrape time.
 
 The I/O hot path never touches prometheus-client: live objects are kept in a weak registry
-(:func:`track`) and the collector asks each for its frozen ``statistics()`` snapshot when
-Prometheus scrapes. ``AsyncIOHandle`` tracks itself; standalone pools, checkpointers and
-anything else with a ``statistics()`` dataclass can be tracked with ``track(obj)``.
+(:mod:`dsio._registry`, which the storage engine uses without importing this module) and the
+collector asks each for its frozen ``statistics()`` snapshot when Prometheus scrapes.
+``AsyncIOHandle`` and ``Checkpointer`` track themselves; anything else with a ``statistics()``
+dataclass can be tracked with ``track(obj)``, and dstrain's engine is a *source*
+(``track(engine, describe=...)``) whose samples this one collector exports too.
 
-    dsio.metrics.serve(port=9400)                 # exporter on 127.0.0.1:9400/metrics
+    dsio.metrics.serve()                          # 127.0.0.1:10464/metrics (+ LOCAL_RANK)
     dsio.metrics.register(my_registry)            # or into a caller's own CollectorRegistry
+
+Port: :data:`DEFAULT_PORT` 10464 (``DSIO_METRICS_PORT`` overrides it); under torchrun each local
+rank serves its own port, base + ``LOCAL_RANK``. No label carries a file path or a directory:
+labels take a handful of fixed values (op, backend, errno, route, kind, rank, phase).
 
 Counters stay monotonic across object lifetimes: an object that is untracked (or closed and
 then collected) has its last snapshot folded into process-wide "retired" totals. Activity of an
@@ -23,7 +29,7 @@ Families (prefix ``dsio_``; units in names; counters end in ``_total``):
   ``dsio_request_size_bytes{op,backend}`` (histogram; only ``+Inf`` until the engine keeps size
   buckets).
 - ``dsio_requests_in_flight{backend}``, ``dsio_calls_in_flight{backend}``, ``dsio_calls_total{op,backend}``,
-  ``dsio_call_errors_total{backend}``, ``dsio_transfer_bytes_total{path}`` (direct, staged, buffered),
+  ``dsio_call_errors_total{backend}``, ``dsio_transfer_bytes_total{route}`` (direct, staged, buffered),
   ``dsio_kernel_pieces_total``, ``dsio_short_requests_total``, ``dsio_syscalls_total{kind}``.
 - ``dsio_pool_buffers``, ``dsio_pool_buffers_in_use``, ``dsio_pool_waiters``, ``dsio_pool_bytes``,
   ``dsio_pool_acquisitions_total``, ``dsio_pool_waits_total``, ``dsio_pool_wait_seconds_total``.
@@ -31,30 +37,36 @@ Families (prefix ``dsio_``; units in names; counters end in ``_total``):
   ``Checkpointer`` -> ``checkpoint``): numeric fields of the snapshot; ``*_total`` and bare event
   counts (``saves``) as counters, levels (``in_flight``, ``last_*``, ``*_bytes``) as gauges:
   ``dsio_checkpoint_saves_total``, ``dsio_checkpoint_blocked_seconds_total``,
-  ``dsio_checkpoint_bytes_written_total``, ``dsio_checkpoint_last_write_seconds``... dstrain uses
-  ``track(obj, kind=..., namespace="dstrain")`` for ``dstrain_<kind>_<field>``.
+  ``dsio_checkpoint_bytes_written_total``, ``dsio_checkpoint_last_write_seconds``,
+  ``dsio_checkpoint_last_throughput_bytes_per_second`` (a field ``*_per_s`` is spelled out).
+  ``track(obj, kind=..., namespace="dstrain")`` gives ``dstrain_<kind>_<field>``.
+- dstrain's engine (``dstrain.metrics.register``): ``dstrain_steps_total{rank}``,
+  ``dstrain_phase_seconds_total{rank,phase}``, ``dstrain_comm_bytes_total{rank,op}``, ...
 - ``dsio_tracked_objects{kind}``, ``dsio_backend_available{backend}``, ``dsio_info{version}``.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import errno as _errno
 import itertools
 import math
 import re
 import threading
-import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any
 
+from ._exporter import DEFAULT_PORT, LISTEN_BACKLOG, MetricsServer, default_port, serve
+from ._registry import REGISTRY, Sample, _Registry, track, tracked, untrack
 from ._stats import LATENCY_BUCKET_BOUNDS_S
 
 __all__ = [
     "DEFAULT_PORT",
+    "LISTEN_BACKLOG",
     "DsioCollector",
     "MetricsServer",
+    "Sample",
+    "default_port",
     "register",
     "serve",
     "track",
@@ -62,7 +74,7 @@ __all__ = [
     "untrack",
 ]
 
-DEFAULT_PORT = 9400
+
 _OPS = ("read", "write", "fsync")
 #: Snapshot fields of "other" kinds that are levels, not running totals (exported as gauges).
 _GAUGE_NAMES = frozenset(
@@ -70,184 +82,7 @@ _GAUGE_NAMES = frozenset(
 )
 _GAUGE_PREFIXES = ("last_", "current_", "max_", "min_", "num_", "n_")
 _GAUGE_SUFFIXES = ("_in_flight", "_in_use", "_pending", "_queued", "_inflight", "_capacity")
-_UNIT_SUFFIXES = ("_bytes", "_seconds", "_per_s", "_ratio")
-
-
-class _HasStatistics(Protocol):
-    def statistics(self) -> Any: ...
-
-
-# -- the weak registry ------------------------------------------------------------------------
-def _merge(a: Any, b: Any) -> Any:
-    """Field-wise sum of two snapshots of one type (numbers add, tuples add element-wise,
-    mappings add by key, nested dataclasses merge, anything else keeps ``a``'s value)."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a
-    if isinstance(a, int | float) and isinstance(b, int | float):
-        return a + b
-    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
-        return tuple(_merge(x, y) for x, y in zip(a, b))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return {k: _merge(a.get(k, 0), b.get(k, 0)) for k in {**a, **b}}
-    if dataclasses.is_dataclass(a) and type(a) is type(b) and not isinstance(a, type):
-        return dataclasses.replace(
-            a,
-            **{
-                f.name: _merge(getattr(a, f.name), getattr(b, f.name))
-                for f in dataclasses.fields(a)
-                if f.init
-            },
-        )
-    return a
-
-
-class _Registry:
-    """Live objects by key, weakly; the last snapshot of each; merged totals of retired ones.
-
-    Weak-reference callbacks only append to a deque (they may run during any allocation, even
-    while the lock is held); the dictionaries are brought up to date under the lock.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._ids = itertools.count(1)
-        self._live: dict[int, tuple[weakref.ref[Any], str]] = {}
-        self._key_of: dict[int, int] = {}  # id(obj) -> key
-        self._oid_of: dict[int, int] = {}  # key -> id(obj)
-        self._last: dict[int, Any] = {}  # key -> last snapshot seen
-        self._dead: collections.deque[int] = collections.deque()
-        self._retired: dict[tuple[str, str, type], Any] = {}  # (kind, backend, type) -> merged
-
-    def _reap(self) -> None:
-        while self._dead:
-            key = self._dead.popleft()
-            entry = self._live.pop(key, None)
-            oid = self._oid_of.pop(key, None)
-            if oid is not None and self._key_of.get(oid) == key:
-                del self._key_of[oid]
-            snap = self._last.pop(key, None)
-            if entry is not None and snap is not None:
-                self._retire(entry[1], snap)
-
-    def _retire(self, kind: str, snap: Any) -> None:
-        k = (kind, str(getattr(snap, "backend", "")), type(snap))
-        prev = self._retired.get(k)
-        self._retired[k] = snap if prev is None else _merge(prev, snap)
-
-    def add(self, obj: Any, kind: str) -> None:
-        with self._lock:
-            self._reap()
-            key = self._key_of.get(id(obj))
-            if key is not None and key in self._live and self._live[key][0]() is obj:
-                return  # already tracked
-            key = next(self._ids)
-            dead = self._dead
-
-            def _gone(_ref: weakref.ref[Any], key: int = key) -> None:
-                dead.append(key)
-
-            self._live[key] = (weakref.ref(obj, _gone), kind)
-            self._key_of[id(obj)] = key
-            self._oid_of[key] = id(obj)
-
-    def remove(self, obj: Any) -> None:
-        snap = _snapshot(obj)
-        with self._lock:
-            self._reap()
-            key = self._key_of.get(id(obj))
-            if key is None or key not in self._live or self._live[key][0]() is not obj:
-                return
-            kind = self._live.pop(key)[1]
-            del self._key_of[id(obj)]
-            del self._oid_of[key]
-            last = self._last.pop(key, None)
-            if snap is not None or last is not None:
-                self._retire(kind, snap if snap is not None else last)
-
-    def snapshots(self) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        """(live snapshots by kind, merged retired snapshots by kind), read now."""
-        with self._lock:
-            self._reap()
-            entries = [(key, ref(), kind) for key, (ref, kind) in self._live.items()]
-            retired: dict[str, list[Any]] = {}
-            for (kind, _be, _t), snap in self._retired.items():
-                retired.setdefault(kind, []).append(snap)
-        live: dict[str, list[Any]] = {}
-        for key, obj, kind in entries:
-            if obj is None:
-                continue
-            # statistics() runs on the exporter's thread while the owner's thread mutates the
-            # object; a snapshot that fails (e.g. a deque mutated mid-iteration) is retried, then
-            # replaced by the last good one, so totals never dip (a dip reads as a counter reset).
-            snap = _snapshot(obj)
-            if snap is None:
-                snap = _snapshot(obj)
-            with self._lock:
-                if snap is None:
-                    snap = self._last.get(key)
-                elif key in self._live:
-                    self._last[key] = snap
-            if snap is not None:
-                live.setdefault(kind, []).append(snap)
-        del entries  # drop the strong references before returning
-        return live, retired
-
-    def count(self) -> dict[str, int]:
-        with self._lock:
-            self._reap()
-            out: dict[str, int] = {}
-            for ref, kind in self._live.values():
-                if ref() is not None:
-                    out[kind] = out.get(kind, 0) + 1
-            return out
-
-
-def _snapshot(obj: Any) -> Any:
-    try:
-        return obj.statistics()
-    except Exception:  # a half-constructed or broken object must not break the scrape
-        return None
-
-
-_REG = _Registry()
-
-
-def _kind_of(obj: Any) -> str:
-    kind = getattr(obj, "metrics_kind", None)
-    if isinstance(kind, str) and kind:
-        return kind
-    name = type(obj).__name__
-    known = {"AsyncIOHandle": "handle", "PinnedPool": "pool", "Checkpointer": "checkpoint"}
-    if name in known:
-        return known[name]
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-
-
-def track(obj: _HasStatistics, *, kind: str | None = None, namespace: str = "dsio") -> None:
-    """Export ``obj.statistics()`` at every scrape while ``obj`` lives (held weakly; idempotent).
-
-    ``kind`` defaults from the class: ``AsyncIOHandle`` -> ``handle`` (its pool is included),
-    ``PinnedPool`` -> ``pool``, ``Checkpointer`` -> ``checkpoint``, others their snake-case name.
-    Kinds other than handle and pool are exported field by field as ``<namespace>_<kind>_<field>``
-    (e.g. ``namespace="dstrain", kind="swapper"`` -> ``dstrain_swapper_...``).
-    Costs one weak reference; nothing runs per I/O operation.
-    """
-    if not callable(getattr(obj, "statistics", None)):
-        raise TypeError(f"{type(obj).__name__} has no statistics() method to export")
-    if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", namespace):
-        raise ValueError(f"namespace must be a Prometheus name prefix like 'dstrain', got {namespace!r}")
-    k = kind or _kind_of(obj)
-    _REG.add(obj, k if namespace == "dsio" else f"{namespace}:{k}")
-
-
-def untrack(obj: Any) -> None:
-    """Stop exporting ``obj``, folding its final snapshot into the process totals (idempotent)."""
-    _REG.remove(obj)
-
-
-def tracked() -> dict[str, int]:
-    """Live tracked objects by kind."""
-    return _REG.count()
+_UNIT_SUFFIXES = ("_bytes", "_seconds", "_per_s", "_per_second", "_ratio")
 
 
 # -- the collector -------------------------------------------------------------------------------
@@ -266,7 +101,7 @@ class DsioCollector:
     """A prometheus-client collector over the tracked objects. Register it into any registry."""
 
     def __init__(self, registry: _Registry | None = None) -> None:
-        self._reg = registry or _REG
+        self._reg = registry or REGISTRY
         self._backends: list[tuple[str, bool]] | None = None
 
     def describe(self) -> list[Any]:
@@ -275,7 +110,7 @@ class DsioCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        live, retired = self._reg.snapshots()
+        live, retired, samples = self._reg.snapshots()
         handles = live.get("handle", [])
         all_handles = handles + retired.get("handle", [])
 
@@ -299,7 +134,7 @@ class DsioCollector:
         size: dict[tuple[str, str], tuple[list[float] | None, float, float]] = {}
         calls: dict[tuple[str, ...], float] = {}
         call_errs: dict[tuple[str, ...], float] = {}
-        paths: dict[tuple[str, ...], float] = {}
+        routes: dict[tuple[str, ...], float] = {}
         pieces: dict[tuple[str, ...], float] = {}
         short: dict[tuple[str, ...], float] = {}
         syscalls: dict[tuple[str, ...], float] = {}
@@ -331,8 +166,8 @@ class DsioCollector:
             _add(calls, ("read", st.backend), st.reads)
             _add(calls, ("write", st.backend), st.writes)
             _add(call_errs, (st.backend,), st.errors)
-            for p in ("direct", "staged", "buffered"):
-                _add(paths, (p,), getattr(st, f"{p}_bytes"))
+            for route in ("direct", "staged", "buffered"):
+                _add(routes, (route,), getattr(st, f"{route}_bytes"))
             _add(pieces, (be,), eng.pieces)
             _add(short, (be,), eng.short)
             _add(syscalls, ("submit", be), eng.submit_syscalls)
@@ -373,10 +208,10 @@ class DsioCollector:
         yield counter("dsio_call_errors", "Handle calls that raised an I/O error.", ("backend",), call_errs)
         yield counter(
             "dsio_transfer_bytes",
-            "Handle bytes by path: direct (O_DIRECT from caller memory), staged (through the pinned pool), "
+            "Handle bytes by route: direct (O_DIRECT from caller memory), staged (through the pinned pool), "
             "buffered (page cache).",
-            ("path",),
-            paths,
+            ("route",),
+            routes,
         )
         yield counter("dsio_kernel_pieces", "block_size pieces handed to the kernel.", ("backend",), pieces)
         yield counter("dsio_short_requests", "Requests that ended short.", ("backend",), short)
@@ -401,6 +236,8 @@ class DsioCollector:
         for kind in sorted(set(live) | set(retired)):
             if kind not in ("handle", "pool"):
                 yield from _generic(kind, live.get(kind, []), retired.get(kind, []), counter, gauge)
+
+        yield from _from_samples(samples)
 
         counts: dict[tuple[str, ...], float] = {(k,): float(v) for k, v in self._reg.count().items()}
         for k in ("handle", "pool"):
@@ -516,75 +353,54 @@ def _generic(kind: str, live: list[Any], retired: list[Any], counter, gauge) -> 
             if not is_gauge:
                 counters[name] = counters.get(name, 0.0) + v
     for name, v in sorted(gauges.items()):
-        yield gauge(f"{prefix}_{name}", f"{kind} statistics field {name} (level).", (), {(): v})
+        yield gauge(f"{prefix}_{_unit_name(name)}", f"{kind} statistics field {name} (level).", (), {(): v})
     for name, v in sorted(counters.items()):
         base = name[: -len("_total")] if name.endswith("_total") else name
-        yield counter(f"{prefix}_{base}", f"{kind} statistics field {name} (running total).", (), {(): v})
+        yield counter(
+            f"{prefix}_{_unit_name(base)}", f"{kind} statistics field {name} (running total).", (), {(): v}
+        )
+
+
+def _unit_name(field: str) -> str:
+    """Prometheus spells units out: a field ``..._per_s`` is exported as ``..._per_second``."""
+    return field[: -len("_per_s")] + "_per_second" if field.endswith("_per_s") else field
+
+
+def _from_samples(samples: list[Sample]) -> Iterator[Any]:
+    """Families of sources' samples (``track(describe=...)``), grouped by name."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    groups: dict[tuple[str, str], list[Sample]] = {}
+    for s in samples:
+        groups.setdefault((s.name, s.kind), []).append(s)
+    for (name, kind), group in sorted(groups.items()):
+        label_names = sorted({k for s in group for k in s.labels})
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        fam = cls(name, group[0].doc or name, labels=label_names)
+        values: dict[tuple[str, ...], float] = {}
+        for s in group:
+            key = tuple(str(s.labels.get(k, "")) for k in label_names)
+            values[key] = values.get(key, 0.0) + float(s.value)
+        for key, v in sorted(values.items()):
+            fam.add_metric(list(key), v)
+        yield fam
 
 
 # -- registration and the HTTP exporter ------------------------------------------------------------
-_default_collector: DsioCollector | None = None
-_default_lock = threading.Lock()
+_collectors: dict[int, tuple[Any, DsioCollector]] = {}  # id(registry) -> (registry, its collector)
+_collectors_lock = threading.Lock()
 
 
 def register(registry: Any = None) -> DsioCollector:
     """Register the dsio collector into ``registry`` (prometheus-client's default registry when
-    None; registering there twice is a no-op) and return it."""
-    global _default_collector
+    None) and return it. Registering into the same registry again returns the same collector."""
     if registry is None:
-        from prometheus_client import REGISTRY
-
-        with _default_lock:
-            if _default_collector is None:
-                _default_collector = DsioCollector()
-                REGISTRY.register(_default_collector)
-            return _default_collector
-    c = DsioCollector()
-    registry.register(c)
-    return c
-
-
-class MetricsServer:
-    """A running exporter: ``url``, ``port``; ``close()`` stops it (also a context manager)."""
-
-    def __init__(self, httpd: Any, thread: threading.Thread, addr: str) -> None:
-        self._httpd = httpd
-        self._thread = thread
-        self.addr = addr
-        self.port: int = int(httpd.server_port)
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.addr}]" if ":" in self.addr else self.addr
-        return f"http://{host}:{self.port}/metrics"
-
-    def close(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._thread.join(timeout=5)
-            self._httpd = None
-
-    def __enter__(self) -> MetricsServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def serve(port: int = DEFAULT_PORT, addr: str = "127.0.0.1", *, registry: Any = None) -> MetricsServer:
-    """Serve ``/metrics`` on ``addr:port`` (loopback by default; ``port=0`` picks a free port) from a
-    daemon thread. With no ``registry``, a fresh one holding only the dsio collector is served (plus
-    prometheus-client's process and platform collectors); pass a registry to serve it instead (the
-    dsio collector is registered into it)."""
-    from prometheus_client import CollectorRegistry, start_http_server
-    from prometheus_client.platform_collector import PlatformCollector
-    from prometheus_client.process_collector import ProcessCollector
-
-    if registry is None:
-        registry = CollectorRegistry()
-        ProcessCollector(registry=registry)
-        PlatformCollector(registry=registry)
-    register(registry)
-    httpd, thread = start_http_server(port, addr=addr, registry=registry)
-    return MetricsServer(httpd, thread, addr)
+        from prometheus_client import REGISTRY as registry
+    with _collectors_lock:
+        have = _collectors.get(id(registry))
+        if have is not None and have[0] is registry:
+            return have[1]
+        c = DsioCollector()
+        registry.register(c)
+        _collectors[id(registry)] = (registry, c)
+        return c

@@ -135,6 +135,8 @@ class PinnedPool:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(fut)
             raise
+        if self._closed:  # handed a buffer, then the pool closed before this task resumed
+            raise ClosedError("the pool was closed")
         self._waited += 1
         self._wait_s += time.perf_counter() - t0
         self._acquired += 1

@@ -1,8 +1,10 @@
-"""``dstrain_`` Prometheus metrics, read from `Engine.statistics()` snapshots at scrape time.
+"""``dstrain_`` Prometheus metrics, exported by dsio's one metrics mechanism.
 
-The training hot path never touches prometheus-client: the collector calls ``statistics()`` only
-when scraped. ``dsio.metrics.serve(port)`` (or prometheus-client's own ``start_http_server``) exposes
-the registry.
+The engine is registered as a *source* of :mod:`dsio.metrics` (``track(engine, describe=...)``):
+at scrape time dsio's collector reads ``Engine.statistics()`` and :func:`samples` turns the
+snapshot into named values. The training hot path never touches prometheus-client, and dsio's
+exporter (``dsio.metrics.serve()``, one port per local rank) serves dsio's and dstrain's
+families together.
 """
 
 from __future__ import annotations
@@ -10,71 +12,56 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from dsio._registry import Sample, track
+
 if TYPE_CHECKING:
-    from dstrain.engine import Engine
+    from dstrain.engine import Engine, EngineStatistics
 
-__all__ = ["EngineCollector", "register"]
+__all__ = ["register", "samples"]
+
+_COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-class EngineCollector:
-    """A prometheus-client collector for one engine (labelled with its rank)."""
+def samples(s: EngineStatistics, rank: int) -> Iterator[Sample]:
+    """The ``dstrain_*`` values of one engine snapshot, labelled with the rank."""
+    r = {"rank": str(rank)}
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def counter(name: str, doc: str, value: float, **labels: str) -> Sample:
+        return Sample(name, "counter", float(value), doc, {**r, **labels})
 
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    def gauge(name: str, doc: str, value: float) -> Sample:
+        return Sample(name, "gauge", float(value), doc, r)
 
-        s = self.engine.statistics()
-        rank = str(self.engine.comm.rank)
-
-        def counter(name: str, doc: str, value: float, **labels: str) -> Any:
-            m = CounterMetricFamily(name, doc, labels=["rank", *labels])
-            m.add_metric([rank, *labels.values()], value)
-            return m
-
-        def gauge(name: str, doc: str, value: float) -> Any:
-            m = GaugeMetricFamily(name, doc, labels=["rank"])
-            m.add_metric([rank], value)
-            return m
-
-        yield counter("dstrain_steps", "Optimizer steps attempted", s.global_steps)
-        yield counter("dstrain_skipped_steps", "Steps skipped on fp16 overflow", s.skipped_steps)
-        yield counter("dstrain_micro_steps", "Forward/backward micro-steps", s.micro_steps)
-        yield counter("dstrain_samples", "Samples processed by this rank", s.samples)
-        phase = CounterMetricFamily(
-            "dstrain_phase_seconds", "Time per training phase", labels=["rank", "phase"]
+    yield counter("dstrain_steps", "Optimizer steps attempted", s.global_steps)
+    yield counter("dstrain_skipped_steps", "Steps skipped on fp16 overflow", s.skipped_steps)
+    yield counter("dstrain_micro_steps", "Forward/backward micro-steps", s.micro_steps)
+    yield counter("dstrain_samples", "Samples processed by this rank", s.samples)
+    for phase, value in (
+        ("forward", s.forward_seconds),
+        ("backward", s.backward_seconds),
+        ("step", s.step_seconds),
+    ):
+        yield counter("dstrain_phase_seconds", "Time per training phase", value, phase=phase)
+    yield gauge("dstrain_last_step_seconds", "Wall time of the last optimizer step", s.last_step_seconds)
+    yield gauge("dstrain_loss_scale", "Current fp16 loss scale", s.loss_scale)
+    for op in _COMM_OPS:
+        yield counter(
+            "dstrain_comm_bytes", "Bytes sent into collectives", getattr(s.comm, f"{op}_bytes"), op=op
         )
-        for name, value in (
-            ("forward", s.forward_seconds),
-            ("backward", s.backward_seconds),
-            ("step", s.step_seconds),
-        ):
-            phase.add_metric([rank, name], value)
-        yield phase
-        yield gauge("dstrain_last_step_seconds", "Wall time of the last optimizer step", s.last_step_seconds)
-        yield gauge("dstrain_loss_scale", "Current fp16 loss scale", s.loss_scale)
-        comm_bytes = CounterMetricFamily(
-            "dstrain_comm_bytes", "Bytes sent into collectives", labels=["rank", "op"]
-        )
-        comm_calls = CounterMetricFamily("dstrain_comm_calls", "Collectives issued", labels=["rank", "op"])
-        for op in ("all_reduce", "reduce_scatter", "all_gather"):
-            comm_bytes.add_metric([rank, op], getattr(s.comm, f"{op}_bytes"))
-            comm_calls.add_metric([rank, op], getattr(s.comm, f"{op}_calls"))
-        yield comm_bytes
-        yield comm_calls
-        yield counter("dstrain_comm_wait_seconds", "Time blocked on collectives", s.comm.wait_seconds)
-        yield gauge(
-            "dstrain_resident_param_elements",
-            "Parameter elements held by this rank",
-            s.zero.resident_param_numel,
-        )
+        yield counter("dstrain_comm_calls", "Collectives issued", getattr(s.comm, f"{op}_calls"), op=op)
+    yield counter("dstrain_comm_wait_seconds", "Time blocked on collectives", s.comm.wait_seconds)
+    yield gauge(
+        "dstrain_resident_param_elements", "Parameter elements held by this rank", s.zero.resident_param_numel
+    )
 
 
-def register(engine: Engine, registry: Any = None) -> EngineCollector:
-    """Register a collector for ``engine`` with ``registry`` (default: prometheus-client's global one)."""
-    from prometheus_client import REGISTRY
+def register(engine: Engine, registry: Any = None) -> Any:
+    """Export ``engine``'s statistics through dsio's collector (held weakly, live values only),
+    and make sure that collector is registered in ``registry`` (default: prometheus-client's
+    global one; ``dsio.metrics.serve()`` serves its own registry, which already has it).
+    Returns the collector."""
+    from dsio import metrics
 
-    collector = EngineCollector(engine)
-    (registry if registry is not None else REGISTRY).register(collector)
-    return collector
+    rank = int(engine.comm.rank)
+    track(engine, kind="engine", namespace="dstrain", describe=lambda snap: samples(snap, rank))
+    return metrics.register(registry)

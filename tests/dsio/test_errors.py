@@ -170,3 +170,73 @@ def test_failed_write_leaves_other_files_intact(run, data_dir):
             assert torch.equal(back, t)
 
     run(main())
+
+
+@pytest.mark.parametrize(
+    "offset",
+    [2**63, 2**63 - 1, 2**64, -1, -(2**63), 1 << 50, 1.5, True, "0"],
+    ids=["2^63", "offmax", "2^64", "neg", "neg63", "past-ext4-max", "float", "bool", "str"],
+)
+def test_bad_offsets_are_offset_errors_before_the_file_exists(run, data_dir, offset):
+    """Past off_t, negative, past the filesystem's largest file (ext4 here: 16 TiB), not an int:
+    OffsetError (a DsioError and ValueError), and the path is never created."""
+
+    async def main():
+        p = os.path.join(data_dir, "never")
+        async with dsio.AsyncIOHandle() as h:
+            with pytest.raises(dsio.OffsetError) as ei:
+                await h.pwrite(torch.ones(1024, dtype=torch.uint8), p, offset=offset)
+            assert isinstance(ei.value, dsio.DsioError) and isinstance(ei.value, ValueError)
+            assert not os.path.exists(p)
+            with open(p, "wb"):
+                pass
+            # A read past the filesystem's size limit (but inside off_t) is simply past end of file.
+            past_eof = isinstance(offset, int) and not isinstance(offset, bool) and 0 <= offset < 2**63 - 1024
+            with pytest.raises(ShortIOError if past_eof else dsio.OffsetError):
+                await h.pread(torch.ones(1024, dtype=torch.uint8), p, offset=offset)
+            async with h.open(p, "r+") as f:
+                with pytest.raises(dsio.OffsetError):
+                    await f.pwrite(torch.ones(1024, dtype=torch.uint8), offset)
+            assert os.path.getsize(p) == 0
+
+    run(main())
+
+
+def test_rlimit_fsize_is_an_offset_error(data_dir):
+    code = textwrap.dedent(
+        f"""
+        import asyncio, os, resource, torch, dsio
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+        async def main():
+            async with dsio.AsyncIOHandle() as h:
+                p = os.path.join({data_dir!r}, "limited")
+                await h.pwrite(torch.ones(4096, dtype=torch.uint8), p, offset=(1 << 20) - 4096)
+                try:
+                    await h.pwrite(torch.ones(4096, dtype=torch.uint8), p, offset=1 << 20)
+                except dsio.OffsetError:
+                    print("typed")
+        asyncio.run(main())
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "typed", r.stderr
+
+
+def test_large_valid_offset_still_works(run, data_dir):
+    """The filesystem probe accepts what the filesystem accepts (a sparse 2 TiB offset on ext4)."""
+
+    async def main():
+        p = os.path.join(data_dir, "sparse")
+        async with dsio.AsyncIOHandle() as h:
+            t = torch.arange(4096, dtype=torch.int32).to(torch.uint8)
+            off = 2 << 40
+            try:
+                await h.pwrite(t, p, offset=off)
+            except IOFailedError as e:  # pragma: no cover - a filesystem with a smaller limit
+                pytest.skip(f"this filesystem refuses a 2 TiB file: {e}")
+            back = torch.empty_like(t)
+            await h.pread(back, p, offset=off)
+            assert torch.equal(back, t)
+            os.unlink(p)
+
+    run(main())

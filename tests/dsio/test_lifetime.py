@@ -102,3 +102,25 @@ def test_dropped_handle_is_collected(data_dir):
     gc.collect()
     assert open_fds() == fds0
     assert _settle(lambda: user_threads() == threads0)
+
+
+def test_close_while_staged_writes_wait_for_buffers_gives_closed_error(data_dir):
+    """Writes from unaligned memory queue for the pool's 2 buffers; close() then hands every
+    waiter ClosedError (never IndexError from a buffer handed over just before the close)."""
+
+    async def main():
+        kinds: dict[str, int] = {}
+        for _rep in range(3):
+            h = dsio.AsyncIOHandle(pool_bytes=2 * 65536, staging_buffer_bytes=65536)
+            t = torch.ones((1 << 22) + 1, dtype=torch.uint8)[1:]  # unaligned address: staged
+            tasks = [asyncio.ensure_future(h.pwrite(t, os.path.join(data_dir, f"s{i}"))) for i in range(8)]
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert h.statistics().pool.waiters > 0  # the scenario under test: tasks wait for buffers
+            h.close()
+            for r in await asyncio.gather(*tasks, return_exceptions=True):
+                kinds[type(r).__name__] = kinds.get(type(r).__name__, 0) + 1
+                assert isinstance(r, int | dsio.ClosedError), repr(r)
+        assert kinds.get("ClosedError", 0) > 0
+
+    asyncio.run(main())
