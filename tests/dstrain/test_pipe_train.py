@@ -7,7 +7,9 @@ hang: an exhausted iterator, a raising stage, mismatched shapes, out-of-step lab
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,8 @@ from dstrain.pipe.errors import PipelineError
 from dstrain.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 
 DIM, VOCAB, MB = 16, 12, 4
+ROOT = Path(__file__).resolve().parents[2]
+DS_LOSSES = Path(__file__).with_name("pipe_ds_losses.json")  # recorded by bench/pipe.py --record-ds-losses
 
 
 def mlp_layers() -> list[Any]:
@@ -80,26 +84,12 @@ def config(gas: int, **extra: Any) -> dict[str, Any]:
     return cfg
 
 
-def build_engine(module: PipelineModule, cfg: dict[str, Any], channel: int = 0) -> tuple[Any, Any]:
-    """(engine, runner) for this rank's stage, composed as dstrain.initialize does."""
-    import sys
-
+def build_engine(module: PipelineModule, cfg: dict[str, Any]) -> tuple[Any, Any]:
+    """(engine, runner) for this rank's stage, through dstrain.initialize."""
     import dstrain
-    from dstrain.dist.topology import Topology
-    from dstrain.pipe.compose import attach, tied_groups
-    from dstrain.pipe.config import PipelineConfig
 
-    init_mod = sys.modules["dstrain.initialize"]
-    pipe_cfg = PipelineConfig.from_dict(cfg.pop("pipeline", None))
-    topo = Topology.from_world(pp=module.num_stages)
-    tied = tied_groups(module, topo)
-    orig = init_mod.build_topology
-    init_mod.build_topology = lambda m, c: topo  # type: ignore[attr-defined]
-    try:
-        engine, _, _, _ = dstrain.initialize(model=module, config=cfg)
-    finally:
-        init_mod.build_topology = orig  # type: ignore[attr-defined]
-    return engine, attach(engine, module, topo, tied, pipe_cfg, channel_id=channel)
+    engine, _, _, _ = dstrain.initialize(model=module, config=cfg)
+    return engine, engine.runner
 
 
 def reference(layers: list[Any], loss_fn: Any, data: list[Any], gas: int, steps: int) -> dict[str, Any]:
@@ -128,7 +118,7 @@ def _compare(module: PipelineModule, ref: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _train(kind: str, gas: int, steps: int, channel: int, **pipe: Any) -> dict[str, Any]:
+def _train(kind: str, gas: int, steps: int, **pipe: Any) -> dict[str, Any]:
     layers, loss_fn, data = (
         (mlp_layers(), F.cross_entropy, mlp_data(gas * steps + gas))
         if kind == "mlp"
@@ -138,9 +128,9 @@ def _train(kind: str, gas: int, steps: int, channel: int, **pipe: Any) -> dict[s
         layers, num_stages=2, loss_fn=loss_fn, partition_method="uniform", seed_layers=True
     )
     cfg = config(gas, pipeline=pipe) if pipe else config(gas)
-    engine, runner = build_engine(module, cfg, channel)
+    engine, runner = build_engine(module, cfg)
     it = iter(data)
-    losses = [runner.train_batch(it).item() for _ in range(steps)]
+    losses = [engine.train_batch(it).item() for _ in range(steps)]
     ref = reference(layers, loss_fn, data, gas, steps)
     out: dict[str, Any] = {"losses": losses, "ref_losses": ref["losses"], **_compare(module, ref)}
     if kind == "mlp":  # eval on the next micro-batches: no step, the mean loss on every stage
@@ -173,7 +163,7 @@ class Boom(nn.Module):
         return x
 
 
-def _failure(case: str, channel: int) -> dict[str, Any]:
+def _failure(case: str) -> dict[str, Any]:
     """Run one failing batch; returns (exception class name, seconds until raised, weights unchanged)."""
     rank = dist.get_rank()
     layers = mlp_layers()
@@ -183,7 +173,7 @@ def _failure(case: str, channel: int) -> dict[str, Any]:
         layers, num_stages=2, loss_fn=F.cross_entropy, partition_method="uniform", seed_layers=True
     )
     # a neighbour that missed the abort would wait this long and raise P2PTimeoutError instead
-    engine, runner = build_engine(module, config(4, pipeline={"p2p_timeout": 60}), channel)
+    engine, runner = build_engine(module, config(4, pipeline={"p2p_timeout": 60}))
     data = mlp_data(4)
     if case == "exhausted":
         data = data[:2]
@@ -215,16 +205,36 @@ def _failure(case: str, channel: int) -> dict[str, Any]:
     }
 
 
+def _deepspeed_anchor() -> list[float]:
+    """The model, data and optimizer of the recorded DeepSpeed run (bench/pipe.py --record-ds-losses)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from bench.pipe import _optimizer_cfg, make_data, make_layers
+
+    spec = json.loads(DS_LOSSES.read_text())["model"]
+    layers = make_layers(spec["dim"], spec["hidden_layers"])  # nn.Module instances, seeded as DeepSpeed's run
+    module = PipelineModule(layers, num_stages=2, loss_fn=nn.CrossEntropyLoss(), partition_method="uniform")
+    cfg = config(spec["gas"], optimizer=_optimizer_cfg())
+    cfg["train_micro_batch_size_per_gpu"] = spec["micro_batch"]
+    engine, _ = build_engine(module, cfg)
+    it = iter(make_data(spec["steps"] * spec["gas"], spec["micro_batch"], spec["dim"]))
+    losses = [engine.train_batch(it).item() for _ in range(spec["steps"])]
+    engine.close()
+    return losses
+
+
 def _scenarios() -> dict[str, Any]:
     out: dict[str, Any] = {
-        "mlp": _train("mlp", 4, 3, channel=0),
-        "tied": _train("tied", 4, 3, channel=1),
-        "ckpt": _train("mlp", 4, 2, channel=2, activation_checkpoint_interval=2),
-        "mlp8": _train("mlp", 8, 1, channel=3),
-        "few": _train("mlp", 1, 2, channel=4),  # fewer micro-batches than stages
+        "deepspeed": _deepspeed_anchor(),
+        "mlp": _train("mlp", 4, 3),
+        "tied": _train("tied", 4, 3),
+        "ckpt": _train("mlp", 4, 2, activation_checkpoint_interval=2),
+        "mlp8": _train("mlp", 8, 1),
+        "few": _train("mlp", 1, 2),  # fewer micro-batches than stages
     }
-    for i, case in enumerate(("exhausted", "raises", "shapes", "labels")):
-        out[case] = _failure(case, channel=10 + i)
+    for case in ("exhausted", "raises", "shapes", "labels"):
+        out[case] = _failure(case)
     return out
 
 
@@ -302,3 +312,14 @@ def test_failures_end_every_rank(results: list[dict[str, Any]], case: str, error
         assert f["again"] == "PipelineError"
     if case == "raises":
         assert "boom in stage 1" in results[0]["raises"]["message"]  # the origin's error, on the other rank
+
+
+def test_losses_match_deepspeed_pipeline_engine(results: list[dict[str, Any]]) -> None:
+    """Same model, data and Adam as DeepSpeed's PipelineEngine run recorded in pipe_ds_losses.json: every
+    step's loss within 1e-5 over 10 steps, on both stages."""
+    want = json.loads(DS_LOSSES.read_text())["losses"]
+    assert len(want) == 10
+    for r in results:
+        got = r["deepspeed"]
+        assert len(got) == len(want)
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-5, (got, want)

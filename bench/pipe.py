@@ -1,0 +1,366 @@
+"""Pipeline parallelism: dstrain PP=2 vs DeepSpeed PipelineEngine PP=2 vs DDP, on 2 gloo ranks.
+
+    .venv/bin/python bench/pipe.py [--reps 3] [--steps 6] [--dim 1024] [--layers 8] [--micro 16] [--gas 4,8]
+    .venv/bin/python bench/pipe.py --record-ds-losses tests/dstrain/pipe_ds_losses.json
+
+Each rep runs every method (interleaved: rep 1 of all, then rep 2, ...) as its own ``torchrun`` job, DeepSpeed's
+in DeepSpeed's venv (``DS_PYTHON``, default /work/ds-venv/bin/python). Same model (``layers`` x (Linear(dim,
+dim) + Tanh) and a Linear(dim, 8) head, seeded), same data, same Adam, micro-batch ``micro``, ``gas`` micro-batches
+per step. Reported per method and micro-batch count: median step time (first step dropped) with min-max, peak
+RSS growth per stage during training, and for dstrain the measured bubble (1 - compute time / step time of the
+busiest stage) next to (S-1)/(M+S-1), bytes saved for backward per stage, and p2p payload bytes per step. DDP
+runs the whole model on both ranks with half the micro-batches each (the same global batch).
+
+``--record-ds-losses`` runs DeepSpeed's pipeline engine on the anchor's model (../shared/anchors/ds_pipe_cpu.py,
+with Adam weight decay pinned to 0) for 10 steps and writes its per-step losses: the fixture
+tests/dstrain/test_pipe_train.py compares dstrain against (within 1e-5).
+
+Worker modes (``--worker ds|dstrain|ddp``) run inside torchrun and import only what their framework needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DS_PYTHON = os.environ.get("DS_PYTHON", "/work/ds-venv/bin/python")
+OUR_PYTHON = sys.executable
+
+
+# -- the shared model and data (imported by every worker) ------------------------------------------------
+
+
+def make_layers(dim: int, n: int, out: int = 8, seed: int = 0) -> list[Any]:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    layers: list[Any] = []
+    for _ in range(n):
+        layers += [nn.Linear(dim, dim), nn.Tanh()]
+    layers.append(nn.Linear(dim, out))
+    return layers
+
+
+def make_data(n: int, micro: int, dim: int, seed: int = 1) -> list[Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(micro, dim, generator=g), torch.randint(0, 8, (micro,), generator=g)) for _ in range(n)
+    ]
+
+
+def _rss_kib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _optimizer_cfg() -> dict[str, Any]:
+    return {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}}
+
+
+# -- workers ----------------------------------------------------------------------------------------------
+
+
+def worker_ds(a: argparse.Namespace) -> dict[str, Any]:
+    import deepspeed
+    import torch
+    from deepspeed.pipe import PipelineModule
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    layers = make_layers(a.dim, a.layers)
+    pipe = PipelineModule(
+        layers=layers, loss_fn=torch.nn.CrossEntropyLoss(), num_stages=2, partition_method="uniform"
+    )
+    cfg = {
+        "train_micro_batch_size_per_gpu": a.micro,
+        "gradient_accumulation_steps": a.gas,
+        "steps_per_print": 10**6,
+        "optimizer": _optimizer_cfg(),
+        "pipeline": {"activation_checkpoint_interval": 0},
+    }
+    engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=list(pipe.parameters()), config=cfg)
+    it = iter(make_data(a.steps * a.gas, a.micro, a.dim))
+    rss0 = _rss_kib()
+    losses, times = [], []
+    for _ in range(a.steps):
+        torch.distributed.barrier()
+        t = time.perf_counter()
+        losses.append(engine.train_batch(data_iter=it).item())
+        times.append(time.perf_counter() - t)
+    return {"rank": rank, "losses": losses, "times": times, "rss_growth_kib": _rss_kib() - rss0}
+
+
+def worker_dstrain(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    import dstrain
+    from dstrain.pipe.module import PipelineModule
+
+    dstrain.init_distributed("gloo")
+    rank = torch.distributed.get_rank()
+    layers = make_layers(a.dim, a.layers)
+    pipe = PipelineModule(
+        layers, num_stages=2, loss_fn=torch.nn.CrossEntropyLoss(), partition_method="uniform"
+    )
+    cfg = {
+        "train_micro_batch_size_per_gpu": a.micro,
+        "gradient_accumulation_steps": a.gas,
+        "steps_per_print": 10**6,
+        "optimizer": _optimizer_cfg(),
+    }
+    engine, _, _, _ = dstrain.initialize(model=pipe, config=cfg)
+    it = iter(make_data(a.steps * a.gas, a.micro, a.dim))
+    rss0 = _rss_kib()
+    losses, times, compute = [], [], []
+    for _ in range(a.steps):
+        torch.distributed.barrier()
+        t = time.perf_counter()
+        losses.append(engine.train_batch(it).item())
+        times.append(time.perf_counter() - t)
+        compute.append(engine.runner.statistics().compute_seconds)
+    st = engine.runner.statistics()
+    p2p = sum(s.payload_bytes for s in (st.send_activation, st.send_grad) if s is not None)
+    engine.close()
+    return {
+        "rank": rank,
+        "losses": losses,
+        "times": times,
+        "compute": compute,
+        "rss_growth_kib": _rss_kib() - rss0,
+        "saved_bytes_peak": st.peak_activation_bytes,
+        "p2p_sent_bytes_per_step": p2p / a.steps,
+        "recv_wait_seconds": sum(s.wait_seconds for s in (st.recv_activation, st.recv_grad) if s is not None),
+    }
+
+
+def worker_ddp(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = nn.Sequential(*make_layers(a.dim, a.layers))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = make_data(a.steps * a.gas, a.micro, a.dim)
+    loss_fn = nn.CrossEntropyLoss()
+    per_rank = a.gas // world
+    rss0 = _rss_kib()
+    times = []
+    for s in range(a.steps):
+        dist.barrier()
+        t = time.perf_counter()
+        for m in range(per_rank):
+            x, y = data[s * a.gas + m * world + rank]
+            if m < per_rank - 1:
+                with ddp.no_sync():
+                    (loss_fn(ddp(x), y) / per_rank).backward()
+            else:
+                (loss_fn(ddp(x), y) / per_rank).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t)
+    return {"rank": rank, "times": times, "rss_growth_kib": _rss_kib() - rss0}
+
+
+WORKERS = {"ds": worker_ds, "dstrain": worker_dstrain, "ddp": worker_ddp}
+
+
+# -- orchestration ----------------------------------------------------------------------------------------
+
+
+def run_job(method: str, a: argparse.Namespace, gas: int, steps: int, out_dir: Path) -> list[dict[str, Any]]:
+    """One torchrun job of ``method``; returns each rank's result."""
+    python = DS_PYTHON if method == "ds" else OUR_PYTHON
+    torchrun = str(Path(python).parent / "torchrun")
+    out = out_dir / f"{method}-{gas}-{time.monotonic_ns()}"
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", "/work/ds-venv/torch_extensions"),
+        "PYTHONPATH": "" if method == "ds" else str(ROOT),
+    }
+    cmd = [
+        torchrun, "--standalone", "--nproc_per_node", "2", __file__, "--worker", method, "--out", str(out),
+        "--dim", str(a.dim), "--layers", str(a.layers), "--micro", str(a.micro), "--gas", str(gas),
+        "--steps", str(steps),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{method} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+    return [json.loads((out.parent / f"{out.name}.{r}.json").read_text()) for r in range(2)]
+
+
+def _med(xs: list[float]) -> tuple[float, float, float]:
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def record_ds_losses(path: Path) -> None:
+    """DeepSpeed's per-step losses on the anchor model (dim 64, 3 hidden layers, mbs 4, gas 4, 10 steps)."""
+    a = argparse.Namespace(dim=64, layers=3, micro=4)
+    with tempfile.TemporaryDirectory() as d:
+        res = run_job("ds", a, gas=4, steps=10, out_dir=Path(d))
+    losses = res[0]["losses"]
+    assert all(abs(x - y) == 0 for x, y in zip(losses, res[1]["losses"], strict=True))
+    path.write_text(
+        json.dumps(
+            {
+                "produced_by": "bench/pipe.py --record-ds-losses (DeepSpeed PipelineEngine, 2 gloo ranks)",
+                "deepspeed_python": DS_PYTHON,
+                "model": {"dim": 64, "hidden_layers": 3, "micro_batch": 4, "gas": 4, "steps": 10},
+                "optimizer": _optimizer_cfg(),
+                "losses": losses,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(f"wrote {path}: {losses}")
+
+
+def bench(a: argparse.Namespace) -> None:
+    gases = [int(g) for g in a.gas_list.split(",")]
+    methods = ["dstrain", "ds", "ddp"]
+    raw: dict[str, list[list[dict[str, Any]]]] = {f"{m}-{g}": [] for g in gases for m in methods}
+    with tempfile.TemporaryDirectory() as d:
+        for rep in range(a.reps):
+            for g in gases:
+                for m in methods:
+                    print(f"rep {rep + 1}/{a.reps} {m} gas={g}", flush=True)
+                    raw[f"{m}-{g}"].append(run_job(m, a, g, a.steps, Path(d)))
+    S = 2
+    rows = []
+    for g in gases:
+        for m in methods:
+            reps = raw[f"{m}-{g}"]
+            # a step's time is the slower rank's; drop step 0 (warm-up)
+            step_times = [max(r[0]["times"][i], r[1]["times"][i]) for r in reps for i in range(1, a.steps)]
+            med, lo, hi = _med(step_times)
+            row: dict[str, Any] = {
+                "method": m,
+                "gas": g,
+                "step_s_median": med,
+                "step_s_min": lo,
+                "step_s_max": hi,
+                "rss_growth_mib_per_rank": [
+                    statistics.median(r[k]["rss_growth_kib"] for r in reps) / 1024 for k in range(2)
+                ],
+            }
+            if m == "dstrain":
+                bubbles = []
+                for r in reps:
+                    for i in range(1, a.steps):
+                        busiest = max(r[k]["compute"][i] for k in range(2))
+                        bubbles.append(1 - busiest / max(r[0]["times"][i], r[1]["times"][i]))
+                row["bubble_measured_median"] = statistics.median(bubbles)
+                row["bubble_theory"] = (S - 1) / (g + S - 1)
+                row["saved_for_backward_mib_per_stage"] = [
+                    reps[0][k]["saved_bytes_peak"] / 2**20 for k in range(2)
+                ]
+                row["p2p_payload_mib_per_step"] = (
+                    sum(reps[0][k]["p2p_sent_bytes_per_step"] for k in range(2)) / 2**20
+                )
+            rows.append(row)
+    for g in gases:
+        base = next(r for r in rows if r["method"] == "dstrain" and r["gas"] == g)["step_s_median"]
+        for r in rows:
+            if r["gas"] == g:
+                r["dstrain_speedup_vs_this"] = r["step_s_median"] / base
+    date = time.strftime("%Y-%m-%d")
+    stem = ROOT / "bench" / "results" / f"pipe-{date}{a.suffix}"
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_avg_start": a.load_start,
+        "load_avg_end": os.getloadavg(),
+        "label": a.label,
+        "args": {k: v for k, v in vars(a).items() if k not in ("worker", "out")},
+    }
+    stem.with_suffix(".json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1) + "\n"
+    )
+    lines = [
+        f"# Pipeline benchmark {date} ({a.label})",
+        "",
+        f"2 gloo ranks (torchrun), model {a.layers} x (Linear({a.dim},{a.dim}) + Tanh) + Linear({a.dim},8), "
+        f"micro-batch {a.micro}, Adam; {a.reps} interleaved reps x {a.steps - 1} timed steps. "
+        f"Load average at start {a.load_start}, end {tuple(round(x, 1) for x in os.getloadavg())}.",
+        "",
+        "| M | method | step s median (min-max) | vs dstrain | RSS growth MiB r0 / r1 | bubble measured / theory | "
+        "saved-for-backward MiB s0 / s1 | p2p MiB/step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        bub = f"{r['bubble_measured_median']:.2f} / {r['bubble_theory']:.2f}" if "bubble_theory" in r else "-"
+        saved = (
+            " / ".join(f"{x:.1f}" for x in r["saved_for_backward_mib_per_stage"])
+            if "saved_for_backward_mib_per_stage" in r
+            else "-"
+        )
+        p2p = f"{r['p2p_payload_mib_per_step']:.2f}" if "p2p_payload_mib_per_step" in r else "-"
+        lines.append(
+            f"| {r['gas']} | {r['method']} | {r['step_s_median']:.4f} ({r['step_s_min']:.4f}-{r['step_s_max']:.4f}) "
+            f"| {r['dstrain_speedup_vs_this']:.2f}x | "
+            + " / ".join(f"{x:.1f}" for x in r["rss_growth_mib_per_rank"])
+            + f" | {bub} | {saved} | {p2p} |"
+        )
+    lines += [
+        "",
+        "vs dstrain = this method's median step time / dstrain's (above 1: dstrain is faster). Bubble measured = "
+        "1 - (forward+backward time of the busier stage) / step time, dstrain only. RSS growth = peak RSS after the "
+        "steps minus before (activations, gradients, optimizer state allocated during training).",
+    ]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", choices=sorted(WORKERS))
+    p.add_argument("--out")
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--micro", type=int, default=16)
+    p.add_argument("--gas", type=int, default=4, help="worker mode: micro-batches per step")
+    p.add_argument("--gas-list", default="4,8", help="bench mode: micro-batch counts to compare")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--label", default="under load: other jobs running on this 2-core machine")
+    p.add_argument("--suffix", default="", help="appended to the result file names")
+    p.add_argument("--record-ds-losses", type=Path)
+    a = p.parse_args()
+    if a.worker:
+        res = WORKERS[a.worker](a)
+        Path(f"{a.out}.{res['rank']}.json").write_text(json.dumps(res))
+        return
+    if a.record_ds_losses:
+        record_ds_losses(a.record_ds_losses)
+        return
+    if not Path(DS_PYTHON).exists() or shutil.which(str(Path(DS_PYTHON).parent / "torchrun")) is None:
+        sys.exit(f"DeepSpeed's venv is not at {DS_PYTHON} (set DS_PYTHON)")
+    a.load_start = tuple(round(x, 1) for x in os.getloadavg())
+    bench(a)
+
+
+if __name__ == "__main__":
+    main()
