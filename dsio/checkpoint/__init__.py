@@ -22,11 +22,14 @@ from ..errors import (
     UnsupportedStateError,
 )
 from ._api import DEFAULT_IO, load, save
+from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError
 from .checkpointer import Checkpointer, CheckpointStatistics, SaveResult
 
 __all__ = [
     "DEFAULT_IO",
+    "CheckpointCommitError",
     "CheckpointFormatError",
+    "CheckpointLockedError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointStatistics",
@@ -34,6 +37,7 @@ __all__ = [
     "ChecksumError",
     "DsioStorageReader",
     "DsioStorageWriter",
+    "LatestNotUpdatedError",
     "SaveResult",
     "UnsupportedStateError",
     "load",

@@ -13,6 +13,7 @@ import torch
 from ..config import IOConfig
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..handle import AsyncIOHandle
+from . import _fs
 from ._format import Header
 from ._integrity import FORMAT_KEY, STATE_KEY
 from ._read import read_file
@@ -90,8 +91,10 @@ def restore(
         return tensors
     try:
         tree = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise CheckpointFormatError(f"{path}: state structure is not valid JSON ({e})") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointFormatError(
+            f"{path}: state structure is not valid JSON ({type(e).__name__})"
+        ) from None
     return unflatten(tree, tensors, allow_pickle=allow_pickle)
 
 
@@ -111,8 +114,15 @@ async def load(
     file is ``CheckpointFormatError``. Nothing is unpickled unless ``allow_pickle``.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise CheckpointNotFoundError(f"no checkpoint file at {path}")
-    async with _handle(handle, config) as h:
-        header, tensors = await read_file(h, path, verify=verify)
+    if os.path.isdir(path):
+        raise CheckpointNotFoundError(f"no checkpoint file at {path} (a directory: Checkpointer reads those)")
+    try:  # follows a symlink the caller named, but never blocks on a FIFO or reads a device
+        fd = _fs.open_regular(path, follow=True)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint file at {path}") from None
+    try:
+        async with _handle(handle, config) as h:
+            header, tensors = await read_file(h, path, verify=verify, fd=fd)
+    finally:
+        os.close(fd)
     return restore(header, tensors, device=device, allow_pickle=allow_pickle, path=path)

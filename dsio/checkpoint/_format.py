@@ -157,10 +157,33 @@ def parse_header_length(prefix: bytes, file_size: int, path: str) -> int:
     return int(n)
 
 
+#: Dimensions and offsets must fit torch's int64 sizes.
+_INT_LIMIT = 1 << 63
+#: More dimensions than any tensor has (torch allows 64 at most).
+_MAX_DIMS = 64
+
+
 def _int_list(v: object, what: str, path: str) -> list[int]:
-    if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v):
-        raise CheckpointFormatError(f"{path}: {what} must be a list of non-negative ints, got {v!r}")
+    if (
+        not isinstance(v, list)
+        or len(v) > _MAX_DIMS
+        or not all(type(x) is int and 0 <= x < _INT_LIMIT for x in v)
+    ):
+        raise CheckpointFormatError(
+            f"{path}: {what} must be a list of at most {_MAX_DIMS} non-negative int64s"
+        )
     return v
+
+
+def _storage_bytes(shape: list[int], esize: int, name: str, path: str) -> int:
+    """Bytes of a tensor of ``shape``; a shape whose non-zero dims overflow int64 is refused
+    (torch would refuse to allocate it even when another dim is 0)."""
+    n = esize
+    for d in shape:
+        n *= max(d, 1)
+        if n >= _INT_LIMIT:
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has a shape whose size overflows int64")
+    return 0 if any(d == 0 for d in shape) else n
 
 
 def parse_header(raw: bytes, file_size: int, path: str) -> Header:
@@ -169,11 +192,18 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Header:
     Raises ``CheckpointFormatError`` for anything the safetensors reader would also refuse, and
     for a data section that does not end exactly at the end of the file (truncation).
     """
+    try:
+        return _parse_header(raw, file_size, path)
+    except RecursionError:  # JSON nested deeper than the interpreter's stack
+        raise CheckpointFormatError(f"{path}: header JSON is nested too deeply") from None
+
+
+def _parse_header(raw: bytes, file_size: int, path: str) -> Header:
     data_start = 8 + len(raw)
     try:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointFormatError(f"{path}: header is not valid JSON ({err})") from None
+        raise CheckpointFormatError(f"{path}: header is not valid JSON ({err.__class__.__name__})") from None
     if not isinstance(obj, dict):
         raise CheckpointFormatError(f"{path}: header is not a JSON object")
     meta_raw = obj.get("__metadata__") or {}
@@ -191,14 +221,15 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Header:
     for name, info in obj.items():
         if not isinstance(info, dict):
             raise CheckpointFormatError(f"{path}: entry {name!r} is not an object")
-        dtype = DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+        dt = info.get("dtype")
+        dtype = DTYPES.get(dt) if isinstance(dt, str) else None
         if dtype is None:
-            raise CheckpointFormatError(f"{path}: tensor {name!r} has unknown dtype {info.get('dtype')!r}")
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has an unknown or malformed dtype")
         shape = _int_list(info.get("shape"), f"shape of {name!r}", path)
         offs = _int_list(info.get("data_offsets"), f"data_offsets of {name!r}", path)
         if len(offs) != 2 or offs[0] > offs[1]:
             raise CheckpointFormatError(f"{path}: tensor {name!r} has invalid data_offsets {offs}")
-        expect = _numel(shape) * torch.empty(0, dtype=dtype).element_size()
+        expect = _storage_bytes(shape, torch.empty(0, dtype=dtype).element_size(), name, path)
         if offs[1] - offs[0] != expect:
             raise CheckpointFormatError(
                 f"{path}: tensor {name!r} spans {offs[1] - offs[0]} bytes but its dtype and shape need {expect}"

@@ -107,12 +107,17 @@ async def _all(futs: list, *, raise_first: bool = True) -> None:
 
 
 async def read_file(
-    handle: AsyncIOHandle, path: str, *, verify: bool = True
+    handle: AsyncIOHandle, path: str, *, verify: bool = True, fd: int | None = None
 ) -> tuple[Header, dict[str, torch.Tensor]]:
-    """All tensors of ``path`` (in file order) and its header. ``verify`` checks crc32c where recorded."""
+    """All tensors of ``path`` (in file order) and its header. ``verify`` checks crc32c where recorded.
+
+    ``fd``, when given, is the already opened and checked file (``_fs.open_regular``) that
+    ``path`` names: it is reopened through ``/proc/self/fd`` (the same inode, whatever ``path``
+    names by now, and with O_DIRECT where the handle uses it); ``path`` is only used in errors.
+    """
     path = os.fspath(path)
     loop = asyncio.get_running_loop()
-    async with handle.open(path, "r") as f:
+    async with handle.open(path if fd is None else f"/proc/self/fd/{fd}", "r") as f:
         size = f.size
         header = await read_header(f, path, size)
         ds = header.data_start

@@ -111,7 +111,7 @@ class _Flattener:
         np = _np()
         if np is not None:
             if tv is np.ndarray and v.dtype != object:
-                t = torch.from_numpy(np.ascontiguousarray(v))
+                t = torch.from_numpy(np.ascontiguousarray(v).reshape(v.shape))  # 0-d stays 0-d
                 return {"a": self.tensor(t, path, where), "npdt": v.dtype.str}
             if isinstance(v, np.generic) and not isinstance(v, np.object_):
                 return {
@@ -137,63 +137,147 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict[str, torch.
     return f.tensors, tree
 
 
+#: Nesting deeper than any training state has; a deeper tree is refused, not recursed into.
+MAX_DEPTH = 200
+_NP_KINDS = "biufc"
+
+
 def unflatten(
     tree: Any, tensors: dict[str, torch.Tensor], *, allow_pickle: bool = False, where: str = ""
 ) -> Any:
-    """Rebuild the state recorded by ``flatten`` from ``tree`` and the loaded ``tensors``."""
-    if not isinstance(tree, dict) or len(tree) == 0:
-        raise CheckpointFormatError(f"state{where}: malformed structure node {tree!r}")
-    if "t" in tree:
-        return _tensor(tensors, tree["t"], where)
-    if "v" in tree:
-        return tree["v"]
-    if "f" in tree:
-        return float(tree["f"])
-    if "d" in tree:
-        out: dict[Any, Any] = OrderedDict() if tree.get("o") else {}
-        for k, node in tree["d"]:
-            out[k] = unflatten(node, tensors, allow_pickle=allow_pickle, where=f"{where}[{k!r}]")
-        return out
-    if "l" in tree:
-        return [
-            unflatten(n, tensors, allow_pickle=allow_pickle, where=f"{where}[{i}]")
-            for i, n in enumerate(tree["l"])
-        ]
-    if "u" in tree:
-        return tuple(
-            unflatten(n, tensors, allow_pickle=allow_pickle, where=f"{where}[{i}]")
-            for i, n in enumerate(tree["u"])
-        )
-    if "b" in tree:
-        return base64.b64decode(tree["b"])
-    if "dt" in tree:
-        dt = getattr(torch, tree["dt"], None)
-        if not isinstance(dt, torch.dtype):
-            raise UnsupportedStateError(f"state{where}: unknown dtype {tree['dt']!r}")
+    """Rebuild the state recorded by ``flatten`` from ``tree`` and the loaded ``tensors``.
+
+    ``tree`` comes from a file: any node of a shape ``flatten`` never writes (wrong types, bad
+    base64, an unknown dtype, nesting deeper than ``MAX_DEPTH``) is ``CheckpointFormatError``;
+    a pickled value without ``allow_pickle`` is ``UnsupportedStateError``.
+    """
+    try:
+        return _Decoder(tensors, allow_pickle).node(tree, where, 0)
+    except (CheckpointFormatError, UnsupportedStateError):
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError, RecursionError, AttributeError) as e:
+        raise CheckpointFormatError(f"state{where}: malformed structure ({type(e).__name__})") from None
+    except RuntimeError as e:  # torch refusing a size, a device string...
+        raise CheckpointFormatError(f"state{where}: malformed structure ({type(e).__name__})") from None
+
+
+def _bad(where: str, what: str) -> CheckpointFormatError:
+    return CheckpointFormatError(f"state{where}: {what}")
+
+
+def _b64(v: Any, where: str) -> bytes:
+    if not isinstance(v, str):
+        raise _bad(where, "bytes node does not hold a base64 string")
+    try:
+        return base64.b64decode(v.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError):
+        raise _bad(where, "bytes node holds invalid base64") from None
+
+
+def _key(k: Any, where: str) -> Any:
+    if type(k) not in _KEY_TYPES:
+        raise _bad(where, f"dict key of type {type(k).__name__}")
+    return k
+
+
+class _Decoder:
+    def __init__(self, tensors: dict[str, torch.Tensor], allow_pickle: bool) -> None:
+        self.tensors = tensors
+        self.allow_pickle = allow_pickle
+
+    def _list(self, v: Any, where: str, depth: int) -> list[Any]:
+        if not isinstance(v, list):
+            raise _bad(where, "list node does not hold a list")
+        return [self.node(n, f"{where}[{i}]", depth + 1) for i, n in enumerate(v)]
+
+    def node(self, tree: Any, where: str, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise _bad(where, f"structure nested deeper than {MAX_DEPTH} levels")
+        if not isinstance(tree, dict) or len(tree) == 0:
+            raise _bad(where, "malformed structure node")
+        if "t" in tree:
+            return _tensor(self.tensors, tree["t"], where)
+        if "v" in tree:
+            v = tree["v"]
+            if type(v) not in (int, str, bool, float, type(None)):
+                raise _bad(where, "scalar node holds a container")
+            return v
+        if "f" in tree:
+            if tree["f"] not in ("nan", "inf", "-inf"):
+                raise _bad(where, "float node is not nan/inf/-inf")
+            return float(tree["f"])
+        if "d" in tree:
+            items = tree["d"]
+            if not isinstance(items, list):
+                raise _bad(where, "dict node does not hold a list of pairs")
+            out: dict[Any, Any] = OrderedDict() if tree.get("o") else {}
+            for pair in items:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise _bad(where, "dict node entry is not a [key, node] pair")
+                k = _key(pair[0], where)
+                out[k] = self.node(pair[1], f"{where}[{k!r}]", depth + 1)
+            return out
+        if "l" in tree:
+            return self._list(tree["l"], where, depth)
+        if "u" in tree:
+            return tuple(self._list(tree["u"], where, depth))
+        if "b" in tree:
+            return _b64(tree["b"], where)
+        if "dt" in tree:
+            name = tree["dt"]
+            dt = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+            if not isinstance(dt, torch.dtype):
+                raise _bad(where, "dtype node names no torch dtype")
+            return dt
+        if "sz" in tree:
+            sz = tree["sz"]
+            if not isinstance(sz, list) or not all(type(d) is int and 0 <= d < 1 << 63 for d in sz):
+                raise _bad(where, "torch.Size node is not a list of non-negative ints")
+            return torch.Size(sz)
+        if "dev" in tree:
+            if not isinstance(tree["dev"], str):
+                raise _bad(where, "device node does not hold a string")
+            return torch.device(tree["dev"])
+        if "a" in tree:
+            np = _np()
+            t = _tensor(self.tensors, tree["a"], where)
+            if np is None:
+                return t
+            dt = self._np_dtype(np, tree.get("npdt"), where)
+            if t.element_size() != dt.itemsize:
+                raise _bad(where, "array node's dtype does not match its tensor")
+            return t.numpy().view(dt).copy()
+        if "ns" in tree:
+            np = _np()
+            ns = tree["ns"]
+            if not isinstance(ns, list) or len(ns) != 2:
+                raise _bad(where, "numpy scalar node is not [dtype, value]")
+            dt = self._np_dtype(np, ns[0], where)
+            x = ns[1]
+            if isinstance(x, str):
+                x = float(x)
+            elif type(x) not in (int, float, bool):
+                raise _bad(where, "numpy scalar node holds a non-number")
+            return dt.type(x)
+        if "p" in tree:
+            if not self.allow_pickle:
+                raise UnsupportedStateError(
+                    f"state{where} was stored pickled; pass allow_pickle=True to load it (only for trusted files)"
+                )
+            return pickle.loads(_b64(tree["p"], where))
+        raise _bad(where, "unknown structure node")
+
+    @staticmethod
+    def _np_dtype(np: Any, s: Any, where: str) -> Any:
+        if not isinstance(s, str) or len(s) > 8:
+            raise _bad(where, "numpy dtype is not a short string")
+        dt = np.dtype(s)
+        if dt.kind not in _NP_KINDS:
+            raise _bad(where, "numpy dtype is not numeric")
         return dt
-    if "sz" in tree:
-        return torch.Size(tree["sz"])
-    if "dev" in tree:
-        return torch.device(tree["dev"])
-    if "a" in tree:
-        np = _np()
-        t = _tensor(tensors, tree["a"], where)
-        return t.numpy().view(np.dtype(tree["npdt"])).copy() if np is not None else t
-    if "ns" in tree:
-        np = _np()
-        dt, x = tree["ns"]
-        return np.dtype(dt).type(float(x) if isinstance(x, str) else x)
-    if "p" in tree:
-        if not allow_pickle:
-            raise UnsupportedStateError(
-                f"state{where} was stored pickled; pass allow_pickle=True to load it (only for trusted files)"
-            )
-        return pickle.loads(base64.b64decode(tree["p"]))
-    raise CheckpointFormatError(f"state{where}: unknown structure node {sorted(tree)}")
 
 
 def _tensor(tensors: dict[str, torch.Tensor], name: Any, where: str) -> torch.Tensor:
-    try:
-        return tensors[name]
-    except (KeyError, TypeError):
-        raise CheckpointFormatError(f"state{where}: tensor {name!r} is missing from the file") from None
+    if not isinstance(name, str) or name not in tensors:
+        raise CheckpointFormatError(f"state{where}: a tensor it names is missing from the file")
+    return tensors[name]

@@ -6,20 +6,23 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import aiofiles.os
 import torch
 
 from .. import metrics as _metrics
 from ..config import IOConfig
-from ..errors import CheckpointFormatError, CheckpointMismatchError, CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, ClosedError
 from ..handle import AsyncIOHandle
 from . import _commit
 from ._api import DEFAULT_IO, file_metadata, restore
 from ._dist import Coordinator
+from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError
+from ._locate import open_rank_file, rank_file
+from ._lock import DirectoryLock
 from ._read import read_file
 from ._state import flatten
 from ._write import FileWriter, Staging
@@ -28,9 +31,13 @@ __all__ = ["CheckpointStatistics", "Checkpointer", "SaveResult"]
 
 log = logging.getLogger("dsio.checkpoint")
 
+#: How often ``load()`` of the latest step re-resolves ``latest`` when retention removed the
+#: step it had chosen between choosing and opening it.
+_LOAD_RETRIES = 5
 
-def rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
+# The commit's metadata work (manifest, renames, directory fsyncs, ``latest``) runs on a worker
+# thread through aiofiles, so no fsync ever stalls the event loop.
+_commit_off_loop = aiofiles.os.wrap
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +110,14 @@ class Checkpointer:
 
     ``keep_last`` keeps that many newest committed steps: after each commit older ones are
     renamed away at once (``steps()`` no longer lists them) and deleted on a worker thread,
-    which the next ``save()``, ``wait()`` and ``aclose()`` wait for; ``None`` keeps all. Leftover ``*.tmp`` from a crash are removed at construction.
+    which the next ``save()``, ``wait()`` and ``aclose()`` wait for; ``None`` keeps all.
+
+    One writer per directory: the first ``save()`` takes an exclusive lock on
+    ``directory/writer.lock`` (held until ``close()``; another writer, in this process or
+    another, gets ``CheckpointLockedError`` naming the holder's pid and host), and only then
+    removes what a crashed writer left (``*.tmp``; an interrupted re-save's old copy is restored).
+    Constructing a Checkpointer and loading take no lock and change nothing on disk, so an
+    evaluator may read a directory that a training job is writing.
     """
 
     def __init__(
@@ -126,17 +140,15 @@ class Checkpointer:
         self.preallocate = preallocate
         self.copy_threads = copy_threads
         self._coord = Coordinator(process_group)
-        if self._coord.rank == 0:
-            os.makedirs(self.directory, exist_ok=True)
-            removed = _commit.clean_partials(self.directory)
-            if removed:
-                log.warning("dsio.checkpoint: removed partial checkpoints left by a crash: %s", removed)
-        self._coord.barrier_now()
+        self._lock = DirectoryLock(self.directory)
+        self._writer_ready = False
         self._staging = Staging()
         self._handle: AsyncIOHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._save_lock: asyncio.Lock | None = None
         self._inflight: asyncio.Task[SaveResult] | None = None
         self._cleanup: asyncio.Future[None] | None = None
+        self._doomed: list[str] = []
         self._closed = False
         self._saves = self._failed = self._loads = 0
         self._last: dict[str, Any] = dict(
@@ -192,8 +204,6 @@ class Checkpointer:
     # -- saving ----------------------------------------------------------------------------------
     def _io(self) -> AsyncIOHandle:
         if self._closed:
-            from ..errors import ClosedError
-
             raise ClosedError("the Checkpointer is closed")
         loop = asyncio.get_running_loop()
         if self._handle is None or self._loop is not loop:
@@ -201,19 +211,64 @@ class Checkpointer:
                 self._handle.close()
             self._handle = AsyncIOHandle(self.config)
             self._loop = loop
+            self._save_lock = asyncio.Lock()
         return self._handle
+
+    def _become_writer_sync(self) -> None:
+        """Rank 0: create the directory, take the writer lock, clean up after a crashed writer."""
+        os.makedirs(self.directory, exist_ok=True)
+        self._lock.acquire()
+        try:
+            changed = _commit.recover(self.directory)
+        except BaseException:
+            self._lock.release()
+            raise
+        if changed:
+            log.warning(
+                "dsio.checkpoint: cleaned up after a crashed writer in %s: %s", self.directory, changed
+            )
+
+    async def _become_writer(self) -> None:
+        """Before the first save: rank 0 locks and recovers; every rank learns the outcome."""
+        if self._writer_ready:
+            return
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                await _commit_off_loop(self._become_writer_sync)()
+            except BaseException as e:
+                error = e
+        verdict = await self._coord.broadcast(_describe(error))
+        if error is not None:
+            raise error
+        if verdict is not None:  # rank 0 could not become the writer: every rank refuses to save
+            kind, pid, host, err, msg = verdict
+            if kind == "locked":
+                raise CheckpointLockedError(self.directory, pid, host)
+            raise CheckpointCommitError(err, -1, f"rank 0 could not open {self.directory} for writing: {msg}")
+        self._writer_ready = True
 
     async def save(self, step: int, state: Any) -> asyncio.Task[SaveResult]:
         """Stage ``state`` for step ``step`` and return the task that makes it durable.
 
-        Waits first for a save still in flight. Returns when ``state`` has been copied; raises
-        here (nothing written, nothing committed) if the state cannot be stored.
+        Waits first for a save still in flight (and for a concurrent ``save()`` call on this
+        Checkpointer to finish staging: two saves never share the staging region). Returns when
+        ``state`` has been copied; raises here (nothing written, nothing committed) if the state
+        cannot be stored. The task raises ``CheckpointCommitError`` (an ``OSError`` with
+        ``errno``) when the step was not committed, ``LatestNotUpdatedError`` when it was but
+        ``latest`` could not be updated.
         """
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
         io = self._io()
-        await self._idle()
+        assert self._save_lock is not None
+        async with self._save_lock:
+            await self._become_writer()
+            await self._idle()
+            return await self._stage(step, state, io, t0)
+
+    async def _stage(self, step: int, state: Any, io: AsyncIOHandle, t0: float) -> asyncio.Task[SaveResult]:
         t_wait = time.perf_counter() - t0
         rank = self._coord.rank
         tmpdir = os.path.join(self.directory, _commit.tmp_name(step))
@@ -269,14 +324,24 @@ class Checkpointer:
                 error = e
                 await writer.abort()
         # Every rank's verdict, then rank 0 commits (or removes the partial step) and tells all.
-        verdicts = await self._coord.all_gather(None if error is None else f"rank {self.rank}: {error!r}")
+        mine = None if error is None else (getattr(error, "errno", None), f"rank {self.rank}: {error!r}")
+        verdicts = await self._coord.all_gather(mine)
         failures = [v for v in verdicts if v is not None]
-        outcome: str | None = None
+        outcome: tuple[str, int | None, str, int | None] | None = None
         if self.rank == 0:
-            outcome = self._commit_or_discard(step, tmpdir, failures)
+            self._doomed = []
+            outcome = await _commit_off_loop(self._commit_or_discard)(step, tmpdir, failures)
+            if self._doomed:  # deleting gigabytes takes a while: off the save's critical path
+                self._cleanup = asyncio.ensure_future(_commit_off_loop(_commit.remove_trees)(self._doomed))
         outcome = await self._coord.broadcast(outcome)
-        if error is None and outcome is not None:
-            error = RuntimeError(f"checkpoint of step {step} was not committed: {outcome}")
+        if outcome is not None:
+            kind, err, msg, previous = outcome
+            if kind == "latest":  # committed, but latest still names the step before
+                self._saves += 1
+                self._last.update(step=step)
+                raise LatestNotUpdatedError(err, step, msg, previous)
+            if error is None:
+                error = CheckpointCommitError(err, step, msg)
         if error is not None:
             self._failed += 1
             raise error
@@ -291,17 +356,20 @@ class Checkpointer:
             step, os.path.join(self.directory, _commit.step_name(step)), nbytes, blocked, write_s
         )
 
-    def _commit_or_discard(self, step: int, tmpdir: str, failures: list[str]) -> str | None:
-        """Rank 0: commit when every rank succeeded, else remove the partial step. None = committed."""
+    def _commit_or_discard(
+        self, step: int, tmpdir: str, failures: list[tuple[int | None, str]]
+    ) -> tuple[str, int | None, str, int | None] | None:
+        """Rank 0, on a worker thread: commit when every rank succeeded, else remove the partial
+        step. None = committed; else (kind, errno, message, previous latest)."""
         if failures:
-            shutil.rmtree(tmpdir, ignore_errors=True)
-            return "; ".join(failures)
+            _remove_quietly(tmpdir)
+            err = next((e for e, _ in failures if isinstance(e, int)), None)
+            return ("failed", err, "; ".join(m for _, m in failures), None)
         try:
             files = []
             for r in range(self.world_size):
                 name = rank_file(r)
-                path = os.path.join(tmpdir, name)
-                files.append({"rank": r, "path": name, "bytes": os.path.getsize(path)})
+                files.append({"rank": r, "path": name, "bytes": os.path.getsize(os.path.join(tmpdir, name))})
             manifest = {
                 "format": "dsio.checkpoint",
                 "version": 1,
@@ -313,15 +381,19 @@ class Checkpointer:
             _commit.write_manifest(tmpdir, manifest)
             _commit.commit(self.directory, step)
         except Exception as e:  # e.g. ENOSPC writing the manifest
-            shutil.rmtree(tmpdir, ignore_errors=True)
-            return f"rank 0 could not commit: {e!r}"
+            _remove_quietly(tmpdir)
+            return ("failed", getattr(e, "errno", None), f"rank 0 could not commit: {e!r}", None)
+        previous = _latest_or_none(self.directory)
         try:
-            doomed = _commit.retire(self.directory, self.keep_last, protect=step)
+            _commit.write_latest(self.directory, step)
+        except Exception as e:  # the step is in place and listed: say exactly that
+            return ("latest", getattr(e, "errno", None), repr(e), previous)
+        try:
+            doomed = _commit.retire(self.directory, self.keep_last, protect={step})
         except OSError as e:  # the new step is committed; old ones stay for the next attempt
             log.warning("dsio.checkpoint: retention failed: %r", e)
             doomed = []
-        if doomed:  # deleting gigabytes takes a while: off the save's critical path
-            self._cleanup = asyncio.get_running_loop().run_in_executor(None, _commit.remove_trees, doomed)
+        self._doomed = doomed
         return None
 
     async def _idle(self) -> None:
@@ -350,44 +422,32 @@ class Checkpointer:
     ) -> Any:
         """The state saved at ``step`` (default: the latest committed) by this rank.
 
-        Raises ``CheckpointNotFoundError`` when there is no such committed step,
+        Raises ``CheckpointNotFoundError`` when there is no such committed step (also when
+        retention removes it while it is being opened),
         ``CheckpointMismatchError`` when it was written by a different world size,
-        ``ChecksumError`` / ``CheckpointFormatError`` when its file is corrupt.
+        ``ChecksumError`` / ``CheckpointFormatError`` when its file is corrupt. Takes no lock.
         """
         t0 = time.perf_counter()
         io = self._io()
-        if step is None:
-            step = self.latest_step()
-            if step is None:
+        for attempt in range(_LOAD_RETRIES):
+            chosen = self.latest_step() if step is None else step
+            if chosen is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
-        # A step directory symlinked to somewhere else is not part of this checkpoint directory.
-        d = _commit.inside(self.directory, _commit.step_name(step), f"step {step}")
+            try:
+                opened = open_rank_file(self.directory, chosen, self.rank, self.world_size)
+                break
+            except CheckpointNotFoundError:
+                if step is not None or attempt == _LOAD_RETRIES - 1:
+                    raise
         try:
-            manifest = _commit.read_manifest(d)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(
-                f"step {step} is not committed in {self.directory} (committed: {self.steps()})"
-            ) from None
-        if manifest["world_size"] != self.world_size:
-            raise CheckpointMismatchError(
-                f"{d} was written by {manifest['world_size']} ranks; this job has {self.world_size} "
-                "(loading into a different world size is not supported yet)"
-            )
-        entry = next((f for f in manifest["files"] if f.get("rank") == self.rank), None)
-        if entry is None:
-            raise CheckpointFormatError(f"{d}/{_commit.MANIFEST} lists no file for rank {self.rank}")
-        path = _commit.inside(d, entry["path"], f"{d}/{_commit.MANIFEST}")
-        size = os.path.getsize(path)
-        if size != entry["bytes"]:
-            raise CheckpointFormatError(
-                f"{path}: {size} bytes, the manifest recorded {entry['bytes']} (truncated?)"
-            )
-        header, tensors = await read_file(io, path, verify=verify)
+            header, tensors = await read_file(io, opened.path, verify=verify, fd=opened.fd)
+        finally:
+            os.close(opened.fd)
         pickle_ok = self.allow_pickle if allow_pickle is None else allow_pickle
-        state = restore(header, tensors, device=device, allow_pickle=pickle_ok, path=path)
+        state = restore(header, tensors, device=device, allow_pickle=pickle_ok, path=opened.path)
         self._loads += 1
         self._tot["load"] += time.perf_counter() - t0
-        self._tot["read"] += size
+        self._tot["read"] += opened.size
         return state
 
     # -- lifetime --------------------------------------------------------------------------------
@@ -408,6 +468,7 @@ class Checkpointer:
             self._handle = None
         self._staging.release()
         self._coord.close()
+        self._lock.release()
         _metrics.untrack(self)
 
     async def __aenter__(self) -> Checkpointer:
@@ -420,6 +481,29 @@ class Checkpointer:
         with contextlib.suppress(Exception):
             if not getattr(self, "_closed", True):
                 self.close()
+
+
+def _describe(error: BaseException | None) -> tuple[str, int | None, str | None, int | None, str] | None:
+    """A picklable summary of why rank 0 could not become the writer (None: it did)."""
+    if error is None:
+        return None
+    if isinstance(error, CheckpointLockedError):
+        return ("locked", error.pid, error.host, None, str(error))
+    return ("error", None, None, getattr(error, "errno", None), repr(error))
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        _commit.remove_trees([path])
+    except OSError as e:  # the partial step stays as *.tmp: the next writer removes it
+        log.warning("dsio.checkpoint: could not remove %s: %r", path, e)
+
+
+def _latest_or_none(root: str) -> int | None:
+    try:
+        return _commit.read_latest(root)
+    except Exception:
+        return None
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -46,11 +46,11 @@ def checkpointer_scenario(root: str) -> dict:
                     await ck.save(2, {"bad": lambda: 0})
             else:
                 task = await ck.save(2, {"good": torch.ones(3)})
-                with pytest.raises(RuntimeError, match="rank 1"):
+                with pytest.raises(dsio.checkpoint.CheckpointCommitError, match="rank 1"):
                     await task
             dist.barrier()
             assert ck.steps() == [1]
-            assert sorted(os.listdir(run)) == ["latest", "step-000000001"], os.listdir(run)
+            assert sorted(os.listdir(run)) == ["latest", "step-000000001", "writer.lock"], os.listdir(run)
             dist.barrier()  # before anyone starts the next step's .tmp
 
             # 3. Saving goes on; retention keeps the newest two.

@@ -7,7 +7,9 @@ def test_public_surface():
     assert sorted(C.__all__) == sorted(
         [
             "DEFAULT_IO",
+            "CheckpointCommitError",
             "CheckpointFormatError",
+            "CheckpointLockedError",
             "CheckpointMismatchError",
             "CheckpointNotFoundError",
             "CheckpointStatistics",
@@ -15,6 +17,7 @@ def test_public_surface():
             "ChecksumError",
             "DsioStorageReader",
             "DsioStorageWriter",
+            "LatestNotUpdatedError",
             "SaveResult",
             "UnsupportedStateError",
             "load",

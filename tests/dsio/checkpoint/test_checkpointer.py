@@ -47,7 +47,12 @@ def test_layout_latest_steps_and_retention(tmp_path):
             assert ck.steps() == [30, 40]  # retired steps stop being steps at once
             assert ck.latest_step() == 40
             await ck.wait()  # ...and are deleted in the background
-            assert sorted(os.listdir(tmp_path)) == ["latest", "step-000000030", "step-000000040"]
+            assert sorted(os.listdir(tmp_path)) == [
+                "latest",
+                "step-000000030",
+                "step-000000040",
+                "writer.lock",
+            ]
             assert (tmp_path / "latest").read_text() == "step-000000040\n"
             d = tmp_path / "step-000000040"
             assert sorted(os.listdir(d)) == ["manifest.json", "rank-00000.safetensors"]
@@ -115,23 +120,30 @@ def test_unsupported_state_raises_from_save_and_commits_nothing(tmp_path):
                 await ck.save(1, {"f": lambda: 1})
             await asyncio.sleep(0.05)
             assert ck.steps() == [] and ck.statistics().failed_saves == 1
-            assert [n for n in os.listdir(tmp_path)] == []
+            assert [n for n in os.listdir(tmp_path) if n != "writer.lock"] == []
             await (await ck.save(2, {"ok": torch.ones(1)}))
             assert ck.steps() == [2]
 
     run(main())
 
 
-def test_leftover_tmp_cleaned_at_start_and_invisible(tmp_path):
+def test_leftover_tmp_invisible_to_readers_and_cleaned_by_the_writer(tmp_path):
     (tmp_path / "step-000000007.tmp").mkdir()
     (tmp_path / "step-000000007.tmp" / "rank-00000.safetensors").write_bytes(b"partial")
     (tmp_path / "latest.123.tmp").write_text("junk")
     ck = C.Checkpointer(tmp_path)
     try:
         assert ck.steps() == []
-        assert os.listdir(tmp_path) == []
         with pytest.raises(dsio.CheckpointNotFoundError):
             run(ck.load())
+        # A reader changes nothing (the .tmp may be a live save of another process)...
+        assert sorted(os.listdir(tmp_path)) == ["latest.123.tmp", "step-000000007.tmp"]
+
+        async def save():  # ...the writer, once it holds the lock, cleans up.
+            await (await ck.save(1, {"x": torch.ones(1)}))
+
+        run(save())
+        assert sorted(os.listdir(tmp_path)) == ["latest", "step-000000001", "writer.lock"]
     finally:
         ck.close()
 
@@ -143,7 +155,7 @@ def test_same_step_saved_twice_replaces(tmp_path):
             await (await ck.save(5, {"v": torch.ones(2)}))
             assert ck.steps() == [5]
             assert torch.equal((await ck.load())["v"], torch.ones(2))
-            assert sorted(os.listdir(tmp_path)) == ["latest", "step-000000005"]
+            assert sorted(os.listdir(tmp_path)) == ["latest", "step-000000005", "writer.lock"]
 
     run(main())
 

@@ -36,7 +36,11 @@ def test_checkpointer_disk_full(small_fs):
             assert ei.value.errno == errno.ENOSPC
             assert isinstance(ei.value, dsio.IOFailedError)
             assert ck.steps() == [1]
-            assert sorted(os.listdir(small_fs / "run")) == ["latest", "step-000000001"]  # partial removed
+            assert sorted(os.listdir(small_fs / "run")) == [
+                "latest",
+                "step-000000001",
+                "writer.lock",
+            ]  # partial removed
             back = await ck.load()
             assert torch.equal(back["w"], ok["w"])
             assert ck.statistics().failed_saves == 1
@@ -63,7 +67,7 @@ def test_disk_full_without_preallocation_fails_in_the_writes(small_fs):
                 await (await ck.save(2, {"w": torch.zeros(4 << 20)}))
             assert ei.value.errno == errno.ENOSPC
             assert ck.steps() == [1]
-            assert sorted(os.listdir(small_fs / "run")) == ["latest", "step-000000001"]
+            assert sorted(os.listdir(small_fs / "run")) == ["latest", "step-000000001", "writer.lock"]
             assert torch.equal((await ck.load())["w"], torch.ones(1 << 18))
 
     asyncio.run(main())

@@ -1,0 +1,71 @@
+"""Errors of the checkpoint directory protocol (writers, locks, commits).
+
+They sit beside ``dsio.errors`` (every one is a ``DsioError``) and are exported by
+``dsio.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+from ..errors import DsioError
+
+__all__ = ["CheckpointCommitError", "CheckpointLockedError", "LatestNotUpdatedError"]
+
+
+class CheckpointLockedError(DsioError, RuntimeError):
+    """Another writer (this process or another, on this host or another) holds the checkpoint
+    directory's lock. ``pid`` and ``host`` name the holder as it recorded itself (None when it
+    had not written them yet)."""
+
+    def __init__(self, directory: str, pid: int | None, host: str | None) -> None:
+        who = f"pid {pid} on {host}" if pid is not None else "a writer that has not identified itself yet"
+        super().__init__(
+            f"{directory} is being written by {who}; only one writer per checkpoint directory "
+            "(load-only use needs no lock: construct a Checkpointer and call load()/steps())"
+        )
+        self.directory = directory
+        self.pid = pid
+        self.host = host
+
+
+class CheckpointCommitError(DsioError, OSError):
+    """A save did not commit its step: writing or committing it failed on some rank.
+
+    ``errno`` is the failing operation's (``EIO`` when it was not an OS error), ``step`` the step
+    and ``committed`` False: nothing of this save is visible, earlier steps are untouched.
+    """
+
+    committed = False
+
+    def __init__(self, err: int | None, step: int, detail: str) -> None:
+        code = err or _errno.EIO
+        super().__init__(code, f"checkpoint of step {step} was not committed: {detail} ({os.strerror(code)})")
+        self.step = step
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.errno, self.step, self.strerror))
+
+
+class LatestNotUpdatedError(CheckpointCommitError):
+    """The step IS committed (listed by ``steps()``, loadable with ``load(step=...)``) but the
+    ``latest`` pointer could not be replaced and still names ``previous`` (or nothing).
+
+    ``committed`` is True; retention was skipped for this save.
+    """
+
+    committed = True
+
+    def __init__(self, err: int | None, step: int, detail: str, previous: int | None = None) -> None:
+        OSError.__init__(
+            self,
+            err or _errno.EIO,
+            f"step {step} is committed and listed, but 'latest' could not be updated and still names "
+            f"{'step ' + str(previous) if previous is not None else 'nothing'}: {detail}",
+        )
+        self.step = step
+        self.previous = previous
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.errno, self.step, self.strerror, self.previous))
