@@ -135,11 +135,18 @@ def _tune(args: argparse.Namespace) -> int:
 
 # -- bench ---------------------------------------------------------------------------------------
 def _load_config(path: str | None, args: argparse.Namespace) -> Any:
+    """The IOConfig ``bench`` measures: a DeepSpeed/``dsio tune`` ``"aio"`` block parsed by its one
+    parser (``IOConfig.from_deepspeed``), then the command-line knobs on top."""
     from .config import IOConfig
     from .errors import ConfigError
 
-    fields: dict[str, Any] = {}
-    if path:
+    overrides: dict[str, Any] = {
+        key: getattr(args, key) for key in (*AIO_KEYS, "backend") if getattr(args, key, None) is not None
+    }
+    overrides.update(pool_bytes=1 << 20, staging_buffer_bytes=1 << 20)  # aligned buffers: no staging
+    try:
+        if not path:
+            return IOConfig(**overrides)
         try:
             with open(path) as f:
                 doc = json.load(f)
@@ -150,26 +157,33 @@ def _load_config(path: str | None, args: argparse.Namespace) -> Any:
         block = doc.get("aio", doc) if isinstance(doc, dict) else None
         if not isinstance(block, dict):
             raise CliError(f'--config {path}: expected a JSON object (an "aio" block)')
-        for key, val in block.items():
-            key = {"thread_count": "intra_op_parallelism"}.get(key, key)
-            if key == "use_gds":
-                continue
-            if key not in AIO_KEYS and key not in ("backend", "o_direct"):
-                raise CliError(f"--config {path}: unknown aio key {key!r} (accepted: {', '.join(AIO_KEYS)})")
-            fields[key] = val
-    for key in (*AIO_KEYS, "backend"):
-        val = getattr(args, key, None)
-        if val is not None:
-            fields[key] = val
-    fields.update(pool_bytes=1 << 20, staging_buffer_bytes=1 << 20)
-    try:
-        return IOConfig(**fields)
+        return IOConfig.from_deepspeed(block, **overrides)
     except ConfigError as e:
         raise CliError(f"invalid configuration: {e}") from None
 
 
+def run(coro: Any) -> Any:
+    """Run a CLI coroutine on a fresh event loop: uvloop when importable (as every loop dsio
+    starts), else asyncio's."""
+    from ._bridge import _new_loop
+
+    with asyncio.Runner(loop_factory=_new_loop) as runner:
+        return runner.run(coro)
+
+
+#: What one bench repetition measures, in order (one progress step each).
+_PHASES = ("write_new_gbps", "write_overwrite_gbps", "read_gbps", "write_ops_per_s", "read_ops_per_s")
+
+
 async def _bench_rep(
-    cfg: Any, d: str, size: int, op_size: int, n_ops: int, conc: int, buf: Any
+    cfg: Any,
+    d: str,
+    size: int,
+    op_size: int,
+    n_ops: int,
+    conc: int,
+    buf: Any,
+    step: Any = lambda: None,
 ) -> dict[str, float]:
     from .handle import AsyncIOHandle
 
@@ -182,12 +196,15 @@ async def _bench_rep(
         t0 = time.perf_counter()
         await h.pwrite(buf, big, fsync=True)
         out["write_new_gbps"] = size / (time.perf_counter() - t0) / 1e9
+        step()
         t0 = time.perf_counter()
         await h.pwrite(buf, big, offset=0, fsync=True)
         out["write_overwrite_gbps"] = size / (time.perf_counter() - t0) / 1e9
+        step()
         t0 = time.perf_counter()
         await h.pread(buf, big)
         out["read_gbps"] = size / (time.perf_counter() - t0) / 1e9
+        step()
         os.unlink(big)
         sem = asyncio.Semaphore(conc)
         piece = buf[:op_size]
@@ -202,6 +219,7 @@ async def _bench_rep(
                 t0 = time.perf_counter()
                 await asyncio.gather(*(one(op, i) for i in range(n_ops)))
                 out[f"{op}_ops_per_s"] = n_ops / (time.perf_counter() - t0)
+                step()
         os.unlink(small)
     return out
 
@@ -211,11 +229,24 @@ def _bench(args: argparse.Namespace) -> int:
     d = _check_dir(args.dir, args.size + args.op_size * args.ops + (16 << 20))
     buf = _buffer(max(args.size, args.op_size), False)
     reps: list[dict[str, float]] = []
+    from tqdm import tqdm
+
     try:
-        for _ in range(args.reps):
-            reps.append(
-                asyncio.run(_bench_rep(cfg, d, args.size, args.op_size, args.ops, args.concurrency, buf))
-            )
+        with tqdm(
+            total=args.reps * len(_PHASES),
+            desc="dsio bench",
+            unit="step",
+            disable=args.quiet,
+            file=sys.stderr,
+        ) as bar:
+            for _ in range(args.reps):
+                reps.append(
+                    run(
+                        _bench_rep(
+                            cfg, d, args.size, args.op_size, args.ops, args.concurrency, buf, bar.update
+                        )
+                    )
+                )
     except OSError as e:
         raise CliError(f"I/O failed in {d}: {e}") from None
     summary = {
@@ -258,8 +289,15 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 # -- entry point ---------------------------------------------------------------------------------
+def _version() -> str:
+    from . import __version__
+
+    return f"dsio {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsio", description="dsio: asyncio-native tensor I/O tools")
+    p.add_argument("--version", action="version", version=_version(), help="print dsio's version and exit")
     sub = p.add_subparsers(dest="command", metavar="{report,tune,bench}")
     sub.required = True
 
@@ -326,27 +364,78 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_tune)
 
-    b = sub.add_parser("bench", help="quick read/write GB/s and small-op rate")
-    b.add_argument("--dir", required=True)
-    b.add_argument("--size", type=_size_arg, default=1 << 30, help="bytes per large transfer (default 1G)")
-    b.add_argument(
-        "--config", help='JSON file with an "aio" block (dsio tune\'s output or a DeepSpeed config)'
+    b = sub.add_parser(
+        "bench",
+        help="quick read/write GB/s and small-op rate",
+        description=(
+            "Measure one engine configuration on the storage under --dir: a --size write to a new "
+            "file, the same write over it, a read back (GB/s, each with fsync for writes), then --ops "
+            "small writes and reads of --op-size at sequential offsets with --concurrency "
+            "in flight (ops/s). Repeated --reps times; prints the median and min-max of each. "
+            "Without --config and knobs the engine runs dsio's defaults (IOConfig())."
+        ),
+        epilog=(
+            "Example: dsio bench --dir /nvme --size 1G --config ds_config.json --queue-depth 64. "
+            "Results on a shared or virtual disk vary between runs: compare configurations by "
+            "interleaving them, not against a number from another day."
+        ),
     )
-    b.add_argument("--backend", type=_backend_name)
-    b.add_argument("--block-size", dest="block_size", type=_pow2_size)
-    b.add_argument("--queue-depth", dest="queue_depth", type=_pos_int)
-    b.add_argument("--intra-op-parallelism", dest="intra_op_parallelism", type=_pos_int)
     b.add_argument(
-        "--single-submit", dest="single_submit", action=argparse.BooleanOptionalAction, default=None
+        "--dir",
+        required=True,
+        help="directory on the storage to measure; needs --size + ops x op-size free (files are removed)",
     )
     b.add_argument(
-        "--overlap-events", dest="overlap_events", action=argparse.BooleanOptionalAction, default=None
+        "--size", type=_size_arg, default=1 << 30, help="bytes per large transfer, e.g. 256M, 1G (default 1G)"
     )
-    b.add_argument("--op-size", type=_size_arg, default=64 << 10, help="small-op size (default 64K)")
+    b.add_argument(
+        "--config",
+        help='JSON file holding a DeepSpeed "aio" block (a whole DeepSpeed config, or dsio tune\'s output); '
+        "keys it leaves out take DeepSpeed's defaults",
+    )
+    b.add_argument(
+        "--backend", type=_backend_name, help="io_uring, aio or posix (default: the first that works here)"
+    )
+    b.add_argument(
+        "--block-size",
+        dest="block_size",
+        type=_pow2_size,
+        help="bytes per piece a request is split into: a power of two >= 4K (default 1M)",
+    )
+    b.add_argument(
+        "--queue-depth", dest="queue_depth", type=_pos_int, help="pieces in flight per worker (default 64)"
+    )
+    b.add_argument(
+        "--intra-op-parallelism",
+        dest="intra_op_parallelism",
+        type=_pos_int,
+        help="worker threads, each with its own ring or AIO context (default 2)",
+    )
+    b.add_argument(
+        "--single-submit",
+        dest="single_submit",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one submit syscall per piece instead of batching every ready piece (default off)",
+    )
+    b.add_argument(
+        "--overlap-events",
+        dest="overlap_events",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="refill the queue as each piece completes; --no-overlap-events waits for whole batches "
+        "(DeepSpeed's lock-step) (default on)",
+    )
+    b.add_argument("--op-size", type=_size_arg, default=64 << 10, help="bytes per small op (default 64K)")
     b.add_argument("--ops", type=_pos_int, default=2000, help="small ops per measurement (default 2000)")
-    b.add_argument("--concurrency", type=_pos_int, default=32, help="small ops in flight (default 32)")
-    b.add_argument("--reps", type=_pos_int, default=3)
-    b.add_argument("--json", action="store_true")
+    b.add_argument(
+        "--concurrency", type=_pos_int, default=32, help="small ops in flight at once (default 32)"
+    )
+    b.add_argument("--reps", type=_pos_int, default=3, help="repetitions; the median is reported (default 3)")
+    b.add_argument(
+        "--json", action="store_true", help="print the results as JSON (median, min, max per metric)"
+    )
+    b.add_argument("--quiet", action="store_true", help="no progress bar (it goes to stderr)")
     b.set_defaults(func=_bench)
     return p
 
