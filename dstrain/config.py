@@ -8,15 +8,16 @@ dstrain does not implement yet raises `NotImplementedConfigError` instead of bei
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from dsio.config import DEEPSPEED_AIO_DEFAULTS, IOConfig
 from dstrain._parse import build, check_bool, check_float, check_int, reject_unknown
 from dstrain.config_sections import (
-    AioConfig,
     BF16Config,
     CheckpointConfig,
     FP16Config,
@@ -37,6 +38,27 @@ __all__ = [
     "SchedulerConfig",
     "ZeroConfig",
 ]
+
+AioConfig = IOConfig
+"""The ``"aio"`` section is dsio's `IOConfig`, parsed by its one owner, ``IOConfig.from_deepspeed``
+(DeepSpeed's keys and defaults, validated as a dsio handle accepts them)."""
+
+
+def _parse_aio(block: Any) -> IOConfig:
+    """``IOConfig.from_deepspeed(block)``, its errors as dstrain's `ConfigError` naming ``aio.<key>``."""
+    import dsio
+
+    try:
+        return IOConfig.from_deepspeed(block)
+    except dsio.ConfigError as e:
+        message = str(e)
+        known = [*DEEPSPEED_AIO_DEFAULTS, "thread_count", *(f.name for f in dataclasses.fields(IOConfig))]
+        if e.field is not None and e.field not in known:  # an unknown key: suggest the closest ones
+            close = difflib.get_close_matches(e.field, known, n=3, cutoff=0.6)
+            if close:
+                message += f"; did you mean {' or '.join(repr(c) for c in close)}?"
+        raise ConfigError(f"aio.{e.field}" if e.field else "aio", message) from e
+
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -65,8 +87,8 @@ class DSConfig:
     """Clip gradients to this global L2 norm (over all partitions); 0 disables clipping."""
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     """ZeRO stage and its communication settings."""
-    aio: AioConfig = field(default_factory=AioConfig)
-    """Async I/O settings handed to dsio by ZeRO-Infinity offload."""
+    aio: IOConfig = field(default_factory=lambda: IOConfig.from_deepspeed(None))
+    """Async I/O settings of the dsio handles that ZeRO-Infinity offload swaps through."""
     steps_per_print: int = 10
     """Log loss scale / LR every this many optimizer steps (rank 0, logging.INFO)."""
     wall_clock_breakdown: bool = False
@@ -120,7 +142,7 @@ class DSConfig:
             ("fp16", FP16Config),
             ("bf16", BF16Config),
             ("zero_optimization", ZeroConfig),
-            ("aio", AioConfig),
+            ("aio", IOConfig),
             ("checkpoint", CheckpointConfig),
             ("pipeline", PipelineConfig),
         ):
@@ -164,12 +186,13 @@ class DSConfig:
             "fp16": FP16Config,
             "bf16": BF16Config,
             "zero_optimization": ZeroConfig,
-            "aio": AioConfig,
             "checkpoint": CheckpointConfig,
             "pipeline": PipelineConfig,
             "optimizer": OptimizerConfig,
             "scheduler": SchedulerConfig,
         }
+        if kwargs.get("aio") is not None:
+            kwargs["aio"] = _parse_aio(kwargs["aio"])
         for name, section in sections.items():
             if name in kwargs and kwargs[name] is not None:
                 kwargs[name] = build(section, kwargs[name], name)

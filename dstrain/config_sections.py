@@ -10,7 +10,6 @@ from dstrain._parse import check_bool, check_choice, check_float, check_int, rej
 from dstrain.errors import ConfigError, NotImplementedConfigError
 
 __all__ = [
-    "AioConfig",
     "BF16Config",
     "CheckpointConfig",
     "FP16Config",
@@ -144,33 +143,6 @@ class ZeroConfig:
             check_bool(p, name, getattr(self, name))
         _check_offload("offload_param", self.offload_param)
         _check_offload("offload_optimizer", self.offload_optimizer)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AioConfig:
-    """``"aio"``: async I/O settings for ZeRO-Infinity swapping through dsio."""
-
-    block_size: int = 1_048_576
-    """Bytes per submitted I/O piece."""
-    queue_depth: int = 8
-    """I/O requests kept in flight per worker."""
-    intra_op_parallelism: int = 1
-    """Worker threads per request (DeepSpeed's older name ``thread_count`` is accepted)."""
-    single_submit: bool = False
-    """Submit one request per syscall."""
-    overlap_events: bool = True
-    """Overlap submission and completion."""
-    use_gds: bool = False
-    """Use GPUDirect Storage for CUDA tensors."""
-
-    _ALIASES: ClassVar[dict[str, str]] = {"thread_count": "intra_op_parallelism"}
-
-    def __post_init__(self) -> None:
-        check_int("aio", "block_size", self.block_size, min_value=512)
-        check_int("aio", "queue_depth", self.queue_depth, min_value=1)
-        check_int("aio", "intra_op_parallelism", self.intra_op_parallelism, min_value=1)
-        for name in ("single_submit", "overlap_events", "use_gds"):
-            check_bool("aio", name, getattr(self, name))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +19,12 @@ from typing import Any
 
 import torch
 
-from dstrain.checkpoint import CheckpointStore, PendingSave, load_rank_state, save_rank_state, snapshot
+from dstrain.checkpoint.state import CountersPart, Part, RngPart, collect, restore
+from dstrain.checkpoint.store import CheckpointStore, PendingSave, load_any, step_name, validate_tag
 from dstrain.config import DSConfig
 from dstrain.dist.comm import CommStatistics
 from dstrain.dist.topology import Topology
-from dstrain.errors import DstrainError
+from dstrain.errors import CheckpointNotFoundError, DstrainError
 from dstrain.optim.clip import clip_grads_, global_grad_norm
 from dstrain.optim.stepper import Stepper
 from dstrain.precision import Precision
@@ -33,7 +35,7 @@ __all__ = ["Engine", "EngineStatistics"]
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 1
+_DEFAULT_TAG = re.compile(r"global_step(\d+)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -281,6 +283,29 @@ class Engine:
         extra = {k: v for k, v in sd.items() if k not in trainable}
         return extra, sd if self.zero.stage < 3 and self.comm.rank == 0 else None
 
+    def checkpoint_parts(self) -> dict[str, Part | None]:
+        """The parts that save and restore their own state, by checkpoint key (see dstrain.checkpoint.state)."""
+        return {
+            "engine": CountersPart(self),
+            "zero": self.zero,
+            "stepper": self.stepper,
+            "precision": self.precision,
+            "lr_scheduler": self.lr_scheduler,
+            "rng": RngPart(),
+        }
+
+    def _where(self, root: Path, tag: str | None, save_latest: bool) -> tuple[Path, int]:
+        """(checkpoint directory, step) of a save: the default tag ``global_step<N>`` is step N of
+        ``save_dir``; any other tag, or ``save_latest=False``, is a checkpoint directory of its own,
+        ``save_dir/<tag>`` (so ``save_dir``'s ``latest`` is left alone)."""
+        tag = tag or f"global_step{self.global_steps}"
+        m = _DEFAULT_TAG.fullmatch(tag)
+        if m is not None and save_latest:
+            return root, int(m.group(1))
+        if not tag or "/" in tag or tag in (".", ".."):
+            raise DstrainError(f"checkpoint tag {tag!r} is not a plain name")
+        return root / tag, self.global_steps
+
     def save_checkpoint(
         self,
         save_dir: str | os.PathLike[str],
@@ -289,48 +314,39 @@ class Engine:
         save_latest: bool = True,
         async_save: bool = False,
     ) -> Path:
-        """Every rank saves its partitions, optimizer state and counters to ``<save_dir>/<tag>``.
+        """Every rank saves its partitions, optimizer state and counters; returns this rank's file.
 
-        With ``async_save`` the state is copied (CPU snapshot) and written on a background thread while
-        training goes on; the save completes (``latest`` updated) at `wait_checkpoint`, or at the next
-        `save_checkpoint`, `load_checkpoint` or `close` (all collective: call them on every rank).
+        ``save_dir`` is a dsio checkpoint directory (``step-<N>/`` per save, ``latest``): with the
+        default tag (``global_step<N>``) the save is step ``global_steps`` of ``save_dir``; a named tag
+        (or ``save_latest=False``) saves into ``save_dir/<tag>/``. With ``async_save`` the call returns
+        once the state is captured and the files are written while training goes on; the save commits
+        at `wait_checkpoint`, or at the next `save_checkpoint`, `load_checkpoint` or `close` (all
+        collective: call them on every rank).
         """
         self.wait_checkpoint()
-        tag = tag or f"global_step{self.global_steps}"
-        extra, full = self._module_states()
-        state = {
-            "format": _FORMAT,
-            "zero": self.zero.state_dict(),
-            "optimizer": self.stepper.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-            "precision": self.precision.state_dict(),
-            "global_steps": self.global_steps,
-            "micro_steps": self.micro_steps,
-            "skipped_steps": self.skipped_steps,
-            "rng": torch.get_rng_state(),
-            "module_extra": extra,
-            "module": full,
-            "client_state": client_state or {},
-        }
-        pending = save_rank_state(
-            self.store,
-            save_dir,
-            tag,
-            snapshot(state) if async_save else state,
-            self.comm,
-            save_latest=save_latest,
-            tag_validation=self.config.checkpoint.tag_validation,
-            background=async_save,
+        directory, step = self._where(Path(save_dir), tag, save_latest)
+        validate_tag(
+            str(directory / step_name(step)), self.topology.world, self.config.checkpoint.tag_validation
         )
+        extra, full = self._module_states()
+        state = collect(
+            self.checkpoint_parts(),
+            {
+                "module_extra": extra,
+                "module": full,
+                "client_state": client_state or {},
+            },
+        )
+        pending = self.store.save(directory, step, state, self.topology.world, background=async_save)
         if async_save:
             self._pending_save = pending
             return pending.path
-        return pending.commit()
+        return pending.wait()
 
     def wait_checkpoint(self) -> Path | None:
         """Finish an asynchronous save (a collective); returns its file, or None when none was pending."""
         pending, self._pending_save = self._pending_save, None
-        return pending.commit() if pending is not None else None
+        return pending.wait() if pending is not None else None
 
     def load_checkpoint(
         self,
@@ -339,28 +355,36 @@ class Engine:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
     ) -> tuple[Path, dict[str, Any]]:
-        """Restore what `save_checkpoint` wrote (same stage and world size); returns (path, client_state)."""
+        """Restore what `save_checkpoint` wrote (same stage and world size); returns (path, client_state).
+
+        ``tag`` None loads ``load_dir``'s latest step; a tag that names a directory ``load_dir/<tag>``
+        loads that directory's latest; ``global_step<N>`` loads step N of ``load_dir``.
+        """
         self.wait_checkpoint()
-        path, state = load_rank_state(self.store, load_dir, tag, self.comm)
-        if state.get("format") != _FORMAT:
-            raise DstrainError(f"{path}: unknown checkpoint format {state.get('format')!r}")
-        saved = state["zero"]
-        if saved["stage"] != self.zero.stage or saved["world_size"] != self.comm.world_size:
+        root = Path(load_dir)
+        directory, step = root, None
+        if tag is not None:
+            m = _DEFAULT_TAG.fullmatch(tag)
+            if (root / tag).is_dir() and "/" not in tag:
+                directory = root / tag
+            elif m is not None:
+                step = int(m.group(1))
+            else:
+                raise CheckpointNotFoundError(f"no checkpoint tagged {tag!r} in {root}")
+        path, state = load_any(self.store, directory, step, self.topology.world)
+        saved = state.get("zero") or {}
+        if saved.get("stage") != self.zero.stage or saved.get("world_size") != self.comm.world_size:
             raise DstrainError(
-                f"{path} was saved at ZeRO stage {saved['stage']} with world size {saved['world_size']}; "
+                f"{path} was saved at ZeRO stage {saved.get('stage')} with world size {saved.get('world_size')}; "
                 f"this engine runs stage {self.zero.stage} with world size {self.comm.world_size}"
             )
-        self.zero.load_state_dict(saved)
-        if load_optimizer_states:
-            self.stepper.load_state_dict(state["optimizer"])
-        if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.precision.load_state_dict(state["precision"])
+        skip = set()
+        if not load_optimizer_states:
+            skip.add("stepper")
+        if not load_lr_scheduler_states:
+            skip.add("lr_scheduler")
+        restore(self.checkpoint_parts(), state, where=str(path), skip=skip)
         self.module.load_state_dict(state["module_extra"], strict=False)
-        self.global_steps = int(state["global_steps"])
-        self.micro_steps = int(state["micro_steps"])
-        self.skipped_steps = int(state["skipped_steps"])
-        torch.set_rng_state(state["rng"])
         return path, state["client_state"]
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -368,6 +392,7 @@ class Engine:
     def close(self) -> None:
         """Finish a pending asynchronous save, remove the ZeRO strategy's hooks (the model keeps its weights)."""
         self.wait_checkpoint()
+        self.store.close()  # releases the directories' writer locks
         self.stepper.close()
         self.zero.close()
 

@@ -130,6 +130,9 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"aio": {"block_size": 100}}, "aio.block_size"),
     ({"aio": {"queue_depth": 0}}, "aio.queue_depth"),
     ({"aio": {"single_submit": 1}}, "aio.single_submit"),
+    # DeepSpeed accepts 512; a dsio handle needs a power of two >= 4096: refused when parsed, not later
+    ({"aio": {"block_size": 512}}, "aio.block_size"),
+    ({"aio": {"block_size": 12288}}, "aio.block_size"),
     ({"checkpoint": {"tag_validation": "Maybe"}}, "checkpoint.tag_validation"),
 ]
 
@@ -244,6 +247,10 @@ def test_full_deepspeed_config_from_json_file(tmp_path: Any) -> None:
     assert cfg.precision == "bf16" and cfg.bf16.enabled
     assert cfg.zero_optimization.stage == 3 and cfg.zero_optimization.reduce_bucket_size == 5e7
     assert cfg.aio.intra_op_parallelism == 2
+    # the "aio" block is dsio's IOConfig, parsed by its one owner
+    import dsio
+
+    assert cfg.aio == dsio.IOConfig.from_deepspeed(ds["aio"])
     assert cfg.optimizer is not None and cfg.optimizer.name == "AdamW"
     assert cfg.checkpoint.tag_validation == "Fail" and cfg.seed == 42
 

@@ -1,0 +1,93 @@
+"""What an engine checkpoint holds: one entry per part of the engine, under that part's own key.
+
+    {"format": 2,
+     "engine": {"global_steps", "micro_steps", "skipped_steps"},
+     "zero": ZeroStrategy.state_dict(),      # this rank's master partitions
+     "stepper": Stepper.state_dict(),        # optimizer state (an offloading stepper: its own entries)
+     "precision": ..., "lr_scheduler": ... or None, "rng": {"torch": ...},
+     "module_extra": buffers and frozen parameters, "module": full state dict (rank 0, stages 0-2) or None,
+     "client_state": {...}}
+
+Each part saves and restores itself (`Part`); the engine only lists its parts. A part whose state lives
+in files (an offloaded optimizer) can later contribute entries that are streamed from those files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from dstrain.errors import DstrainError
+
+__all__ = ["FORMAT", "CountersPart", "Part", "RngPart", "collect", "restore"]
+
+FORMAT = 2
+"""Version of the layout above (1 was the single-dict layout of dstrain's own commit protocol)."""
+
+
+class Part(Protocol):
+    """Anything that contributes its state to a checkpoint."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class RngPart:
+    """torch's CPU generator (and the current CUDA device's, where there is one)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+class CountersPart:
+    """The engine's step counters (read from and written to the engine's attributes)."""
+
+    NAMES = ("global_steps", "micro_steps", "skipped_steps")
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    def state_dict(self) -> dict[str, int]:
+        return {n: int(getattr(self.owner, n)) for n in self.NAMES}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for n in self.NAMES:
+            setattr(self.owner, n, int(state[n]))
+
+
+def collect(parts: Mapping[str, Part | None], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The checkpoint dict: each part's state under its key (None for an absent part), plus ``extra``."""
+    state: dict[str, Any] = {"format": FORMAT}
+    for key, part in parts.items():
+        state[key] = part.state_dict() if part is not None else None
+    for key, value in extra.items():
+        if key in state:
+            raise ValueError(f"checkpoint entry {key!r} given twice")
+        state[key] = value
+    return state
+
+
+def restore(
+    parts: Mapping[str, Part | None], state: Mapping[str, Any], *, where: str, skip: set[str]
+) -> None:
+    """Hand each part its entry (parts in ``skip``, or absent on either side, are left alone)."""
+    if state.get("format") != FORMAT:
+        raise DstrainError(f"{where}: unknown checkpoint format {state.get('format')!r} (expected {FORMAT})")
+    missing = [k for k, p in parts.items() if p is not None and k not in skip and k not in state]
+    if missing:
+        raise DstrainError(f"{where}: checkpoint lacks the entries {missing}")
+    for key, part in parts.items():
+        if part is None or key in skip or state[key] is None:
+            continue
+        part.load_state_dict(state[key])
