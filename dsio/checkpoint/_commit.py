@@ -22,10 +22,13 @@ half-deleted step that looks committed, and a ``.old.tmp`` is only ever a comple
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointFormatError
@@ -35,6 +38,7 @@ __all__ = [
     "LATEST",
     "LOCK",
     "MANIFEST",
+    "StepVisibleError",
     "commit",
     "committed_steps",
     "read_latest",
@@ -185,35 +189,75 @@ def write_latest(root: str, step: int) -> None:
     _fs.fsync_dir(root)
 
 
+class StepVisibleError(OSError):
+    """The step was renamed into place but that could not be made durable, nor undone: it is
+    listed (committed) although the commit failed."""
+
+
+def _durable_or_undo(root: str, undo: Callable[[], None]) -> None:
+    """fsync ``root`` after a rename that made a step visible; on failure undo the rename, so
+    that the error ("not committed") is true, or say that the step stayed visible."""
+    try:
+        _fs.fsync_dir(root)
+    except OSError as e:
+        try:
+            undo()
+        except OSError:
+            raise StepVisibleError(e.errno, f"step left in place, not confirmed durable: {e.strerror}") from e
+        raise
+
+
+def _dispose(path: str, root: str) -> None:
+    """Move a displaced copy out of the way and delete it; failures only leave garbage (*.tmp)."""
+    doomed = os.path.join(root, _del_name(os.path.basename(path)))
+    try:
+        _fs.rename(path, doomed)
+        _fs.remove_tree(doomed)
+    except OSError:
+        pass
+
+
 def commit(root: str, step: int) -> None:
     """Make ``step-N.tmp`` (its files and manifest fsynced) the committed ``step-N``.
 
-    ``latest`` is not touched here (``write_latest``): a failure after this returns leaves the
-    step committed and listed.
+    Raises (with nothing of the new step visible) when it cannot, or ``StepVisibleError`` when
+    the step is in place but that could not be confirmed nor undone. ``latest`` is not touched
+    here (``write_latest``).
     """
     tmp = os.path.join(root, tmp_name(step))
     final = os.path.join(root, step_name(step))
     _fs.fsync_dir(tmp)
     if not os.path.lexists(final):
         _fs.rename(tmp, final)
-        _fs.fsync_dir(root)
+        _durable_or_undo(root, lambda: _fs.rename(final, tmp))
         return
     # The same step saved again. Atomic where the filesystem can: the old copy ends up as .tmp.
     if _fs.exchange(tmp, final):
-        _fs.fsync_dir(root)
-        doomed = os.path.join(root, _del_name(tmp_name(step)))
-        _fs.rename(tmp, doomed)
-        _fs.remove_tree(doomed)
+        _durable_or_undo(root, lambda: _undo_exchange(tmp, final))
+        _dispose(tmp, root)
         return
     old = os.path.join(root, old_name(step))
     if os.path.lexists(old):  # a stale copy (step-N exists, so it is not the only one)
         _fs.remove_tree(old)
     _fs.rename(final, old)  # still listed and loadable as step N under this name
-    _fs.rename(tmp, final)
-    _fs.fsync_dir(root)
-    doomed = os.path.join(root, _del_name(old_name(step)))
-    _fs.rename(old, doomed)
-    _fs.remove_tree(doomed)
+    try:
+        _fs.rename(tmp, final)
+    except OSError:
+        with contextlib.suppress(OSError):  # else .old.tmp stays listed; the next writer restores it
+            _fs.rename(old, final)
+        raise
+
+    def undo() -> None:
+        _fs.rename(final, tmp)
+        _fs.rename(old, final)
+
+    _durable_or_undo(root, undo)
+    _dispose(old, root)
+
+
+def _undo_exchange(tmp: str, final: str) -> None:
+    if not _fs.exchange(tmp, final):
+        raise OSError(errno.EINVAL, "cannot exchange back", final)
 
 
 def recover(root: str) -> list[str]:

@@ -49,8 +49,9 @@ class CheckpointCommitError(DsioError, OSError):
 
 
 class LatestNotUpdatedError(CheckpointCommitError):
-    """The step IS committed (listed by ``steps()``, loadable with ``load(step=...)``) but the
-    ``latest`` pointer could not be replaced and still names ``previous`` (or nothing).
+    """The step IS committed (listed by ``steps()``, loadable with ``load(step=...)``) but
+    updating the ``latest`` pointer failed (or making the step's rename durable did).
+    ``previous`` is what ``latest`` names after the failure, as read back (None: nothing valid).
 
     ``committed`` is True; retention was skipped for this save.
     """
@@ -61,7 +62,7 @@ class LatestNotUpdatedError(CheckpointCommitError):
         OSError.__init__(
             self,
             err or _errno.EIO,
-            f"step {step} is committed and listed, but 'latest' could not be updated and still names "
+            f"step {step} is committed and listed, but updating 'latest' failed; it names "
             f"{'step ' + str(previous) if previous is not None else 'nothing'}: {detail}",
         )
         self.step = step

@@ -13,7 +13,7 @@ from typing import Any
 import aiofiles.os
 import torch
 
-from .. import metrics as _metrics
+from .. import _registry as _metrics  # the statistics registry, not the Prometheus layer
 from ..config import IOConfig
 from ..errors import CheckpointNotFoundError, ClosedError
 from ..handle import AsyncIOHandle
@@ -380,14 +380,15 @@ class Checkpointer:
             }
             _commit.write_manifest(tmpdir, manifest)
             _commit.commit(self.directory, step)
-        except Exception as e:  # e.g. ENOSPC writing the manifest
+        except _commit.StepVisibleError as e:  # in place and listed after all: say exactly that
+            return ("latest", e.errno, repr(e), _latest_or_none(self.directory))
+        except Exception as e:  # e.g. ENOSPC writing the manifest: nothing of the step is visible
             _remove_quietly(tmpdir)
             return ("failed", getattr(e, "errno", None), f"rank 0 could not commit: {e!r}", None)
-        previous = _latest_or_none(self.directory)
         try:
             _commit.write_latest(self.directory, step)
-        except Exception as e:  # the step is in place and listed: say exactly that
-            return ("latest", getattr(e, "errno", None), repr(e), previous)
+        except Exception as e:  # the step is in place and listed: say so, and what latest names now
+            return ("latest", getattr(e, "errno", None), repr(e), _latest_or_none(self.directory))
         try:
             doomed = _commit.retire(self.directory, self.keep_last, protect={step})
         except OSError as e:  # the new step is committed; old ones stay for the next attempt

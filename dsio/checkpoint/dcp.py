@@ -55,8 +55,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._native import C as _C  # dsio._native is the one module that loads the native core
 from .._bridge import run_sync
+from .._native import C as _C  # dsio._native is the one module that loads the native core
 from ..config import IOConfig
 from ..errors import CheckpointFormatError, ChecksumError
 from ..handle import AsyncIOHandle
