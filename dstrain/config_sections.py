@@ -63,18 +63,6 @@ class BF16Config:
         check_bool("bf16", "enabled", self.enabled)
 
 
-def _check_offload(name: str, value: object) -> None:
-    if value is None:
-        return
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"zero_optimization.{name}", f"expected an object or null, got {value!r}")
-    if value.get("device", "none") not in ("none", None):
-        raise NotImplementedConfigError(
-            f"zero_optimization.{name}.device",
-            f"offload to {value.get('device')!r} is not implemented yet (ZeRO-Infinity is a separate issue)",
-        )
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroConfig:
     """``"zero_optimization"``: which ZeRO stage and how it communicates."""
@@ -99,12 +87,17 @@ class ZeroConfig:
     stage3_max_live_parameters: int = 1_000_000_000
     """Stage 3: gathered (non-persistent) elements allowed before prefetching stops."""
     sub_group_size: int = 1_000_000_000
-    """Accepted for compatibility: it sizes offloaded optimizer sub-groups, and offload is not implemented
-    yet; without offload each param group's partition is stepped as one tensor."""
-    offload_param: dict[str, Any] | None = None
-    """ZeRO-Infinity parameter offload; only ``null`` or ``{"device": "none"}`` is accepted yet."""
-    offload_optimizer: dict[str, Any] | None = None
-    """ZeRO-Infinity optimizer offload; only ``null`` or ``{"device": "none"}`` is accepted yet."""
+    """Elements the optimizer steps as one piece (at most 8M without offload); with optimizer offload,
+    the unit of swapping (shrunk to fit ``offload_pinned_bytes``, logged)."""
+    offload_param: Any = None
+    """ZeRO-Infinity parameter offload (`dstrain.offload.OffloadParamConfig`, from a JSON object or null).
+    Parsed and validated; any device but ``"none"`` raises `NotImplementedConfigError` (not built yet)."""
+    offload_optimizer: Any = None
+    """ZeRO-Infinity optimizer offload, stages 1-3 (`dstrain.offload.OffloadOptimizerConfig`, from a
+    JSON object or null): ``"cpu"`` or ``"nvme"`` (never silently downgraded)."""
+    offload_pinned_bytes: int = 1 << 30
+    """dstrain extension: pinned host memory per rank for every offload swap buffer (dsio's staging
+    included); buffer counts and sizes derive from it, DeepSpeed's buffer_count/buffer_size are hints."""
 
     _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
         "cpu_offload",
@@ -141,8 +134,12 @@ class ZeroConfig:
             check_int(p, name, getattr(self, name), min_value=0)
         for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter"):
             check_bool(p, name, getattr(self, name))
-        _check_offload("offload_param", self.offload_param)
-        _check_offload("offload_optimizer", self.offload_optimizer)
+        from dstrain.offload.config import check_budget, check_stage, parse_offload
+
+        object.__setattr__(self, "offload_param", parse_offload(self.offload_param, "param"))
+        object.__setattr__(self, "offload_optimizer", parse_offload(self.offload_optimizer, "optimizer"))
+        check_budget(self.offload_pinned_bytes)
+        check_stage(self.stage, self.offload_optimizer, self.offload_param)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

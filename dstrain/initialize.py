@@ -135,6 +135,19 @@ def build_stepper(zero: ZeroStrategy, config: DSConfig, client: ClientOptimizer 
     A client callable (``initialize(optimizer=fn)``) is called with ZeRO's param groups and may return
     a torch optimizer or a `Stepper` of its own.
     """
+    zc = config.zero_optimization
+    if zc.offload_optimizer.enabled:  # ZeRO-Infinity: optimizer state on CPU or NVMe (dstrain/offload)
+        from dstrain.offload.build import build_offload_optimizer
+
+        return build_offload_optimizer(
+            zero.param_groups(),
+            zc.offload_optimizer,
+            optimizer_config=config.optimizer,
+            client=client,
+            sub_group_size=zc.sub_group_size,
+            pinned_budget=zc.offload_pinned_bytes,
+            aio=config.aio,
+        )
     if callable(client) and not isinstance(client, torch.optim.Optimizer):
         made = client(zero.param_groups())
         if isinstance(made, torch.optim.Optimizer):

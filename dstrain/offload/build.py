@@ -94,10 +94,10 @@ def build_offload_optimizer(
     return OffloadAdam(
         param_groups,
         device=offload.device,
-        sub_group_size=sub_group_size,
+        sub_group_size=int(sub_group_size),  # JSON may say 1e9
         nvme_path=offload.nvme_path,
-        buffer_count=offload.buffer_count,
-        pinned_budget=pinned_budget,
+        buffer_count=int(offload.buffer_count),
+        pinned_budget=int(pinned_budget),
         io_config=io_config_from(aio) if offload.device == "nvme" else None,
         **settings,
     )

@@ -108,12 +108,13 @@ def plan_sub_groups(
     want = max(1, min(buffer_count, count(size)))
     original = size
     while want * buf(size) > budget:
-        if size == CUT:
+        fit = (budget // want // per_element_bytes) // CUT * CUT  # the largest size that fits
+        if fit < CUT:
             raise ConfigError(
                 "zero_optimization.offload_pinned_bytes",
                 f"{budget} bytes cannot hold {want} swap buffer(s) of the smallest sub-group ({buf(CUT)} bytes)",
             )
-        size = max(CUT, (size // 2) // CUT * CUT)
+        size = min(size - CUT, fit)
         want = max(1, min(buffer_count, count(size)))
     if size != original:
         log.info(
@@ -181,16 +182,22 @@ class OffloadAdam(torch.optim.Optimizer):
         self._subs: list[_SubGroup] = []
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
-                for start in range(0, p.numel(), size):
-                    self._subs.append(_SubGroup(len(self._subs), gi, p, start, min(size, p.numel() - start)))
+                # equal pieces (multiples of CUT) rather than full ones and a sliver
+                pieces = -(-p.numel() // size)
+                piece = align_up(-(-p.numel() // max(pieces, 1)), CUT)
+                for start in range(0, p.numel(), piece):
+                    self._subs.append(_SubGroup(len(self._subs), gi, p, start, min(piece, p.numel() - start)))
         self._budget = pinned_budget
         self._swapper: Swapper | None = None
-        self._slot = 0  # bytes of one of m / v in a buffer
+        self._closed_stats: SwapperStatistics | None = None
         if device == "nvme":
             assert nvme_path is not None
-            self._slot = align_up(size * _F32)
             self._swapper = Swapper(
-                nvme_path, "optimizer", buffer_bytes=2 * self._slot, buffer_count=buffers, io_config=io_config
+                nvme_path,
+                "optimizer",
+                buffer_bytes=2 * align_up(size * _F32),
+                buffer_count=buffers,
+                io_config=io_config,
             )
             if self._swapper.pinned_bytes > pinned_budget:
                 self._swapper.close()
@@ -199,7 +206,7 @@ class OffloadAdam(torch.optim.Optimizer):
                     f"{pinned_budget} bytes cannot hold the swap buffers plus dsio's staging pool",
                 )
             for sg in self._subs:
-                self._swapper.reserve(sg.index, 2 * self._slot)
+                self._swapper.reserve(sg.index, 2 * align_up(sg.numel * _F32))  # m, then v
             self._initialize_files()
         else:
             for sg in self._subs:
@@ -213,7 +220,8 @@ class OffloadAdam(torch.optim.Optimizer):
     # -- swap helpers -------------------------------------------------------------------------
 
     def _views(self, lease: Lease, sg: _SubGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        return lease.view(torch.float32, 0, sg.numel), lease.view(torch.float32, self._slot, sg.numel)
+        v_at = align_up(sg.numel * _F32)
+        return lease.view(torch.float32, 0, sg.numel), lease.view(torch.float32, v_at, sg.numel)
 
     def _initialize_files(self) -> None:
         """Write zeroed state for every sub-group (the file is then fully allocated)."""
@@ -221,14 +229,14 @@ class OffloadAdam(torch.optim.Optimizer):
         futs = []
         for sg in self._subs:
             lease = self._swapper.acquire(sg.index).result()
-            lease.tensor[: 2 * self._slot].zero_()
+            lease.tensor[: 2 * align_up(sg.numel * _F32)].zero_()
             futs.append(self._swapper.store(lease))
         for f in futs:
             f.result()
 
     @property
     def _lookahead(self) -> int:
-        return self._swapper.statistics().buffers if self._swapper is not None else 0
+        return self._swapper._buffers if self._swapper is not None else 0
 
     def _top_up(self, order: list[_SubGroup], pos: int) -> None:
         """Keep reads submitted for the sub-groups after ``pos`` (as many as there are buffers)."""
@@ -348,10 +356,23 @@ class OffloadAdam(torch.optim.Optimizer):
                 entry["exp_avg_sq"].view(-1)[sg.start : sg.start + sg.numel].copy_(v)
         groups = []
         for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params"}
+            # torch's own Adam(W) group keys too: loaded into a torch optimizer, it must keep
+            # stepping with the fused kernel (a group without "fused" falls back to another loop)
+            packed = {**self._torch_keys(), **{k: v for k, v in g.items() if k != "params"}}
             packed["params"] = [index[id(p)] for p in g["params"]]
             groups.append(packed)
         return {"state": state, "param_groups": groups}
+
+    def _torch_keys(self) -> dict[str, Any]:
+        return {
+            "amsgrad": False,
+            "maximize": False,
+            "foreach": None,
+            "capturable": False,
+            "differentiable": False,
+            "fused": True,
+            "decoupled_weight_decay": self.adamw,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load torch's Adam format (from this optimizer or a non-offloaded one)."""
@@ -383,7 +404,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 sg.v.copy_(v)  # type: ignore[union-attr]
             else:
                 lease = self._swapper.acquire(sg.index).result()
-                lease.tensor[: 2 * self._slot].zero_()
+                lease.tensor[: 2 * align_up(sg.numel * _F32)].zero_()
                 vm, vv = self._views(lease, sg)
                 vm.copy_(m)
                 vv.copy_(v)
@@ -395,7 +416,7 @@ class OffloadAdam(torch.optim.Optimizer):
             self._swapper.drain()
 
     def statistics(self) -> OffloadOptimizerStatistics:
-        sw = self._swapper.statistics() if self._swapper is not None else None
+        sw = self._swapper.statistics() if self._swapper is not None else self._closed_stats
         return OffloadOptimizerStatistics(
             device=self.device,
             sub_groups=len(self._subs),
@@ -417,6 +438,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 self._cancel_ahead()
             finally:
                 self._swapper.close()
+                self._closed_stats = self._swapper.statistics()  # counters stay readable after close
                 self._swapper = None
 
     def __del__(self) -> None:

@@ -119,6 +119,7 @@ class Swapper:
         self._io_config = replace(cfg, pool_bytes=STAGING_BYTES, staging_buffer_bytes=STAGING_BYTES)
         self.buffer_bytes = buffer_bytes
         self._pool = PinnedPool(buffer_bytes * buffer_count, buffer_bytes)
+        self._buffers = self._pool.buffers
         self._slots: dict[Hashable, tuple[int, int]] = {}
         self._end = 0
         self._handle = None  # created on the loop thread at first use
@@ -276,7 +277,7 @@ class Swapper:
 
     @property
     def pinned_bytes(self) -> int:
-        return self._pool.buffers * self.buffer_bytes + STAGING_BYTES
+        return self._buffers * self.buffer_bytes + STAGING_BYTES
 
     def statistics(self) -> SwapperStatistics:
         return SwapperStatistics(
@@ -284,7 +285,7 @@ class Swapper:
             path=self.path,
             slots=len(self._slots),
             file_bytes=self._end,
-            buffers=self._pool.buffers,
+            buffers=self._buffers,
             buffer_bytes=self.buffer_bytes,
             pinned_bytes=self.pinned_bytes,
             buffers_in_use=self._in_use,

@@ -195,7 +195,7 @@ UNIMPLEMENTED = [
         "zero_optimization.offload_optimizer.device",
     ),
     (
-        {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}},
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}},
         "zero_optimization.offload_param.device",
     ),
     ({"optimizer": {"type": "OneBitAdam"}}, "optimizer.type"),
