@@ -125,11 +125,12 @@ def read_bounded(fd: int, limit: int, what: str) -> bytes:
     return b"".join(chunks)
 
 
-def open_dir(name: str, *, dir_fd: int | None = None, what: str = "") -> int:
-    """An fd of the directory ``name`` (relative to ``dir_fd``); a symlink or a file is refused."""
+def open_dir(name: str, *, dir_fd: int | None = None, what: str = "", follow: bool = False) -> int:
+    """An fd of the directory ``name`` (relative to ``dir_fd``); a file is refused, and so is a
+    symlink unless ``follow`` (the root the caller named may be one; entries inside may not)."""
     label = what or name
     try:
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        return os.open(name, _DIR_FLAGS & ~(os.O_NOFOLLOW if follow else 0), dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ENOENT:
             raise FileNotFoundError(e.errno, os.strerror(e.errno), label) from None

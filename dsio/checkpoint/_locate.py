@@ -39,7 +39,7 @@ def open_rank_file(root: str, step: int, rank: int, world_size: int) -> OpenedRa
     ``CheckpointMismatchError`` (another world size) or ``CheckpointFormatError``.
     """
     try:
-        root_fd = _fs.open_dir(root, what=root)
+        root_fd = _fs.open_dir(root, what=root, follow=True)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint directory {root}") from None
     try:

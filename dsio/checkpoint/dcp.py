@@ -389,7 +389,7 @@ class DsioStorageReader(StorageReader):
         async with AsyncIOHandle(self.config) as h:
             files: dict[str, Any] = {}
             try:
-                root_fd = _fs.open_dir(self.path, what=self.path)
+                root_fd = _fs.open_dir(self.path, what=self.path, follow=True)
                 try:
                     for req in plan.items:
                         rel = self.storage_data[req.storage_index].relative_path

@@ -117,3 +117,18 @@ def test_single_file_load_of_a_fifo_or_device_does_not_block(tmp_path):
         asyncio.run(C.load(fifo))
     with pytest.raises(dsio.CheckpointFormatError):
         asyncio.run(C.load("/dev/zero"))
+
+
+def test_a_symlinked_root_the_caller_names_is_fine(ckdir, tmp_path):
+    """Only entries inside the directory must not be links; the directory itself may be one."""
+    root, _ = ckdir
+    link = tmp_path / "link-to-run"
+    os.symlink(root, link)
+    assert torch.equal(_load(link)["x"], torch.arange(10.0))
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(3.0)}, storage_writer=C.DsioStorageWriter(tmp_path / "d"))
+    os.symlink(tmp_path / "d", tmp_path / "dlink")
+    back = {"w": torch.zeros(3)}
+    dcp.load(back, storage_reader=C.DsioStorageReader(tmp_path / "dlink"))
+    assert torch.equal(back["w"], torch.arange(3.0))
