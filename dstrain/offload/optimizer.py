@@ -216,6 +216,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self._stall = self._step_s = 0.0
         self._hits = self._misses = 0
         self._count = 0
+        from dstrain.offload.metrics import register_offload
+
+        register_offload(self)  # dstrain_offload_* on dsio's metrics exporter (read at scrape time)
 
     # -- swap helpers -------------------------------------------------------------------------
 
@@ -433,6 +436,9 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Finish writes in flight, free the buffers and delete the swap file."""
+        from dstrain.offload.metrics import unregister_offload
+
+        unregister_offload(self)
         if self._swapper is not None:
             try:
                 self._cancel_ahead()

@@ -186,3 +186,40 @@ def test_close_from_exit_hook_does_not_hang(tmp_path) -> None:
     gc.collect()
     assert not os.path.exists(path)
     assert threading.active_count() <= before + 1  # the shared loop thread may have started
+
+
+def test_offload_metrics_on_dsio_exporter(tmp_path) -> None:
+    """dstrain_offload_* values come from the stepper's statistics at scrape time, and go at close."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from dsio import metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics.register(registry)
+    _, grad, views = _views(9000, 9000)
+    off = OffloadAdam(views, device="nvme", nvme_path=str(tmp_path), sub_group_size=4096, buffer_count=2)
+    for _ in range(2):
+        grad.normal_()
+        off.step()
+    off._swapper.drain()  # type: ignore[union-attr]  # the last writes are behind
+    st = off.statistics()
+    labels = {"rank": "0", "kind": "optimizer"}
+
+    def value(name: str, **extra: str) -> float | None:
+        return registry.get_sample_value(name, {**labels, **extra})
+
+    assert st.swapper is not None
+    assert value("dstrain_offload_swap_bytes_total", direction="write") == st.swapper.written_bytes > 0
+    assert value("dstrain_offload_swap_bytes_total", direction="read") == st.swapper.read_bytes > 0
+    hits, misses = (
+        value("dstrain_offload_prefetch_total", result="hit"),
+        value("dstrain_offload_prefetch_total", result="miss"),
+    )
+    assert hits is not None and misses is not None and hits + misses == 2 * st.sub_groups
+    assert (
+        value("dstrain_offload_pinned_bytes")
+        == st.pinned_bytes
+        <= value("dstrain_offload_pinned_budget_bytes")
+    )
+    assert value("dstrain_offload_stall_seconds_total") == st.stall_seconds
+    off.close()
+    assert value("dstrain_offload_pinned_bytes") is None  # gone with the stepper

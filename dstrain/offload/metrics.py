@@ -1,0 +1,60 @@
+"""``dstrain_offload_*`` metrics: an offloading stepper registered as a source of dsio's one metrics
+mechanism (`dsio._registry.track`); read from `statistics()` snapshots at scrape time only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from dsio._registry import Sample, track, untrack
+
+__all__ = ["register_offload", "samples", "unregister_offload"]
+
+
+def samples(s: Any, rank: int) -> Iterator[Sample]:
+    """Samples of one `OffloadOptimizerStatistics` snapshot (``kind="optimizer"`` label)."""
+    base = {"rank": str(rank), "kind": "optimizer"}
+
+    def counter(name: str, doc: str, value: float, **labels: str) -> Sample:
+        return Sample(name, "counter", float(value), doc, {**base, **labels})
+
+    def gauge(name: str, doc: str, value: float) -> Sample:
+        return Sample(name, "gauge", float(value), doc, base)
+
+    sw = s.swapper
+    if sw is not None:
+        for direction, nbytes, ops in (
+            ("read", sw.read_bytes, sw.reads),
+            ("write", sw.written_bytes, sw.writes),
+        ):
+            yield counter("dstrain_offload_swap_bytes", "Bytes swapped", nbytes, direction=direction)
+            yield counter("dstrain_offload_swap_ops", "Swap transfers", ops, direction=direction)
+        yield gauge(
+            "dstrain_offload_pinned_bytes_in_use",
+            "Pinned swap memory lent out now",
+            sw.buffers_in_use * sw.buffer_bytes,
+        )
+    yield gauge("dstrain_offload_pinned_bytes", "Pinned memory allocated for swapping", s.pinned_bytes)
+    yield gauge("dstrain_offload_pinned_budget_bytes", "offload_pinned_bytes", s.pinned_budget)
+    yield counter(
+        "dstrain_offload_stall_seconds", "Training-thread waits for late swapped-in state", s.stall_seconds
+    )
+    yield counter("dstrain_offload_prefetch", "Sub-groups found swapped in", s.prefetch_hits, result="hit")
+    yield counter("dstrain_offload_prefetch", "Sub-groups found swapped in", s.prefetch_misses, result="miss")
+    yield counter("dstrain_offload_step_seconds", "Time in the offloaded optimizer step", s.step_seconds)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def register_offload(stepper: Any) -> None:
+    """Export ``stepper.statistics()`` as ``dstrain_offload_*`` while it lives (held weakly)."""
+    rank = _rank()
+    track(stepper, kind="offload", namespace="dstrain", describe=lambda snap: samples(snap, rank))
+
+
+def unregister_offload(stepper: Any) -> None:
+    untrack(stepper)
