@@ -1,0 +1,131 @@
+"""1-bit Adam side by side with DeepSpeed 0.16.5's OnebitAdam: per-step losses of one small training run.
+
+Run under torchrun with 2 ranks, once per implementation, and compare the JSON they print:
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 ONEBIT_SRC=/work/onebit_0.16.5 \\
+        /work/ds-venv/bin/torchrun --standalone --nproc_per_node 2 bench/onebit_anchor.py deepspeed 40 10
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 2 bench/onebit_anchor.py dstrain 40 10
+
+ONEBIT_SRC holds DeepSpeed 0.16.5's ``runtime/fp16/onebit/adam.py`` and ``runtime/comm/compressed.py``
+from its source distribution (DeepSpeed removed them after 0.16.5; see shared/anchors/extract_onebit.sh),
+loaded unmodified, with the anchor's two shims: a CPU ``PackbitsBuilder`` (numpy packbits) and an
+all-gather that gives gloo the receive buffers' shape. Both runs: the same model (seed 0), the same
+per-rank data, lr 1e-2, gradients averaged by an all-reduce while the optimizer asks for it (what
+DeepSpeed's engine does until ``freeze_step``). dstrain runs with ``deepspeed_compat=True, fused=False``
+(DeepSpeed's first-step and bias-correction behaviour, per-tensor compression).
+
+``tests/dstrain/fixtures/onebit_deepspeed_0.16.5.json`` was produced by the first command.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _deepspeed_optimizer(params, freeze: int):
+    import deepspeed
+    import deepspeed.ops.op_builder as ob
+
+    class _Packer:
+        @staticmethod
+        def packbits(t, numel, rank):
+            return torch.from_numpy(np.packbits((~torch.signbit(t.reshape(-1)[:numel])).numpy()))
+
+        @staticmethod
+        def unpackbits(buf, numel, rank):
+            return torch.from_numpy(np.unpackbits(buf.reshape(-1)[:numel].numpy())).float().mul_(2).sub_(1)
+
+    class PackbitsBuilder:
+        def load(self):
+            return _Packer()
+
+    ob.PackbitsBuilder = PackbitsBuilder
+    src = os.environ["ONEBIT_SRC"]
+
+    def load(name, path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    import deepspeed.comm as dscomm
+
+    compressed = load("deepspeed.runtime.comm.compressed", os.path.join(src, "compressed.py"))
+
+    class _GlooShapes:
+        def __getattr__(self, name):
+            return getattr(dscomm, name)
+
+        def all_gather(self, tensor_list, tensor, group=None, async_op=False):
+            return dscomm.all_gather(
+                tensor_list, tensor.reshape(tensor_list[0].shape), group=group, async_op=async_op
+            )
+
+    compressed.dist = _GlooShapes()
+    onebit = load("deepspeed_onebit_adam_0165", os.path.join(src, "adam.py"))
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    class Engine:
+        mpu, local_rank = None, 0
+        enable_backward_allreduce = True
+
+    eng = Engine()
+    opt = onebit.OnebitAdam(
+        params, deepspeed=eng, lr=1e-2, freeze_step=freeze, comm_backend_name="compressed"
+    )
+    return opt, lambda: eng.enable_backward_allreduce
+
+
+def _dstrain_optimizer(params, freeze: int):
+    from dstrain.onebit import OneBitAdam
+
+    dist.init_process_group("gloo")
+    opt = OneBitAdam(params, lr=1e-2, freeze_step=freeze, deepspeed_compat=True, fused=False)
+    return opt, opt.reduces_gradients
+
+
+def main() -> None:
+    impl, steps, freeze = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+    build = _deepspeed_optimizer if impl == "deepspeed" else _dstrain_optimizer
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        opt, reduce_grads = build(model.parameters(), freeze)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(100 + rank)
+    w = torch.randn(32, 4, generator=torch.Generator().manual_seed(7))
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(64, 32, generator=g)
+        loss = (model(x) - x @ w).pow(2).mean()
+        loss.backward()
+        if reduce_grads():
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.mul_(1 / world)
+        with contextlib.redirect_stdout(io.StringIO()):
+            opt.step()
+        opt.zero_grad()
+        l_ = loss.detach().clone()
+        dist.all_reduce(l_)
+        losses.append(l_.item() / world)
+    if rank == 0:
+        print(json.dumps({"impl": impl, "steps": steps, "freeze_step": freeze, "losses": losses}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
