@@ -104,11 +104,17 @@ def test_missing_optimizer_is_an_error() -> None:
 
 
 def test_seed_from_config_is_applied() -> None:
-    cfg = base_config(0, world=1, seed=7)
-    dstrain.initialize(model=make_model(), config=cfg)
-    a = torch.rand(3)
-    dstrain.initialize(model=make_model(), config=cfg)
-    assert torch.equal(a, torch.rand(3))
+    # The RNG is left in a different state before each initialize() (make_model() reseeds, so the
+    # disturbance comes after it): only initialize's own seeding can make the draws agree.
+    def draw_after_initialize(seed: int, disturb: int) -> torch.Tensor:
+        model = make_model()
+        torch.rand(disturb)
+        dstrain.initialize(model=model, config=base_config(0, world=1, seed=seed))
+        return torch.rand(3)
+
+    a = draw_after_initialize(7, disturb=5)
+    assert torch.equal(a, draw_after_initialize(7, disturb=11))
+    assert not torch.equal(a, draw_after_initialize(8, disturb=5))  # the seed value matters
 
 
 class _Opt:
