@@ -10,11 +10,20 @@ from _dstrain_helpers import base_config, engine_losses, make_model, world_rank
 
 
 def offload_config(
-    stage: int, device: str, nvme_root: str, *, clip: float = 0.0, sub_group: int | None = None, **zero: Any
+    stage: int,
+    device: str,
+    nvme_root: str,
+    *,
+    clip: float = 0.0,
+    sub_group: int | None = None,
+    bf16: bool = False,
+    **zero: Any,
 ) -> dict[str, Any]:
     """The tiny model's config at ``stage`` with optimizer state on ``device`` (none, cpu, nvme)."""
     world, _ = world_rank()
     cfg = base_config(stage, world=world, micro=2, gradient_clipping=clip)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
     z = cfg["zero_optimization"]
     if device != "none":
         z["offload_optimizer"] = {"device": device}

@@ -27,6 +27,8 @@ def _scenarios(root: str) -> dict[str, dict[str, Any]]:
         out[f"s{stage}_none_clip"] = offload_config(stage, "none", root, clip=0.05, sub_group=1024)
     for stage, device in CLIPPED:
         out[f"s{stage}_{device}_clip"] = offload_config(stage, device, root, clip=0.05, sub_group=1024)
+    for device in ("none", "nvme"):  # bf16 compute, fp32 master in memory, Adam state swapped
+        out[f"s3_{device}_bf16"] = offload_config(3, device, root, sub_group=1024, bf16=True)
     return out
 
 
@@ -79,3 +81,13 @@ def test_nvme_really_swapped(runs: list[dict[str, Any]], stage: int) -> None:
         assert sw.peak_buffers_in_use <= sw.buffers
         assert got["swap_file_exists"]  # the state really was in a file while training
         assert not got["swap_dir_after_close"]  # and the swap directory is deleted at close
+
+
+def test_bf16_bitwise_identical_to_no_offload(runs: list[dict[str, Any]]) -> None:
+    for rank_result in runs:
+        base, got = rank_result["s3_none_bf16"], rank_result["s3_nvme_bf16"]
+        assert got["losses"] == base["losses"]
+        assert all(p.dtype == torch.bfloat16 for p in got["params"])
+        for a, b in zip(got["params"], base["params"], strict=True):
+            assert torch.equal(a, b)
+        assert got["offload"].swapper.writes > 0
