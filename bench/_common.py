@@ -2,14 +2,49 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime as _dt
+import mmap
 import os
 import platform
 import socket
 import statistics
 import subprocess
+import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+#: The checkout: benchmark defaults live under it, never at a machine-specific path.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def scratch_dir() -> str:
+    """Where benchmarks put their files: ``$DSIO_BENCH_DIR``, else ``<checkout>/.bench-tmp``.
+    It must be on the disk being measured (O_DIRECT-capable: not tmpfs)."""
+    return os.environ.get("DSIO_BENCH_DIR") or os.path.join(ROOT, ".bench-tmp")
+
+
+def deepspeed_venv() -> str:
+    """The DeepSpeed reference venv: ``$DSIO_DEEPSPEED_VENV``, else ``<checkout>/.venv-deepspeed``
+    (what ``bench/baselines/setup_deepspeed.sh`` creates by default)."""
+    return os.environ.get("DSIO_DEEPSPEED_VENV") or os.path.join(ROOT, ".venv-deepspeed")
+
+
+def deepspeed_python(explicit: str | None = None) -> str | None:
+    """The DeepSpeed venv's interpreter, or None (after saying why and how to get one) when missing.
+
+    Order: ``explicit`` (a --ds-python flag), ``$DSIO_DEEPSPEED_PYTHON``, ``deepspeed_venv()/bin/python``."""
+    py = (
+        explicit or os.environ.get("DSIO_DEEPSPEED_PYTHON") or os.path.join(deepspeed_venv(), "bin", "python")
+    )
+    if os.path.exists(py):
+        return py
+    print(
+        f"bench: DeepSpeed baseline skipped: {py} does not exist. Build it with "
+        "`bash bench/baselines/setup_deepspeed.sh` (default venv <checkout>/.venv-deepspeed), or point "
+        "DSIO_DEEPSPEED_VENV / DSIO_DEEPSPEED_PYTHON at an existing one.",
+        file=sys.stderr,
+    )
+    return None
 
 
 def drop_caches() -> bool:
@@ -21,6 +56,56 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident_fraction(path: str, offset: int = 0, nbytes: int | None = None) -> float:
+    """Fraction of the file's pages in [offset, offset+nbytes) held in the page cache (mincore)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        start = offset & ~(mmap.PAGESIZE - 1)
+        end = size if nbytes is None else min(size, offset + nbytes)
+        if end <= start:
+            return 0.0
+        length = end - start
+        addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap for mincore failed")
+        try:
+            pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(addr, length, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            return sum(v & 1 for v in bytes(vec)) / pages
+        finally:
+            _libc.munmap(addr, length)
+    finally:
+        os.close(fd)
+
+
+def drop_caches_verified(*paths: str, max_resident: float = 0.01) -> bool:
+    """Drop the page cache and check with mincore that none of ``paths`` is still cached.
+
+    False when the drop was refused (not root) or did not take (more than ``max_resident`` of
+    a file still resident): the caller must then label its reads warm, not cold.
+    """
+    if not drop_caches():
+        return False
+    return all(resident_fraction(p) <= max_resident for p in paths if os.path.exists(p))
 
 
 def machine() -> dict[str, str]:

@@ -1,6 +1,14 @@
 """dsio I/O benchmark against fio and DeepSpeed's DeepNVMe, interleaved rep by rep.
 
-    python bench/io.py [--dir /work/tmp-bench] [--size-gib 1] [--reps 5]
+    python bench/io.py [--dir DIR] [--size-gib 1] [--reps 5] [--skip-tuned]
+    python bench/io.py --read-path [--sizes-mib 512,2048] [--runs 5] [--reps 3]   (issue 17)
+
+Defaults follow the checkout, not this machine: files go to $DSIO_BENCH_DIR (default
+<checkout>/.bench-tmp, which must be on the disk under test), DeepSpeed runs from
+$DSIO_DEEPSPEED_VENV (default <checkout>/.venv-deepspeed, made by
+bench/baselines/setup_deepspeed.sh) or $DSIO_DEEPSPEED_PYTHON; a missing baseline is skipped
+with a message saying how to get it. Reads are "cold" only where the page-cache drop worked and
+mincore confirmed it (root); otherwise they are labelled warm.
 
 Per rep, every method runs once in turn (this disk drifts up to 3x within minutes, see
 shared/ANCHORS.md), so medians and ratios compare methods measured side by side:
@@ -9,7 +17,10 @@ shared/ANCHORS.md), so medians and ratios compare methods measured side by side:
     torch.randn tensor; fio (libaio and io_uring, 1 MiB, QD32, O_DIRECT, end_fsync) and
     DeepSpeed's aio_handle (defaults: 1 MiB, QD128, 1 thread; locked and plain buffers).
   - small ops: 2,000 concurrent 64 KiB and 1 MiB writes and reads at distinct offsets of one
-    file: dsio through an open file and through paths, fio QD1/QD32, DeepSpeed async_* + wait().
+    file: dsio through paths (one open per op, as DeepSpeed's async_* + wait() does: the
+    headline) and through one open file (its own row), fio QD1/QD32 (no end fsync: none of
+    the others flush either).
+  - tuned vs tuned: each side's best of the same small sweep (bench/io_tuned.py).
 Writes are timed to completion of the data transfer; "+fsync" columns add a durable flush.
 Results: bench/results/<date>-<host>-io.md (+ .json, .png).
 """
@@ -31,10 +42,19 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dsio  # noqa: E402
-from bench._common import drop_caches, fmt, fs_of, machine, result_path, summarize  # noqa: E402
+from bench._common import (  # noqa: E402
+    deepspeed_python,
+    drop_caches_verified,
+    fmt,
+    fs_of,
+    machine,
+    result_path,
+    scratch_dir,
+    summarize,
+)
 from bench.baselines import fio  # noqa: E402
 
-DS_PY = os.environ.get("DSIO_DEEPSPEED_PYTHON", "/work/ds-venv/bin/python")
+DS_PY: str | None = None  # set by main() from --ds-python / the environment
 DS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines", "deepspeed_io.py")
 
 Results = dict[str, dict[str, list[float]]]  # method -> case -> values
@@ -51,6 +71,15 @@ def fsync_path(path: str) -> None:
 def unlink(path: str) -> None:
     if os.path.exists(path):
         os.unlink(path)
+
+
+COLD = {"ok": True}  # cleared by the first page-cache drop that fails or does not take
+
+
+def drop(*paths: str) -> None:
+    """Drop the page cache before a read and record whether it verifiably worked."""
+    if not drop_caches_verified(*paths):
+        COLD["ok"] = False
 
 
 # -- dsio --------------------------------------------------------------------------------------
@@ -77,7 +106,7 @@ class DsioRunner:
         t0 = time.perf_counter()
         self.run(self.h.pwrite(buf, path, offset=0))  # in place: an overwrite of existing blocks
         out["overwrite"].append(n / (time.perf_counter() - t0) / 1e9)
-        drop_caches()
+        drop(path)
         t0 = time.perf_counter()
         self.run(self.h.pread(buf, path))
         out["read"].append(n / (time.perf_counter() - t0) / 1e9)
@@ -107,10 +136,10 @@ class DsioRunner:
         k = f"{size // 1024}K"
         unlink(path)
         out[f"ops_write_{k}"].append(self.run(via_file(True)))
-        drop_caches()
+        drop(path)
         out[f"ops_read_{k}"].append(self.run(via_file(False)))
         out[f"ops_write_{k}_path"].append(self.run(via_path(True)))
-        drop_caches()
+        drop(path)
         out[f"ops_read_{k}_path"].append(self.run(via_path(False)))
 
     def close(self) -> None:
@@ -118,11 +147,8 @@ class DsioRunner:
 
 
 # -- DeepSpeed -----------------------------------------------------------------------------------
-def ds_available() -> bool:
-    return os.path.exists(DS_PY)
-
-
 def ds_call(**kw: object) -> dict:
+    assert DS_PY is not None
     args = [DS_PY, DS_SCRIPT]
     for k, v in kw.items():
         if v is True:
@@ -143,7 +169,9 @@ def ds_seq(path: str, size: int, buffer: str, out: dict[str, list[float]]) -> No
     out["write_new"].append(w["gbps"])
     out["write_new_fsync"].append(w["gbps_with_fsync"])
     out["overwrite"].append(ds_call(path=path, size=size, mode="write", buffer=buffer)["gbps"])
-    out["read"].append(ds_call(path=path, size=size, mode="read", buffer=buffer, drop_caches=True)["gbps"])
+    r = ds_call(path=path, size=size, mode="read", buffer=buffer, drop_caches=True)
+    out["read"].append(r["gbps"])
+    COLD["ok"] &= bool(r.get("cold"))
 
 
 def ds_ops(path: str, size: int, count: int, out: dict[str, list[float]]) -> None:
@@ -152,9 +180,9 @@ def ds_ops(path: str, size: int, count: int, out: dict[str, list[float]]) -> Non
     with open(path, "wb") as f:  # sized up front, like fio's layout and dsio's run (same conditions)
         f.truncate(size * count)
     out[f"ops_write_{k}"].append(ds_call(path=path, mode="ops_write", ops=count, op_size=size)["ops_per_s"])
-    out[f"ops_read_{k}"].append(
-        ds_call(path=path, mode="ops_read", ops=count, op_size=size, drop_caches=True)["ops_per_s"]
-    )
+    r = ds_call(path=path, mode="ops_read", ops=count, op_size=size, drop_caches=True)
+    out[f"ops_read_{k}"].append(r["ops_per_s"])
+    COLD["ok"] &= bool(r.get("cold"))
 
 
 # -- fio -------------------------------------------------------------------------------------------
@@ -163,7 +191,7 @@ def fio_seq(path: str, size: int, engine: str, out: dict[str, list[float]]) -> N
     unlink(path)
     out["write_new_fsync"].append(fio.run_fio(path, rw="write", **common)["gbps"])
     out["overwrite"].append(fio.run_fio(path, rw="write", **common)["gbps"])
-    drop_caches()
+    drop(path)
     out["read"].append(fio.run_fio(path, rw="read", **common)["gbps"])
 
 
@@ -172,8 +200,11 @@ def fio_ops(path: str, size: int, count: int, out: dict[str, list[float]]) -> No
     unlink(path)
     for qd in (1, 32):
         common = dict(size=size * count, block_size=size, queue_depth=qd, ioengine="libaio")
-        out[f"ops_write_{k}_qd{qd}"].append(fio.run_fio(path, rw="randwrite", **common)["iops"])
-        drop_caches()
+        # No end fsync: dsio's and DeepSpeed's small-op writes are not flushed either.
+        out[f"ops_write_{k}_qd{qd}"].append(
+            fio.run_fio(path, rw="randwrite", end_fsync=False, **common)["iops"]
+        )
+        drop(path)
         out[f"ops_read_{k}_qd{qd}"].append(fio.run_fio(path, rw="randread", **common)["iops"])
 
 
@@ -184,6 +215,11 @@ SEQ_CASES = [
     ("overwrite", "overwrite"),
     ("read", "read (cold)"),
 ]
+
+
+def seq_cases() -> list[tuple[str, str]]:
+    """SEQ_CASES, with the read labelled warm when the cache drop did not verifiably work."""
+    return [(c, "read (WARM)" if c == "read" and not COLD["ok"] else label) for c, label in SEQ_CASES]
 
 
 def med(res: Results, method: str, case: str) -> float | None:
@@ -197,9 +233,17 @@ def report(res: Results, meta: dict, args: argparse.Namespace) -> str:
     lines.append(
         f"Disk: `{args.dir}` ({fs_of(args.dir)}); {args.reps} interleaved reps; values are median (min-max)."
     )
-    lines.append(f"Sequential size {args.size_gib} GiB. Page cache dropped before every read.")
+    if COLD["ok"]:
+        lines.append(
+            f"Sequential size {args.size_gib} GiB. Page cache dropped (and checked with mincore) before every read."
+        )
+    else:
+        lines.append(
+            f"Sequential size {args.size_gib} GiB. **Reads are WARM**: the page-cache drop failed (not root?) "
+            "or did not take, so read figures include page-cache hits."
+        )
     lines += ["", "## Sequential, GB/s", ""]
-    lines.append("| method | " + " | ".join(c[1] for c in SEQ_CASES) + " |")
+    lines.append("| method | " + " | ".join(c[1] for c in seq_cases()) + " |")
     lines.append("|---" * (len(SEQ_CASES) + 1) + "|")
     for m in res:
         if not any(c in res[m] for c, _ in SEQ_CASES):
@@ -212,7 +256,7 @@ def report(res: Results, meta: dict, args: argparse.Namespace) -> str:
     for m in res:
         if not m.startswith("dsio"):
             continue
-        for c, label in SEQ_CASES:
+        for c, label in seq_cases():
             v = med(res, m, c)
             if v is None:
                 continue
@@ -229,16 +273,20 @@ def report(res: Results, meta: dict, args: argparse.Namespace) -> str:
     lines += ["", "### Op-rate ratios", ""]
     for size in ("64K", "1024K"):
         for kind in ("write", "read"):
-            ours = med(res, "dsio io_uring (default config)", f"ops_{kind}_{size}")
+            # Headline: path per op on both sides (DeepSpeed's async_* opens the file per call).
             ours_path = med(res, "dsio io_uring (default config)", f"ops_{kind}_{size}_path")
+            ours_file = med(res, "dsio io_uring (default config)", f"ops_{kind}_{size}")
             d = med(res, "DeepSpeed aio_handle", f"ops_{kind}_{size}")
             f32 = med(res, "fio libaio", f"ops_{kind}_{size}_qd32")
-            if ours:
-                parts = [f"dsio {size} {kind}: {ours:,.0f}/s (open file), {ours_path or 0:,.0f}/s (paths)"]
+            if ours_path:
+                parts = [f"dsio {size} {kind}, path per op: {ours_path:,.0f}/s"]
                 if d:
-                    parts.append(f"{ours / d:.2f}x DeepSpeed")
+                    parts.append(f"{ours_path / d:.2f}x DeepSpeed (path per op)")
+                lines.append("- " + ", ".join(parts))
+            if ours_file:
+                parts = [f"dsio {size} {kind}, one open file (its own row): {ours_file:,.0f}/s"]
                 if f32:
-                    parts.append(f"{ours / f32:.2f}x fio QD32")
+                    parts.append(f"{ours_file / f32:.2f}x fio QD32 (fio also keeps one file open)")
                 lines.append("- " + ", ".join(parts))
     return "\n".join(lines) + "\n"
 
@@ -249,13 +297,14 @@ def plot(res: Results, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = [m for m in res if any(c in res[m] for c, _ in SEQ_CASES)]
+    cases = seq_cases()
+    methods = [m for m in res if any(c in res[m] for c, _ in cases)]
     fig, ax = plt.subplots(figsize=(12, 5))
     width = 0.8 / max(1, len(methods))
     for i, m in enumerate(methods):
-        vals = [med(res, m, c) or 0 for c, _ in SEQ_CASES]
-        ax.bar([x + i * width for x in range(len(SEQ_CASES))], vals, width, label=m)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(SEQ_CASES))], [c[1] for c in SEQ_CASES])
+        vals = [med(res, m, c) or 0 for c, _ in cases]
+        ax.bar([x + i * width for x in range(len(cases))], vals, width, label=m)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cases))], [c[1] for c in cases])
     ax.set_ylabel("GB/s (median)")
     ax.set_title("1 GiB sequential I/O, interleaved reps")
     ax.legend(fontsize=7, ncol=2)
@@ -263,29 +312,97 @@ def plot(res: Results, png: str) -> None:
     fig.savefig(png, dpi=110)
 
 
+def unaligned_tensor(nbytes: int) -> torch.Tensor:
+    """An ordinary float32 tensor whose memory is NOT 4096-aligned, so it takes the staged path."""
+    t = torch.randn(nbytes // 4 + 1024)
+    skip = 0 if t.data_ptr() % 4096 else 16  # torch returned page-aligned memory: shift by 64 bytes
+    out = t[skip : skip + nbytes // 4]
+    if out.data_ptr() % 4096 == 0:
+        raise RuntimeError("could not make an unaligned tensor for the ordinary-tensor case")
+    return out
+
+
 def main() -> None:
+    global DS_PY
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default="/work/tmp-bench")
+    ap.add_argument(
+        "--dir",
+        default=None,
+        help="scratch folder on the disk under test (default: $DSIO_BENCH_DIR or <checkout>/.bench-tmp)",
+    )
     ap.add_argument("--size-gib", type=float, default=1.0)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=None, help="interleaved reps (default 5; 3 with --read-path)")
     ap.add_argument("--ops", type=int, default=2000)
+    ap.add_argument(
+        "--ds-python",
+        default=None,
+        help="DeepSpeed venv interpreter (default: $DSIO_DEEPSPEED_PYTHON, "
+        "else $DSIO_DEEPSPEED_VENV/bin/python, else <checkout>/.venv-deepspeed/bin/python)",
+    )
     ap.add_argument("--skip-deepspeed", action="store_true")
     ap.add_argument("--skip-fio", action="store_true")
+    ap.add_argument("--skip-tuned", action="store_true", help="skip the tuned-vs-tuned sweep")
+    ap.add_argument("--tuned-reps", type=int, default=2)
+    ap.add_argument("--read-path", action="store_true", help="only the issue-17 read-path matrix")
+    ap.add_argument("--sizes-mib", default="512,2048", help="--read-path tensor sizes")
+    ap.add_argument("--runs", type=int, default=5, help="--read-path: interleaved runs")
+    ap.add_argument("--label", default="", help="appended to the result file names (e.g. under-load)")
     args = ap.parse_args()
+    args.dir = args.dir or scratch_dir()
     os.makedirs(args.dir, exist_ok=True)
-    size = int(args.size_gib * (1 << 30)) // (1 << 20) * (1 << 20)
-    seq_path = os.path.join(args.dir, "seq.bin")
-    ops_path = os.path.join(args.dir, "ops.bin")
+    DS_PY = None if args.skip_deepspeed else deepspeed_python(args.ds_python)
     meta = machine()
     meta["torch"] = torch.__version__
     meta["dsio backends"] = ", ".join(s.name for s in dsio.backend_status() if s.available)
+    if args.read_path:
+        main_read_path(args, meta)
+        return
+    args.reps = args.reps or 5
+    main_io(args, meta)
+
+
+def main_read_path(args: argparse.Namespace, meta: dict) -> None:
+    from bench.io_read_path import report_read_path, run_read_path
+
+    sizes = [int(x) << 20 for x in args.sizes_mib.split(",")]
+    reps = args.reps or 3
+    bar = tqdm(desc="read path", unit="step")
+    t0 = time.perf_counter()
+    data = run_read_path(
+        args.dir,
+        sizes,
+        args.runs,
+        reps,
+        DS_PY,
+        DS_SCRIPT,
+        progress=lambda s: (bar.set_postfix_str(s), bar.update()),
+    )
+    bar.close()
+    header = (
+        f"Disk `{args.dir}` ({fs_of(args.dir)}); {args.runs} runs x {reps} interleaved reps per case; "
+        f"`IOConfig()` defaults; took {time.perf_counter() - t0:.0f} s."
+        + (f" Label: **{args.label}**." if args.label else "")
+    )
+    md = report_read_path(data, meta, header)
+    kind = "io-read-path" + (f"-{args.label}" if args.label else "")
+    with open(result_path(kind), "w") as f:
+        f.write(md)
+    with open(result_path(kind, "json"), "w") as f:
+        json.dump({"meta": meta, "args": vars(args), **data}, f, indent=1)
+    print(md)
+    print(f"written: {result_path(kind)}")
+
+
+def main_io(args: argparse.Namespace, meta: dict) -> None:
+    size = int(args.size_gib * (1 << 30)) // (1 << 20) * (1 << 20)
+    seq_path = os.path.join(args.dir, "seq.bin")
+    ops_path = os.path.join(args.dir, "ops.bin")
 
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     locked = torch.frombuffer(dsio._C.AlignedBuffer(size, True), dtype=torch.uint8)
     locked.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
-    plain = torch.randn(size // 4)  # an ordinary tensor: not 4096-aligned, not locked
-    assert plain.data_ptr() % 4096 != 0 or True
+    plain = unaligned_tensor(size)  # an ordinary tensor: not 4096-aligned, not locked
     ops_buf = torch.frombuffer(dsio._C.AlignedBuffer(args.ops << 20, True), dtype=torch.uint8)
     ops_buf.fill_(7)
 
@@ -296,8 +413,10 @@ def main() -> None:
     for b in backends:
         steps.append((f"dsio {b}, locked buffer", lambda o, b=b: runners[b].seq(locked, seq_path, o)))
         steps.append((f"dsio {b}, ordinary tensor", lambda o, b=b: runners[b].seq(plain, seq_path, o)))
-    use_ds = ds_available() and not args.skip_deepspeed
+    use_ds = DS_PY is not None
     use_fio = fio.fio_available() and not args.skip_fio
+    if not use_fio and not args.skip_fio:
+        print("bench: fio baseline skipped: no working `fio` on PATH (apt-get install fio)", file=sys.stderr)
     if use_ds:
         steps.append(("DeepSpeed aio_handle, locked", lambda o: ds_seq(seq_path, size, "locked", o)))
         steps.append(("DeepSpeed aio_handle, ordinary tensor", lambda o: ds_seq(seq_path, size, "plain", o)))
@@ -331,12 +450,27 @@ def main() -> None:
         unlink(p)
 
     md = report(res, meta, args)
-    out = result_path("io")
+    if not args.skip_tuned:
+        from bench.io_tuned import report_tuned, run_tuned
+
+        with tqdm(desc="tuned sweep", unit="step") as tbar:
+            tuned = run_tuned(
+                args.dir,
+                size,
+                args.tuned_reps,
+                DS_PY,
+                DS_SCRIPT,
+                progress=lambda s: (tbar.set_postfix_str(s), tbar.update()),
+            )
+        md += report_tuned(tuned, size)
+        res["tuned"] = tuned  # type: ignore[assignment]
+    kind = "io" + (f"-{args.label}" if args.label else "")
+    out = result_path(kind)
     with open(out, "w") as f:
         f.write(md)
-    with open(result_path("io", "json"), "w") as f:
-        json.dump({"meta": meta, "results": res}, f, indent=1)
-    plot(res, result_path("io", "png"))
+    with open(result_path(kind, "json"), "w") as f:
+        json.dump({"meta": meta, "cold": COLD["ok"], "results": res}, f, indent=1)
+    plot(res, result_path(kind, "png"))
     print(md)
     print(f"written: {out}")
 

@@ -15,12 +15,19 @@ Modes:
              h.wait(); reports ops/s (and ops/s including an fsync of the file(s)).
   ops_read   the same with h.async_pread.
 
+  serve      keep one handle and one locked buffer of --size bytes (DeepSpeed's own benchmark
+             pattern: the buffer is allocated once) and answer JSON commands, one per stdin line:
+               {"op": "read"|"write", "path": P, "offset": O, "size": N}
+             with one JSON line each: {"ok", "error", "seconds", "gbps", "rc"}. The caller drops
+             the page cache between commands. EOF on stdin ends it.
+
 For read modes a missing or short file is written first (untimed, reported as "prepared").
 Every DeepSpeed message (C++ std::cout included) goes to stderr; stdout carries only the JSON:
   {"ok", "error", "mode", "gbps", "seconds", "gbps_with_fsync", "seconds_with_fsync",
    "ops_per_s", "ops_per_s_with_fsync", "submit_us_per_op", "bytes", "ops", "file_size",
    "prepared", "buffer", "block_size", "queue_depth", "threads", "single_submit",
-   "overlap_events", "deepspeed", "torch"}
+   "overlap_events", "cold", "deepspeed", "torch"}
+"cold" is null unless --drop-caches was given, then whether the drop verifiably worked.
 Fields that do not apply to a mode are null. gbps is decimal (bytes / s / 1e9).
 
 DeepSpeed quirks this script guards against (see shared/ANCHORS.md): a size not a multiple of
@@ -59,10 +66,12 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
+def _drop_caches(*paths: str) -> bool:
+    """Drop the page cache; True only if it worked and mincore shows ``paths`` uncached."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from bench._common import drop_caches_verified  # stdlib only: importable from this venv
+
+    return drop_caches_verified(*paths)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -71,7 +80,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--size", type=int, default=1 << 30, help="bytes for write/read (multiple of 1 MiB advised)"
     )
-    p.add_argument("--mode", choices=("write", "read", "ops_write", "ops_read"), required=True)
+    p.add_argument("--mode", choices=("write", "read", "ops_write", "ops_read", "serve"), required=True)
     p.add_argument("--block-size", type=int, default=MIB, help="aio_handle block_size (default 1 MiB)")
     p.add_argument("--queue-depth", type=int, default=128, help="aio_handle queue_depth (default 128)")
     p.add_argument("--threads", type=int, default=1, help="aio_handle intra_op_parallelism (default 1)")
@@ -102,6 +111,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     out_fd = _redirect_stdout_to_stderr()
+    os.environ["_DSIO_SERVE_FD"] = str(out_fd)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
@@ -126,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "single_submit": args.single_submit,
         "overlap_events": args.overlap_events,
+        "cold": None,
         "deepspeed": None,
         "torch": None,
     }
@@ -148,6 +159,8 @@ def _run(args: argparse.Namespace, result: dict) -> None:
     torch.manual_seed(0)
 
     align = 512 * args.threads
+    if args.mode == "serve":
+        args.buffer = "locked"
     ops_mode = args.mode.startswith("ops_")
     total = args.ops * args.op_size if ops_mode else args.size
     unit = args.op_size if ops_mode else args.size
@@ -178,7 +191,9 @@ def _run(args: argparse.Namespace, result: dict) -> None:
         buf[off : off + n].copy_(chunk[:n])
 
     try:
-        if args.mode == "write":
+        if args.mode == "serve":
+            _serve(h, buf)
+        elif args.mode == "write":
             _write(h, buf, args, result)
         elif args.mode == "read":
             _read(h, buf, args, result)
@@ -187,6 +202,46 @@ def _run(args: argparse.Namespace, result: dict) -> None:
     finally:
         if args.buffer == "locked":
             h.free_cpu_locked_tensor(buf)
+
+
+def _serve(h, buf) -> None:
+    """Answer read/write commands from stdin on the real stdout (see the module docstring)."""
+    import resource
+
+    out = int(os.environ["_DSIO_SERVE_FD"])
+    _emit(out, {"ok": True, "ready": True, "capacity": buf.numel()})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        res: dict = {"ok": False, "error": None, "seconds": None, "gbps": None, "rc": None}
+        try:
+            cmd = json.loads(line)
+            n = int(cmd["size"])
+            if n > buf.numel():
+                raise ValueError(f"size {n} exceeds the buffer ({buf.numel()} bytes)")
+            view = buf[:n]
+            path, off = cmd["path"], int(cmd.get("offset", 0))
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            flt0, ut0, st0 = ru.ru_minflt, ru.ru_utime, ru.ru_stime
+            if cmd["op"] == "read":
+                if os.path.getsize(path) < off + n:  # DeepSpeed would hit a C++ assert
+                    raise ValueError(f"{path} is shorter than {off + n} bytes")
+                t0 = time.perf_counter()
+                rc = h.sync_pread(view, path, off)
+            elif cmd["op"] == "write":
+                t0 = time.perf_counter()
+                rc = h.sync_pwrite(view, path, off)
+            else:
+                raise ValueError(f"unknown op {cmd['op']!r}")
+            dt = time.perf_counter() - t0
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            res.update(seconds=dt, gbps=n / dt / 1e9, rc=rc, ok=rc >= 0)
+            res.update(minflt=ru.ru_minflt - flt0, utime=ru.ru_utime - ut0, stime=ru.ru_stime - st0)
+            if rc < 0:
+                res["error"] = f"DeepSpeed returned {rc}"
+        except Exception as e:
+            res["error"] = f"{type(e).__name__}: {e}"
+        _emit(out, res)
 
 
 def _write(h, buf, args, result) -> None:
@@ -230,7 +285,7 @@ def _prepare(h, buf, path: str, nbytes: int, result: dict) -> None:
 def _read(h, buf, args, result) -> None:
     _prepare(h, buf, args.path, args.size, result)
     if args.drop_caches:
-        _drop_caches()
+        result["cold"] = _drop_caches(args.path)
     t0 = time.perf_counter()
     rc = h.sync_pread(buf, args.path)
     t1 = time.perf_counter()
@@ -260,7 +315,7 @@ def _ops(h, buf, args, result) -> None:
             for i, (p, _) in enumerate(targets):
                 _prepare(h, buf[i * sz : (i + 1) * sz], p, sz, result)
         if args.drop_caches:
-            _drop_caches()
+            result["cold"] = _drop_caches(*{p for p, _ in targets})
     submit = h.async_pread if read else h.async_pwrite
     # Every pending path-based op holds an open fd until wait(): lift the soft fd limit.
     import resource

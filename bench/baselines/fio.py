@@ -11,9 +11,10 @@ Standard library only, so ``bench/io.py`` can import it from any interpreter::
 
 Semantics, so the numbers compare with dsio's and DeepSpeed's:
 
-* Writes run with ``end_fsync=1``: fio fsyncs the file after the last write and its
-  reported runtime (hence ``gbps``/``iops``/``seconds``) includes that fsync, i.e.
-  these are *durable* writes, comparable to "write + fsync" of the other methods.
+* Writes run with ``end_fsync=1`` by default: fio fsyncs the file after the last write and
+  its reported runtime (hence ``gbps``/``iops``/``seconds``) includes that fsync, i.e.
+  these are *durable* writes, comparable to "write + fsync" of the other methods. Pass
+  ``end_fsync=False`` to compare with writes that are not flushed (small-op rates).
 * ``direct=True`` (default) opens with O_DIRECT, like DeepSpeed's aio_handle.
 * A new file is written into fresh blocks: ``fallocate="none"`` (the default here,
   fio's own default is to preallocate) so fio does not reserve the blocks before
@@ -89,6 +90,7 @@ def run_fio(
     direct: bool = True,
     runtime_ops: int | None = None,
     fallocate: str = "none",
+    end_fsync: bool = True,
     timeout_s: float = 600.0,
 ) -> dict:
     """Run one fio job on ``path`` and return its throughput.
@@ -103,6 +105,8 @@ def run_fio(
         direct: O_DIRECT (default True).
         runtime_ops: stop after this many I/Os (fio ``number_ios``); default: all of ``size``.
         fallocate: fio ``fallocate`` mode; "none" (default) leaves a new file unallocated.
+        end_fsync: writes end with an fsync included in the runtime (default). False for
+            comparisons with writes that are not flushed (dsio's and DeepSpeed's small ops).
         timeout_s: kill fio after this long.
 
     Returns:
@@ -146,7 +150,7 @@ def run_fio(
         "--output-format=json",
         f"--output={out_path}",
     ]
-    if is_write:
+    if is_write and end_fsync:
         cmd.append("--end_fsync=1")
     if runtime_ops is not None:
         cmd.append(f"--number_ios={runtime_ops}")

@@ -2,12 +2,17 @@
 # Build a separate venv with DeepSpeed's DeepNVMe (async_io) on a CPU-only machine, as
 # shared/ANCHORS.md describes. Idempotent: re-running skips what is already there.
 #
-#   bash bench/baselines/setup_deepspeed.sh [VENV]      # default VENV=/work/ds-venv
+#   bash bench/baselines/setup_deepspeed.sh [VENV]
+#
+# VENV defaults to $DSIO_DEEPSPEED_VENV, else <checkout>/.venv-deepspeed (where bench/io.py and
+# bench/train.py look for it). Needs libaio-dev (and fio for the fio baseline): installed with
+# apt-get when running as root; otherwise the script stops and says what to install.
 #
 # The pin_memory + async_io JIT build took ~2.5 minutes on 2 cores; it is cached in VENV/torch_extensions.
 set -euo pipefail
 
-VENV="${1:-/work/ds-venv}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+VENV="${1:-${DSIO_DEEPSPEED_VENV:-$ROOT/.venv-deepspeed}}"
 PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="2.13.0"
 DS_VERSION="0.19.8"
@@ -19,11 +24,19 @@ log() { echo "setup_deepspeed: [$(date -u +%H:%M:%S)] $*"; }
 need_apt=()
 dpkg -s libaio-dev >/dev/null 2>&1 || need_apt+=(libaio-dev)
 command -v fio >/dev/null 2>&1 || need_apt+=(fio)
+if [ "$(id -u)" -ne 0 ] && [ "${need_apt[*]}" = "fio" ]; then
+    log "WARNING: fio is not installed and we are not root: the fio baseline will be skipped (sudo apt-get install fio)"
+    need_apt=()
+fi
 if ((${#need_apt[@]})); then
+    # Never sudo behind the user's back: as root install, otherwise say exactly what is missing.
+    [ "$(id -u)" -eq 0 ] || die "missing system packages: ${need_apt[*]}. Not root, so not installing them: \
+run \`sudo apt-get install ${need_apt[*]}\` (or your distribution's equivalent) and re-run this script."
+    command -v apt-get >/dev/null 2>&1 || die "missing system packages: ${need_apt[*]}, and no apt-get here: install them \
+with your package manager and re-run this script."
     log "apt-get install ${need_apt[*]}"
-    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-    $SUDO apt-get update -q || die "apt-get update failed"
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${need_apt[@]}" \
+    apt-get update -q || die "apt-get update failed"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need_apt[@]}" \
         || die "apt-get install ${need_apt[*]} failed"
 fi
 

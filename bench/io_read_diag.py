@@ -1,0 +1,227 @@
+"""Where read time goes (issue 17): one cold read per case, with what the device and the kernel saw.
+
+    python bench/io_read_diag.py [--size-mib 512] [--reps 2] [--strace]
+
+Per case (dsio into a locked / touched / fresh / fresh page-aligned destination, DeepSpeed's
+``aio_handle()`` into its own locked buffer) and rep, page cache dropped and checked first:
+GB/s; minor/major page faults and user/system CPU of the reading process (getrusage); requests
+completed by the device and their mean size (/proc/diskstats deltas); requests in flight at the
+device, sampled every 2 ms (/sys/block/DEV/inflight); dsio's engine counters (request latency
+histogram, pieces, submit/wait syscalls, prefault work). With --strace, the syscall counts of one
+DeepSpeed read and one dsio read (strace -f -c). Prints JSON lines and a markdown summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from statistics import median
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+import dsio  # noqa: E402
+import dsio._transfer as transfer  # noqa: E402
+from bench._common import deepspeed_python, drop_caches_verified, scratch_dir  # noqa: E402
+from bench.io_read_path import DeepSpeedServer, _prepare  # noqa: E402
+
+PREFAULT_DEFAULT = transfer.PREFAULT_MIN_BYTES
+DS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines", "deepspeed_io.py")
+CASES = (
+    "dsio locked",
+    "dsio touched",
+    "dsio fresh",
+    "dsio fresh, prefault off",
+    "dsio fresh aligned",
+    "dsio fresh aligned, prefault off",
+    "DeepSpeed locked",
+)
+
+
+def block_device(path: str) -> str:
+    """The /sys/block name holding ``path`` (the whole disk, for inflight and diskstats)."""
+    st = os.stat(path)
+    link = os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    if os.path.exists(os.path.join(link, "partition")):
+        link = os.path.dirname(link)
+    return os.path.basename(link)
+
+
+def diskstats(dev: str) -> tuple[int, int]:
+    """(reads completed, sectors read) of ``dev``."""
+    with open("/proc/diskstats") as f:
+        for line in f:
+            p = line.split()
+            if p[2] == dev:
+                return int(p[3]), int(p[5])
+    return 0, 0
+
+
+class InflightSampler(threading.Thread):
+    def __init__(self, dev: str) -> None:
+        super().__init__(daemon=True)
+        self.dev, self.samples, self.stop = dev, [], False
+
+    def run(self) -> None:
+        while not self.stop:
+            with open(f"/sys/block/{self.dev}/inflight") as f:
+                self.samples.append(int(f.read().split()[0]))
+            time.sleep(0.002)
+
+
+def measure(case: str, loop, h, ds, path: str, size: int, locked, touched, dev: str) -> dict:
+    cold = drop_caches_verified(path)
+    # The A/B of the prefault thread: the same read with the threshold out of reach.
+    transfer.PREFAULT_MIN_BYTES = 1 << 62 if case.endswith("prefault off") else PREFAULT_DEFAULT
+    if case.startswith("dsio fresh aligned"):
+        dest = torch.frombuffer(dsio._C.AlignedBuffer(size, False), dtype=torch.uint8)
+    elif case.startswith("dsio fresh"):
+        dest = torch.empty(size, dtype=torch.uint8)
+    else:
+        dest = locked if case == "dsio locked" else touched
+    st0 = h._engine.statistics()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    d0 = diskstats(dev)
+    s = InflightSampler(dev)
+    s.start()
+    if case.startswith("DeepSpeed"):
+        r = ds.call("read", path, 0, size)
+        dt, own = r["seconds"], {"minflt": r["minflt"], "utime": r["utime"], "stime": r["stime"]}
+    else:
+        t0 = time.perf_counter()
+        loop.run_until_complete(h.pread(dest, path))
+        dt = time.perf_counter() - t0
+        own = None
+    s.stop = True
+    s.join()
+    d1 = diskstats(dev)
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    st1 = h._engine.statistics()
+    reqs, sectors = d1[0] - d0[0], d1[1] - d0[1]
+    out = {
+        "case": case,
+        "cold": cold,
+        "gbps": size / dt / 1e9,
+        "device_requests": reqs,
+        "device_mean_kib": sectors * 512 / reqs / 1024 if reqs else 0.0,
+        "inflight_median": median(s.samples) if s.samples else 0,
+        "inflight_max": max(s.samples) if s.samples else 0,
+    }
+    if own is not None:
+        out.update(own)
+    else:
+        out.update(
+            minflt=ru1.ru_minflt - ru0.ru_minflt,
+            majflt=ru1.ru_majflt - ru0.ru_majflt,
+            utime=ru1.ru_utime - ru0.ru_utime,
+            stime=ru1.ru_stime - ru0.ru_stime,
+            requests=st1["read"]["ops"] - st0["read"]["ops"],
+            pieces=st1["pieces"] - st0["pieces"],
+            submit_syscalls=st1["submit_syscalls"] - st0["submit_syscalls"],
+            wait_syscalls=st1["wait_syscalls"] - st0["wait_syscalls"],
+            latency_hist_us={
+                f"<{2**i}": b - a
+                for i, (a, b) in enumerate(zip(st0["read"]["latency_hist"], st1["read"]["latency_hist"]))
+                if b - a
+            },
+            piece_latency_hist_us={
+                f"<{2**i}": b - a
+                for i, (a, b) in enumerate(
+                    zip(st0["read"]["piece_latency_hist"], st1["read"]["piece_latency_hist"])
+                )
+                if b - a
+            },
+            prefaulted_mib=(st1["prefault"]["populated_bytes"] - st0["prefault"]["populated_bytes"]) / 2**20,
+            prefault_skipped_mib=(st1["prefault"]["resident_bytes"] - st0["prefault"]["resident_bytes"])
+            / 2**20,
+            prefault_s=(st1["prefault"]["busy_ns"] - st0["prefault"]["busy_ns"]) / 1e9,
+        )
+    return out
+
+
+def strace_counts(ds_py: str | None, path: str, size: int) -> dict[str, str]:
+    """``strace -f -c`` of one DeepSpeed read and one dsio read (locked buffers, cold)."""
+    if shutil.which("strace") is None:
+        return {"note": "strace not installed (apt-get install strace)"}
+    trace = "trace=io_submit,io_getevents,io_uring_enter,pread64,madvise,mincore,mlock"
+    out = {}
+    dsio_code = (
+        "import asyncio, torch, dsio, dsio._C\n"
+        f"b = torch.frombuffer(dsio._C.AlignedBuffer({size}, True), dtype=torch.uint8)\n"
+        "async def m():\n"
+        "    async with dsio.AsyncIOHandle() as h:\n"
+        f"        await h.pread(b, {path!r})\n"
+        "asyncio.run(m())\n"
+    )
+    cmds = {"dsio (IOConfig defaults)": [sys.executable, "-c", dsio_code]}
+    if ds_py:
+        cmds["DeepSpeed aio_handle()"] = [
+            ds_py,
+            DS_SCRIPT,
+            "--path",
+            path,
+            "--size",
+            str(size),
+            "--mode",
+            "read",
+        ]
+    for name, cmd in cmds.items():
+        drop_caches_verified(path)
+        r = subprocess.run(
+            ["strace", "-f", "-c", "-e", trace, *cmd], capture_output=True, text=True, timeout=600
+        )
+        out[name] = "\n".join(
+            line for line in r.stderr.splitlines() if "%" in line or "syscall" in line or line[:1] == " "
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--size-mib", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--ds-python", default=None)
+    ap.add_argument("--strace", action="store_true")
+    args = ap.parse_args()
+    d = args.dir or scratch_dir()
+    os.makedirs(d, exist_ok=True)
+    size = args.size_mib << 20
+    path = os.path.join(d, f"diag-{args.size_mib}.bin")
+    _prepare(path, 0, size)
+    dev = block_device(path)
+    ds_py = deepspeed_python(args.ds_python)
+    ds = DeepSpeedServer(ds_py, DS_SCRIPT, size) if ds_py else None
+    loop = asyncio.new_event_loop()
+    h = dsio.AsyncIOHandle()
+    locked = torch.frombuffer(dsio._C.AlignedBuffer(size, True), dtype=torch.uint8)
+    touched = torch.ones(size, dtype=torch.uint8)
+    rows = []
+    try:
+        for _rep in range(args.reps):
+            for case in CASES:
+                if case.startswith("DeepSpeed") and ds is None:
+                    continue
+                rec = measure(case, loop, h, ds, path, size, locked, touched, dev)
+                print(json.dumps(rec), flush=True)
+                rows.append(rec)
+    finally:
+        loop.run_until_complete(h.aclose())
+        if ds is not None:
+            ds.close()
+    if args.strace:
+        for name, text in strace_counts(ds_py, path, size).items():
+            print(f"\n## strace -f -c: {name}\n{text}")
+    os.unlink(path)
+
+
+if __name__ == "__main__":
+    main()
