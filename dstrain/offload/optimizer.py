@@ -317,6 +317,11 @@ class OffloadAdam(torch.optim.Optimizer):
             self._top_up(self._subs, 0)  # next step's first reads: they run during forward/backward
         self._step_s += time.perf_counter() - t0
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: the gradients are the ZeRO strategy's buffers, zeroed by the engine after
+        every step (torch's version would detach them from the master views)."""
+        return None
+
     def _cancel_ahead(self) -> None:
         """Hand back read-ahead buffers unused (before state is replaced or read another way)."""
         assert self._swapper is not None

@@ -223,3 +223,14 @@ def test_offload_metrics_on_dsio_exporter(tmp_path) -> None:
     assert value("dstrain_offload_stall_seconds_total") == st.stall_seconds
     off.close()
     assert value("dstrain_offload_pinned_bytes") is None  # gone with the stepper
+
+
+def test_zero_grad_keeps_the_gradient_buffers_attached() -> None:
+    master, grad, views = _views(5000, 5000)
+    off = OffloadAdam(views, device="cpu", lr=0.1)
+    grad.fill_(1.0)
+    off.zero_grad()  # a DeepSpeed-style loop may call it; ZeRO owns (and zeroes) the gradients
+    before = master.clone()
+    off.step()
+    assert views[0].grad is not None and not torch.equal(master, before)
+    off.close()
