@@ -7,19 +7,24 @@ after each optimizer step that was not skipped.
 from __future__ import annotations
 
 import math
-from typing import Any
-
-import torch
+from typing import Any, Protocol
 
 from dstrain.config_sections import SchedulerConfig
 
 __all__ = ["LRSchedule", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler"]
 
 
+class HasParamGroups(Protocol):
+    """What a schedule edits: a torch optimizer, or a dstrain `Stepper`."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+
 class LRSchedule:
     """Base: sets every param group's ``lr`` to `lr_at` (or `lr_at` x the group's base LR for ratios)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, last_batch_iteration: int = -1) -> None:
+    def __init__(self, optimizer: HasParamGroups, last_batch_iteration: int = -1) -> None:
         self.optimizer = optimizer
         self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         self.last_batch_iteration = last_batch_iteration
@@ -66,7 +71,7 @@ class WarmupLR(LRSchedule):
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: HasParamGroups,
         warmup_min_lr: float = 0.0,
         warmup_max_lr: float = 0.001,
         warmup_num_steps: int = 1000,
@@ -90,7 +95,7 @@ class WarmupLR(LRSchedule):
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then linear decay to 0 at ``total_num_steps``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, **kwargs: Any) -> None:
+    def __init__(self, optimizer: HasParamGroups, total_num_steps: int, **kwargs: Any) -> None:
         self.total_num_steps = int(total_num_steps)
         super().__init__(optimizer, **kwargs)
 
@@ -107,7 +112,7 @@ class WarmupCosineLR(LRSchedule):
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: HasParamGroups,
         total_num_steps: int,
         warmup_min_ratio: float = 0.0,
         warmup_num_steps: int = 1000,
@@ -141,6 +146,6 @@ _SCHEDULES: dict[str, type[LRSchedule]] = {
 }
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: SchedulerConfig) -> LRSchedule:
+def build_scheduler(optimizer: HasParamGroups, config: SchedulerConfig) -> LRSchedule:
     """The schedule ``config`` names, bound to ``optimizer``."""
     return _SCHEDULES[config.type](optimizer, **config.params)

@@ -57,8 +57,11 @@ def global_grad_norm(sets: Iterable[GradSet], *, agree: Comm | None = None) -> f
     for s in sets:
         key = id(s.comm) if s.comm is not None and s.comm.world_size > 1 else 0
         sq = _local_sq(s.grads)
-        comm, acc = by_comm.get(key, (s.comm if key else None, None))  # type: ignore[arg-type]
-        by_comm[key] = (comm, sq if acc is None else acc + sq.to(acc.device))
+        if key in by_comm:
+            comm, acc = by_comm[key]
+            by_comm[key] = (comm, acc + sq.to(acc.device))
+        else:
+            by_comm[key] = (s.comm if key else None, sq)
     total = 0.0
     for comm, sq in by_comm.values():
         if comm is not None:

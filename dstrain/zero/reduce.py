@@ -91,13 +91,13 @@ class ReductionQueue:
     def __init__(self, limit: int | None = None, keep: int | None = None) -> None:
         self.limit = limit
         self.keep = limit if keep is None else keep
-        self._pending: list[tuple[Handle, Callable[[], None] | None]] = []
+        self._pending: list[tuple[Handle, Callable[[], object] | None]] = []
         self.pushed = 0
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def push(self, handle: Handle, then: Callable[[], None] | None = None) -> None:
+    def push(self, handle: Handle, then: Callable[[], object] | None = None) -> None:
         self._pending.append((handle, then))
         self.pushed += 1
         if self.limit is not None and len(self._pending) > self.limit:
