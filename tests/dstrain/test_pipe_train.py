@@ -250,8 +250,23 @@ def _resume(directory: str) -> dict[str, Any]:
     return {"losses": (cont, resumed), "bitwise": all(torch.equal(got[k], v) for k, v in want.items())}
 
 
+def _half(dtype: str) -> dict[str, Any]:
+    """bf16 / fp16 compute (fp32 master weights): activations and gradients cross stages in that dtype."""
+    module = PipelineModule(mlp_layers(), 2, F.cross_entropy, "uniform", seed_layers=True)
+    cfg = config(4, **{dtype: {"enabled": True}})
+    engine, runner = build_engine(module, cfg)
+    it = iter(mlp_data(12))
+    losses = [engine.train_batch(it).item() for _ in range(3)]
+    st = runner.statistics()
+    sent = st.send_activation or st.send_grad
+    engine.close()
+    return {"losses": losses, "bytes": sent.payload_bytes, "skipped": engine.skipped_steps}
+
+
 def _scenarios(directory: str) -> dict[str, Any]:
     out: dict[str, Any] = {
+        "bf16": _half("bf16"),
+        "fp16": _half("fp16"),
         "resume": _resume(directory),
         "deepspeed": _deepspeed_anchor(),
         "mlp": _train("mlp", 4, 3),
@@ -359,3 +374,18 @@ def test_checkpoint_resume_bitwise(results: list[dict[str, Any]]) -> None:
         cont, resumed = r["resume"]["losses"]
         assert cont == resumed
         assert r["resume"]["bitwise"]
+
+
+def test_bf16_and_fp16(results: list[dict[str, Any]]) -> None:
+    """Half-precision stages send half the bytes of fp32 and train to within 2e-2 of the fp32 losses; the
+    loss (and fp16's skip decision) is the same on both stages."""
+    ref = results[0]["mlp"]["losses"]
+    for dtype in ("bf16", "fp16"):
+        a, b = results[0][dtype], results[1][dtype]
+        assert a["losses"] == b["losses"] and a["skipped"] == b["skipped"]
+        assert a["bytes"] == b["bytes"] == 12 * MB * 32 * 2  # 12 messages of (MB, 32) 2-byte elements
+        assert max(abs(x - y) for x, y in zip(a["losses"], ref, strict=True)) <= 2e-2, (
+            dtype,
+            a["losses"],
+            ref,
+        )
