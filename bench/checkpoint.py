@@ -42,6 +42,9 @@ from dsio.checkpoint._state import flatten
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
+sys.path.insert(0, os.path.dirname(HERE))
+from bench._common import drop_caches_verified, scratch_dir  # noqa: E402
+
 GB = 1e9
 
 
@@ -108,17 +111,13 @@ def nbytes_of(tensors: dict[str, torch.Tensor]) -> int:
 DROPS = {"ok": 0, "failed": 0}
 
 
-def drop_caches() -> bool:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches`` (root only); counted in DROPS. Returns whether it worked."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        DROPS["failed"] += 1
-        return False
-    DROPS["ok"] += 1
-    return True
+def drop_caches(path: str) -> bool:
+    """Drop the page cache (root only) and check with mincore that no file under ``path`` is still cached
+    (bench/_common.drop_caches_verified); counted in DROPS. Returns whether the following read is cold."""
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    ok = drop_caches_verified(*files)
+    DROPS["ok" if ok else "failed"] += 1
+    return ok
 
 
 def loads_cold() -> bool:
@@ -288,7 +287,7 @@ class Bench:
     # loads (cold cache) ----------------------------------------------------------------------------
     async def raw_read(self) -> float:
         path = self.p("raw.bin")
-        drop_caches()
+        drop_caches(path)
         t = time.perf_counter()
         base = torch.empty(self.nbytes + 4096, dtype=torch.uint8)  # fresh memory, as a load needs
         s = (-base.data_ptr()) % 4096
@@ -297,19 +296,19 @@ class Bench:
         return time.perf_counter() - t
 
     async def dsio_load(self) -> float:
-        drop_caches()
+        drop_caches(self.p("ckpt"))
         t = time.perf_counter()
         touch(await self.ckpt.load(self.step))
         return time.perf_counter() - t
 
     async def dsio_load_noverify(self) -> float:
-        drop_caches()
+        drop_caches(self.p("ckpt"))
         t = time.perf_counter()
         touch(await self.ckpt.load(self.step, verify=False))
         return time.perf_counter() - t
 
     async def torch_load(self) -> float:
-        drop_caches()
+        drop_caches(self.p("torch.pt"))
         t = time.perf_counter()
         touch(torch.load(self.p("torch.pt"), weights_only=True))
         return time.perf_counter() - t
@@ -317,7 +316,7 @@ class Bench:
     async def safetensors_load(self) -> float:
         import safetensors.torch as st
 
-        drop_caches()
+        drop_caches(self.p("st.safetensors"))
         t = time.perf_counter()
         touch(st.load_file(self.p("st.safetensors")))
         return time.perf_counter() - t
@@ -330,7 +329,7 @@ class Bench:
         import torch.distributed.checkpoint as dcp
 
         target = self._target()
-        drop_caches()
+        drop_caches(self.p("dcp"))
         t = time.perf_counter()
         dcp.load(target, checkpoint_id=self.p("dcp"))
         touch(target)
@@ -340,7 +339,7 @@ class Bench:
         import torch.distributed.checkpoint as dcp
 
         target = self._target()
-        drop_caches()
+        drop_caches(self.p("dcp_dsio"))
         t = time.perf_counter()
         dcp.load(target, storage_reader=C.DsioStorageReader(self.p("dcp_dsio")))
         touch(target)
@@ -499,7 +498,8 @@ def report(b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse
             "(the virtio disk sits on the host page cache, which cannot be dropped from here)"
             if loads_cold()
             else f"**the page cache could not be dropped ({DROPS['failed']} of "
-            f"{DROPS['failed'] + DROPS['ok']} drops failed: not root), so the loads are WARM reads**"
+            f"{DROPS['failed'] + DROPS['ok']} drops refused (not root) or left the file cached (mincore)), so "
+            "the loads are WARM reads**"
         )
         + " and ends after one byte of every 4 KiB page of every loaded tensor was read (safetensors maps the file "
         "lazily; this makes it pay for its reads like the others). dsio raw write/read: one "
@@ -615,7 +615,12 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default="/var/tmp/dsio-bench-checkpoint", help="working directory (ext4 here)")
+    ap.add_argument(
+        "--dir",
+        default=os.path.join(scratch_dir(), "checkpoint"),
+        help="working directory, on the disk to measure (default: $DSIO_BENCH_DIR/checkpoint, else "
+        "<checkout>/.bench-tmp/checkpoint)",
+    )
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=50304)
