@@ -169,10 +169,23 @@ _OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
     ),
     "adamw": ("lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "fused", "foreach"),
     "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+    # dstrain/onebit: DeepSpeed's names; cuda_aware / comm_backend_name only mattered to its transport
+    "onebitadam": (
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "freeze_step",
+        "cuda_aware",
+        "comm_backend_name",
+        "max_grad_norm",
+        "bias_correction",
+        "deepspeed_compat",
+        "fused",
+    ),
 }
-_OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
+_OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "onebitadam": "OneBitAdam"}
 _OPTIMIZER_UNIMPLEMENTED = (
-    "OneBitAdam",
     "OneBitLamb",
     "ZeroOneAdam",
     "Lamb",
@@ -225,9 +238,21 @@ class OptimizerConfig:
             or not all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in betas)
         ):
             raise ConfigError("optimizer.params.betas", f"expected two numbers in [0, 1), got {betas!r}")
-        for flag in ("amsgrad", "adam_w_mode", "torch_adam", "nesterov", "fused", "foreach"):
+        for flag in (
+            "amsgrad",
+            "adam_w_mode",
+            "torch_adam",
+            "nesterov",
+            "fused",
+            "foreach",
+            "cuda_aware",
+            "bias_correction",
+            "deepspeed_compat",
+        ):
             if flag in self.params:
                 check_bool("optimizer.params", flag, self.params[flag])
+        if "freeze_step" in self.params:
+            check_int("optimizer.params", "freeze_step", self.params["freeze_step"], min_value=1)
 
     @property
     def name(self) -> str:
