@@ -275,9 +275,9 @@ class PipelineModule(nn.Module):
             if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
                 raise TypeError(f"layers[{i}] is neither a LayerSpec, an nn.Module nor callable: {layer!r}")
         if num_stages is None:
-            num_stages = 1 if not dist.is_initialized() else None  # type: ignore[assignment]
-            if num_stages is None:
+            if dist.is_initialized():
                 raise PartitionError("num_stages is required when a process group exists")
+            num_stages = 1
         if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
             raise PartitionError(f"num_stages must be a positive int, got {num_stages!r}")
         if not isinstance(activation_checkpoint_interval, int) or activation_checkpoint_interval < 0:

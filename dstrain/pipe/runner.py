@@ -259,9 +259,12 @@ class PipelineRunner:
             dist.all_reduce(status)
         if error is not None or status[1] > 0:
             self._broken = repr(error) if error is not None else "another rank failed"
-            for c in (self.act_out, self.act_in, self.grad_out, self.grad_in, self.eval_out, self.eval_in):
-                if c is not None:
-                    c.forget()
+            channels: list[Sender | Receiver | None] = [
+                self.act_out, self.act_in, self.grad_out, self.grad_in, self.eval_out, self.eval_in
+            ]  # fmt: skip
+            for channel in channels:
+                if channel is not None:
+                    channel.forget()
             if error is not None:
                 if isinstance(error, PipelineError) or not isinstance(error, Exception):
                     raise error
