@@ -283,11 +283,14 @@ class TorchSaveStore:
             verdicts = _gather(world, None if error is None else f"rank {world.rank}: {error!r}")
             failures = [v for v in verdicts if v is not None]
             commit_error = None
-            if not failures and world.rank == 0:
-                try:
-                    _commit(directory, step, tmp_dir)
-                except OSError as e:
-                    commit_error = f"rank 0 could not commit: {e!r}"
+            if world.rank == 0:
+                if failures:  # nothing is committed: the partial step goes
+                    shutil.rmtree(tmp_dir, ignore_errors=True)
+                else:
+                    try:
+                        _commit(directory, step, tmp_dir)
+                    except OSError as e:
+                        commit_error = f"rank 0 could not commit: {e!r}"
             outcome = _broadcast(world, commit_error)
             if error is not None:
                 raise error

@@ -195,3 +195,21 @@ def test_async_save_captures_the_state_at_the_call(store: str, tmp_path: Path) -
     loaded = other.full_state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in at_save.items())
     other.close()
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_failed_save_commits_nothing_and_keeps_the_previous_step(store: str, tmp_path: Path) -> None:
+    engine, _, _, _ = dstrain.initialize(
+        model=make_model(), config=base_config(1, world=1), checkpoint_store=make_store(store)
+    )
+    engine_losses(engine, 1)
+    engine.save_checkpoint(tmp_path, client_state={"ok": True})
+    engine_losses(engine, 1, start=1)
+    with pytest.raises(Exception):  # noqa: B017 - each store raises its own serialisation error
+        engine.save_checkpoint(tmp_path, client_state={"not storable": (i for i in range(1))})
+    assert not (tmp_path / "step-000000002").exists()
+    assert not list(tmp_path.glob("step-*.tmp"))
+    assert (tmp_path / "latest").read_text().strip() == "step-000000001"
+    _, client = engine.load_checkpoint(tmp_path)
+    assert client == {"ok": True} and engine.global_steps == 1
+    engine.close()
