@@ -26,7 +26,9 @@ def io_config_from(aio: Any) -> Any:
 
     if aio is None or isinstance(aio, IOConfig):
         return aio or IOConfig.from_deepspeed(None)
-    block = dataclasses.asdict(aio) if dataclasses.is_dataclass(aio) else dict(aio)
+    block = (
+        dataclasses.asdict(aio) if dataclasses.is_dataclass(aio) and not isinstance(aio, type) else dict(aio)
+    )
     try:
         return IOConfig.from_deepspeed(block)
     except DsioConfigError as e:

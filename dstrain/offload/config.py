@@ -138,7 +138,8 @@ def parse_offload(value: Mapping[str, Any] | None, kind: str) -> OffloadOptimize
         data["device"] = "none"
     if isinstance(data.get("nvme_path"), os.PathLike):
         data["nvme_path"] = os.fspath(data["nvme_path"])
-    return build(cls, data, prefix)
+    built: OffloadOptimizerConfig | OffloadParamConfig = build(cls, data, prefix)  # type: ignore[assignment]
+    return built
 
 
 def check_stage(stage: int, optimizer: OffloadOptimizerConfig, param: OffloadParamConfig) -> None:
@@ -194,4 +195,4 @@ def check_nvme_path(field: str, path: str) -> bool:
 def check_budget(value: object) -> int:
     """Validate ``zero_optimization.offload_pinned_bytes``."""
     check_int("zero_optimization", "offload_pinned_bytes", value, min_value=1 << 20)
-    return int(value)  # type: ignore[arg-type]
+    return int(value)  # type: ignore[call-overload]

@@ -291,6 +291,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 self._top_up(self._subs, pos + 1)
                 m, v = self._views(lease, sg)
             else:
+                assert sg.m is not None and sg.v is not None
                 m, v = sg.m, sg.v
             p, grad = sg.slices()
             beta1, beta2 = g["betas"]
@@ -343,7 +344,7 @@ class OffloadAdam(torch.optim.Optimizer):
             self._swapper.discard(lease).result()
         return out
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """torch's Adam state-dict format (``exp_avg``, ``exp_avg_sq``, ``step`` per parameter),
         so a checkpoint loads into this optimizer with any offload device, or into torch's."""
         params = [p for g in self.param_groups for p in g["params"]]
@@ -382,7 +383,7 @@ class OffloadAdam(torch.optim.Optimizer):
             "decoupled_weight_decay": self.adamw,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's Adam format (from this optimizer or a non-offloaded one)."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(

@@ -22,8 +22,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Hashable
+from collections.abc import Coroutine, Hashable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -31,6 +32,12 @@ from dsio._bridge import LoopThread, shared_loop
 from dsio.config import IOConfig
 
 __all__ = ["ALIGN", "Lease", "Swapper", "SwapperStatistics", "align_up"]
+
+if TYPE_CHECKING:
+    from dsio.file import AsyncFile
+    from dsio.handle import AsyncIOHandle
+
+T = TypeVar("T")
 
 ALIGN = 4096
 """Slot offsets, slot sizes and buffer sizes are multiples of this (O_DIRECT granule)."""
@@ -122,10 +129,10 @@ class Swapper:
         self._buffers = self._pool.buffers
         self._slots: dict[Hashable, tuple[int, int]] = {}
         self._end = 0
-        self._handle = None  # created on the loop thread at first use
-        self._file = None
+        self._handle: AsyncIOHandle | None = None  # created on the loop thread at first use
+        self._file: AsyncFile | None = None
         self._writing: dict[Hashable, asyncio.Future[None]] = {}
-        self._pending: set[concurrent.futures.Future[object]] = set()
+        self._pending: set[concurrent.futures.Future[Any]] = set()
         self._in_use = self._peak = 0
         self._reads = self._writes = self._read_bytes = self._written_bytes = 0
         self._read_s = self._write_s = self._wait_s = 0.0
@@ -180,7 +187,7 @@ class Swapper:
             if exc is not None:
                 raise exc
 
-    def _submit(self, coro) -> concurrent.futures.Future:  # type: ignore[no-untyped-def]
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         if self._closed:
             coro.close()
             from dsio.errors import ClosedError
@@ -193,14 +200,15 @@ class Swapper:
 
     # -- on the loop thread -------------------------------------------------------------------
 
-    async def _open(self):  # type: ignore[no-untyped-def]
+    async def _open(self) -> AsyncFile:
         if self._file is None:
             from dsio.handle import AsyncIOHandle
 
-            self._handle = AsyncIOHandle(self._io_config)
-            self._file = self._handle.open(self.path, "w+")
-            self._file.truncate(self._end)
-            self._o_direct = self._file.direct
+            handle = AsyncIOHandle(self._io_config)
+            f = handle.open(self.path, "w+")
+            f.truncate(self._end)
+            self._handle, self._file = handle, f
+            self._o_direct = f.direct
         return self._file
 
     async def _acquire(self, key: Hashable, read: bool) -> Lease:
