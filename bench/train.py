@@ -9,7 +9,14 @@ resetting it through /proc/self/clear_refs once the model is built and one warm-
     python bench/train.py                          # all methods, writes bench/results/train-<date>.md
     python bench/train.py --methods ddp,dstrain0 --reps 1 --steps 2 --layers 2   # quick look
 
-DeepSpeed runs only when --ds-python (default /work/ds-venv/bin/python) can ``import deepspeed``.
+DeepSpeed runs only when its interpreter can ``import deepspeed``: ``--ds-python``, else
+``$DSIO_DEEPSPEED_PYTHON``, else ``$DSIO_DEEPSPEED_VENV/bin/python`` (default venv ``<checkout>/.venv-deepspeed``,
+what ``bench/baselines/setup_deepspeed.sh`` builds); a missing one is reported and its methods skipped.
+Per-rank result files go to a temporary folder under ``$DSIO_BENCH_DIR`` (default ``<checkout>/.bench-tmp``).
+
+Every method gets the same ``gradient_clipping`` (``--gradient-clipping``, default 0: none), written into
+the DeepSpeed-style config and applied to DDP/FSDP2 with ``clip_grad_norm_``: DeepSpeed 0.19.8 clips at
+1.0 when the key is absent (see bench/results/train-deepspeed-divergence-2026-11-30.md).
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._common import deepspeed_python, scratch_dir  # noqa: E402
+
 DSTRAIN_METHODS = [f"dstrain{s}" for s in range(4)]
 DS_METHODS = [f"deepspeed{s}" for s in range(4)]
 ALL_METHODS = ["ddp", "fsdp2", *DSTRAIN_METHODS, *DS_METHODS]
@@ -140,6 +151,8 @@ def worker(args: argparse.Namespace) -> None:
         "gradient_accumulation_steps": 1,
         # every method steps torch's fused AdamW (one pass per tensor; 5.5x the default loop on CPU here)
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "fused": True}},
+        # written out: DeepSpeed 0.19.8 clips at 1.0 when the key is absent, the others at nothing
+        "gradient_clipping": args.gradient_clipping,
         # the same ZeRO settings for dstrain and DeepSpeed; 1e7-element buckets are close to DDP's 25 MB
         "zero_optimization": {
             "stage": int(method[-1]) if method[-1].isdigit() else 0,
@@ -158,6 +171,8 @@ def worker(args: argparse.Namespace) -> None:
         def step(idx: torch.Tensor, tgt: torch.Tensor) -> float:
             loss = net(idx, tgt)
             loss.backward()
+            if args.gradient_clipping > 0:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), args.gradient_clipping)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss.item()
@@ -173,6 +188,8 @@ def worker(args: argparse.Namespace) -> None:
         def step(idx: torch.Tensor, tgt: torch.Tensor) -> float:
             loss = model(idx, tgt)
             loss.backward()
+            if args.gradient_clipping > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.gradient_clipping)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss.item()
@@ -224,9 +241,9 @@ def worker(args: argparse.Namespace) -> None:
 # -- orchestration -----------------------------------------------------------------------------
 
 
-def _ds_available(python: str) -> bool:
-    if not Path(python).exists():
-        return False
+def _ds_available(python: str | None) -> bool:
+    if python is None:
+        return False  # deepspeed_python() said why
     probe = subprocess.run(
         [python, "-c", "import deepspeed"], capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"}
     )
@@ -248,8 +265,8 @@ def _launch(python: str, method: str, out: Path, args: argparse.Namespace) -> li
         "--out",
         str(out),
     ]
-    for key in ("layers", "dim", "heads", "vocab", "seq", "batch", "steps"):
-        cmd += [f"--{key}", str(getattr(args, key))]
+    for key in ("layers", "dim", "heads", "vocab", "seq", "batch", "steps", "gradient_clipping"):
+        cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if proc.returncode != 0:
@@ -274,7 +291,8 @@ def report(
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, Python {platform.python_version()}, "
         f"torch {__import__('torch').__version__}.",
         f"Model: GPT-like, {args.layers} layers, d={args.dim}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
-        f"tied head: {first['params'] / 1e6:.1f}M parameters, fp32, torch's fused AdamW for every method. World size {args.world} (gloo, one thread "
+        f"tied head: {first['params'] / 1e6:.1f}M parameters, fp32, torch's fused AdamW for every method, "
+        f"gradient clipping {args.gradient_clipping or 'none'} for every method. World size {args.world} (gloo, one thread "
         f"per rank), micro batch {args.batch} per rank, {args.steps} timed steps after 1 warm-up, {args.reps} reps "
         "interleaved (each in fresh processes).",
         "",
@@ -372,7 +390,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--timeout", type=int, default=900)
-    p.add_argument("--ds-python", default="/work/ds-venv/bin/python")
+    p.add_argument("--gradient-clipping", type=float, default=0.0, help="for every method (0: none)")
+    p.add_argument(
+        "--ds-python",
+        default=None,
+        help="DeepSpeed's interpreter (default $DSIO_DEEPSPEED_PYTHON, else $DSIO_DEEPSPEED_VENV/bin/python, "
+        "else <checkout>/.venv-deepspeed/bin/python)",
+    )
     p.add_argument("--output", default=None, help="markdown path (default bench/results/train-<date>.md)")
     p.add_argument("--from-json", default=None, help="re-render the report of an earlier run's .json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -393,16 +417,18 @@ def main() -> None:
         return
     methods = [m for m in args.methods.split(",") if m]
     skipped = []
-    if any(m in DS_METHODS for m in methods) and not _ds_available(args.ds_python):
+    ds_python = deepspeed_python(args.ds_python) if any(m in DS_METHODS for m in methods) else None
+    if any(m in DS_METHODS for m in methods) and not _ds_available(ds_python):
         skipped = [m for m in methods if m in DS_METHODS]
-        skipped_note = f"{', '.join(skipped)} (no DeepSpeed at {args.ds_python})"
+        skipped_note = f"{', '.join(skipped)} (no importable DeepSpeed at {ds_python or 'the default path'})"
         methods = [m for m in methods if m not in DS_METHODS]
         skipped = [skipped_note]
     results: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in methods}
-    with tempfile.TemporaryDirectory() as tmp:
+    os.makedirs(scratch_dir(), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch_dir()) as tmp:
         for rep in range(args.reps):
             for method in methods:
-                python = args.ds_python if method in DS_METHODS else sys.executable
+                python = ds_python if method in DS_METHODS and ds_python else sys.executable
                 start = time.time()
                 out = _launch(python, method, Path(tmp) / f"{method}-{rep}", args)
                 if out:
