@@ -147,3 +147,23 @@ def test_nvme_offload_runs_buffered_where_o_direct_is_refused(no_odirect_fs) -> 
     off.close()
     assert st.swapper is not None and st.swapper.o_direct is False and st.swapper.reads >= 3 * st.sub_groups
     assert torch.equal(master.detach(), ref.detach())
+
+
+def test_initialize_refuses_a_missing_nvme_path(tmp_path) -> None:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _dstrain_helpers import base_config, make_model
+
+    import dstrain
+
+    cfg = base_config(2, world=1)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path / "nope")}
+    with pytest.raises(ConfigError) as e:
+        dstrain.initialize(model=make_model(), config=cfg)
+    assert e.value.field == "zero_optimization.offload_optimizer.nvme_path"
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    with pytest.raises(NotImplementedConfigError) as e:  # only Adam(W) state is offloaded
+        dstrain.initialize(model=make_model(), config=cfg)
+    assert e.value.field == "optimizer.type"
