@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ._bridge import LoopThread, is_exiting, shared_loop
+from ._gather import first_error, wait_all_futures
 from ._native import native
 from .config import ALIGNMENT, IOConfig
 from .errors import ChecksumError, ClosedError
@@ -204,13 +205,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         If any failed, all are still waited for, then the first failure is raised.
         """
         pending, self._pending = self._pending, []
-        if not pending:
-            return 0
-        concurrent.futures.wait(pending)
-        for f in pending:
-            exc = f.exception()
-            if exc is not None:
-                raise exc
+        wait_all_futures(pending)
         return len(pending)
 
     # -- locked memory -------------------------------------------------------------------------
@@ -282,9 +277,9 @@ async def _close_after(h: AsyncIOHandle, pending: Iterable[concurrent.futures.Fu
     futs = [asyncio.wrap_future(f) for f in pending]
     if futs:
         await asyncio.wait(futs)
-        failed = [f.exception() for f in futs if not f.cancelled() and f.exception() is not None]
-        if failed:
-            log.warning("dsio.compat: %d operation(s) never wait()-ed for failed: %r", len(failed), failed[0])
+        failed = first_error(futs)
+        if failed is not None:
+            log.warning("dsio.compat: an operation never wait()-ed for failed: %r", failed)
     await h.aclose()
 
 

@@ -13,7 +13,7 @@ from ._transfer import FileRef, fsync
 from .errors import ClosedError
 
 if TYPE_CHECKING:
-    from .handle import AsyncIOHandle
+    from ._op import Operations
 
 __all__ = ["AsyncFile"]
 
@@ -31,13 +31,13 @@ class AsyncFile:
     Closing is safe while operations are in flight: the fds close when the last one finishes.
     """
 
-    def __init__(self, handle: AsyncIOHandle, path: str, mode: str) -> None:
+    def __init__(self, ops: Operations, path: str, mode: str) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {', '.join(_MODES)}; got {mode!r}")
-        self._h = handle
+        self._ops = ops
         self.path = path
         self.mode = mode
-        self._ref: FileRef | None = FileRef(path, _MODES[mode], o_direct=handle.config.o_direct)
+        self._ref: FileRef | None = FileRef(path, _MODES[mode], o_direct=ops.config.o_direct)
 
     def _live(self) -> FileRef:
         if self._ref is None:
@@ -55,14 +55,14 @@ class AsyncFile:
         ref = self._live()
         if tensor.is_cuda:
             return int(
-                await self._h._gpu_io().pwrite_file(self, tensor, check_range(offset, n, path=self.path))
+                await self._ops.gpu_io().pwrite_file(self, tensor, check_range(offset, n, path=self.path))
             )
-        h = self._h
-        h._ready()
+        h = self._ops
+        h.ready()
         off = check_range(offset, n, path=self.path)
-        with h._scope(WRITE, n):
-            fut = h._fast(WRITE, ref, ptr, n, off, tensor)
-            await (fut if fut is not None else h._general(WRITE, ref, ptr, n, off, tensor))
+        with h.scope(WRITE, n):
+            fut = h.fast(WRITE, ref, ptr, n, off, tensor)
+            await (fut if fut is not None else h.general(WRITE, ref, ptr, n, off, tensor))
         return n
 
     async def pread(self, tensor: torch.Tensor, offset: int = 0) -> int:
@@ -70,19 +70,19 @@ class AsyncFile:
         ptr, n = as_bytes(tensor)
         ref = self._live()
         if tensor.is_cuda:
-            return int(await self._h._gpu_io().pread_file(self, tensor, check_range(offset, n)))
-        h = self._h
-        h._ready()
+            return int(await self._ops.gpu_io().pread_file(self, tensor, check_range(offset, n)))
+        h = self._ops
+        h.ready()
         off = check_range(offset, n)
-        with h._scope(READ, n):
-            fut = h._fast(READ, ref, ptr, n, off, tensor)
-            await (fut if fut is not None else h._general(READ, ref, ptr, n, off, tensor))
+        with h.scope(READ, n):
+            fut = h.fast(READ, ref, ptr, n, off, tensor)
+            await (fut if fut is not None else h.general(READ, ref, ptr, n, off, tensor))
         return n
 
     async def fsync(self) -> None:
         """Make everything written so far durable (data and metadata)."""
-        self._h._ready()
-        await fsync(self._h._disp, self._live())
+        self._ops.ready()
+        await fsync(self._ops.disp, self._live())
 
     def truncate(self, size: int) -> None:
         os.ftruncate(self._live().fd, size)

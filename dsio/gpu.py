@@ -23,14 +23,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._dispatch import READ, WRITE, Dispatcher
+from ._gather import first_error
 from ._native import native
 from ._transfer import FileRef, fsync, transfer
 from .config import ALIGNMENT
 from .errors import BackendUnavailableError
 
 if TYPE_CHECKING:
+    from ._op import Operations
     from .file import AsyncFile
-    from .handle import AsyncIOHandle
 
 __all__ = ["GpuStatus", "GpuIO", "gpu_status"]
 
@@ -72,15 +73,15 @@ def gpu_status() -> GpuStatus:
 class GpuIO:
     """The CUDA half of an ``AsyncIOHandle``; created on the first CUDA tensor it sees."""
 
-    def __init__(self, handle: AsyncIOHandle) -> None:
+    def __init__(self, ops: Operations) -> None:
         if not torch.cuda.is_available():
             raise BackendUnavailableError("a CUDA tensor was given but torch sees no CUDA device here")
-        self._h = handle
+        self._ops = ops
         self._C = native()
         st = gpu_status()
         if st.driver != "ok":
             raise BackendUnavailableError(f"CUDA driver unavailable: {st.driver}")
-        want = handle.config.gpu_backend
+        want = ops.config.gpu_backend
         if want == "cufile" and not st.cufile:
             raise BackendUnavailableError(
                 f"gpu_backend='cufile' but libcufile is unusable: {st.cufile_reason}"
@@ -94,7 +95,7 @@ class GpuIO:
         if self.backend == "cufile":
             from ._backends import open_engine
 
-            eng = open_engine(handle.config, backend="cufile")
+            eng = open_engine(ops.config, backend="cufile")
             self._cudisp = Dispatcher(eng)
         self.bytes = {"bounce": 0, "cufile": 0}
 
@@ -106,7 +107,7 @@ class GpuIO:
 
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset is None else 0)
         off = 0 if offset is None else check_range(offset, tensor.nbytes, path=path)
-        ref = FileRef(os.fspath(path), flags, o_direct=self._h.config.o_direct)
+        ref = FileRef(os.fspath(path), flags, o_direct=self._ops.config.o_direct)
         try:
             if offset is None and tensor.nbytes:
                 os.ftruncate(ref.fd, tensor.nbytes)
@@ -121,7 +122,7 @@ class GpuIO:
         from ._tensor import check_range
         from ._transfer import check_readable
 
-        ref = FileRef(os.fspath(path), os.O_RDONLY, o_direct=self._h.config.o_direct)
+        ref = FileRef(os.fspath(path), os.O_RDONLY, o_direct=self._ops.config.o_direct)
         try:
             check_readable(ref, tensor.nbytes, check_range(offset, tensor.nbytes))
             await self._io(READ, ref, tensor, offset)
@@ -145,8 +146,8 @@ class GpuIO:
         n = tensor.nbytes
         if n == 0:
             return
-        h = self._h
-        h._begin()
+        h = self._ops
+        h.begin()
         ok = False
         try:
             if self.backend == "cufile":
@@ -156,7 +157,7 @@ class GpuIO:
             self.bytes[self.backend] += n
             ok = True
         finally:
-            h._end(op, n, ok)
+            h.end(op, n, ok)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -201,8 +202,8 @@ class GpuIO:
         await fut
 
     async def _bounce(self, op: int, ref: FileRef, tensor: torch.Tensor, offset: int) -> None:
-        h = self._h
-        pool, disp = h._pool, h._disp
+        h = self._ops
+        pool, disp = h.pool, h.disp
         stream = self._stream(tensor.device)
         flat = tensor.reshape(-1).view(torch.uint8)
         n = flat.numel()
@@ -237,19 +238,18 @@ class GpuIO:
                 pos += size
         finally:
             if tasks:
-                await asyncio.wait(tasks)
-        for t in tasks:
-            exc = t.exception()
-            if exc is not None:
-                raise exc
+                await asyncio.wait(tasks)  # every chunk ends before the transfer does
+        exc = first_error(tasks)
+        if exc is not None:
+            raise exc
 
     async def _chunk_write(
         self, copied: asyncio.Future, lease: Any, phase: int, size: int, off: int, ref: FileRef
     ) -> None:
-        h = self._h
+        h = self._ops
         try:
             await copied
-            await transfer(h._disp, h._pool, ref, WRITE, lease.ptr + phase, size, off, lease, h._counters)
+            await transfer(h.disp, h.pool, ref, WRITE, lease.ptr + phase, size, off, lease, h.counters)
         finally:
             lease.release()
 
@@ -263,17 +263,17 @@ class GpuIO:
         chunk: torch.Tensor,
         stream: torch.cuda.Stream,
     ) -> None:
-        h = self._h
+        h = self._ops
         try:
-            await transfer(h._disp, h._pool, ref, READ, lease.ptr + phase, size, off, lease, h._counters)
+            await transfer(h.disp, h.pool, ref, READ, lease.ptr + phase, size, off, lease, h.counters)
             with torch.cuda.stream(stream):
                 chunk.copy_(lease.tensor[phase : phase + size], non_blocking=True)
-            await h._disp.after_stream(stream.cuda_stream)
+            await h.disp.after_stream(stream.cuda_stream)
         finally:
             lease.release()
 
     async def _fsync(self, ref: FileRef) -> None:
-        await fsync(self._h._disp, ref)
+        await fsync(self._ops.disp, ref)
 
     def close(self) -> None:
         if self._cudisp is not None:

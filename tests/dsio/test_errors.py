@@ -76,9 +76,9 @@ async def test_write_failure_is_ioerror_with_errno():
 
 async def test_short_read_detected_by_engine(backend, data_dir, monkeypatch):
     """With the up-front size check bypassed, the engine itself reports the end of file."""
-    import dsio.handle
+    import dsio._op
 
-    monkeypatch.setattr(dsio.handle, "check_readable", lambda *a: None)
+    monkeypatch.setattr(dsio._op, "check_readable", lambda *a: None)
 
     path = os.path.join(data_dir, "s.bin")
     async with dsio.AsyncIOHandle(backend=backend) as h:

@@ -1,0 +1,166 @@
+"""The operation machinery one handle's calls share: engine, dispatcher, pinned pool, counters.
+
+``AsyncIOHandle`` (public, paths), ``AsyncFile`` (one open file) and ``GpuIO`` (CUDA tensors) all
+run their operations through one :class:`Operations`; none of them imports another to reach it.
+Import arrows: handle -> _op, file; file -> _op; gpu -> _op (types only); _op -> gpu only lazily,
+on the first CUDA tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ._backends import open_engine
+from ._dispatch import READ, Dispatcher
+from ._stats import HandleStatistics, IOEngineStatistics
+from ._transfer import FileRef, TransferCounters, check_readable, submit_one, transfer
+from .config import ALIGNMENT, IOConfig
+from .errors import BackendUnavailableError, ClosedError, IOFailedError
+from .pool import PinnedPool
+
+__all__ = ["Operations"]
+
+
+class _OpScope:
+    """``with ops.scope(op, n):`` around one user operation."""
+
+    __slots__ = ("_ops", "_op", "_n")
+
+    def __init__(self, ops: Operations, op: int, n: int) -> None:
+        self._ops, self._op, self._n = ops, op, n
+
+    def __enter__(self) -> None:
+        self._ops.in_flight += 1
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc_type is not None and issubclass(exc_type, IOFailedError):
+            self._ops.errors += 1
+        self._ops.end(self._op, self._n, exc_type is None)
+
+
+class Operations:
+    """What a handle owns to run operations: built from an :class:`IOConfig`, closed once."""
+
+    def __init__(self, cfg: IOConfig) -> None:
+        self.config = cfg
+        self.engine = open_engine(cfg)
+        self.disp = Dispatcher(self.engine)
+        try:
+            self.pool = PinnedPool(cfg.pool_bytes, cfg.staging_buffer_bytes)
+        except BaseException:
+            self.engine.close()
+            raise
+        self.counters = TransferCounters()
+        self.reads = self.writes = self.read_bytes = self.written_bytes = 0
+        self.errors = self.in_flight = 0
+        self._idle_waiters: list[asyncio.Future[None]] = []
+        self._gpu: Any = None
+
+    @property
+    def backend(self) -> str:
+        return str(self.engine.backend)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.disp.closed)
+
+    # -- one operation ----------------------------------------------------------------------
+    def ready(self) -> None:
+        """Raise ``ClosedError`` after close; bind to the running loop on first use."""
+        if self.disp.closed:
+            raise ClosedError("the handle is closed")
+        self.disp.loop()  # raises WrongLoopError from another loop
+
+    def scope(self, op: int, n: int) -> _OpScope:
+        """Accounting of one user operation (in flight, counts, errors) as a cheap context manager."""
+        return _OpScope(self, op, n)
+
+    def fast(self, op: int, ref: FileRef, ptr: int, n: int, off: int, keep: object) -> asyncio.Future | None:
+        """The common case as one O_DIRECT request with no coroutine of its own: memory, offset
+        and length 4096-aligned. None when the transfer needs the general path."""
+        if not ref.direct or n == 0 or (ptr | off | n) & (ALIGNMENT - 1):
+            return None
+        if op == READ:
+            check_readable(ref, n, off)
+        fut = submit_one(self.disp, ref, op, ptr, n, off, keep)
+        self.counters.direct += n
+        return fut
+
+    async def general(self, op: int, ref: FileRef, ptr: int, n: int, off: int, keep: object) -> None:
+        if op == READ:
+            check_readable(ref, n, off)
+        await transfer(self.disp, self.pool, ref, op, ptr, n, off, keep, self.counters)
+
+    def begin(self) -> None:
+        self.in_flight += 1
+
+    def end(self, op: int, n: int, ok: bool) -> None:
+        """Account one finished user operation; wake ``wait_idle()`` once nothing is in flight."""
+        self.in_flight -= 1
+        if op == READ:
+            self.reads += 1
+            self.read_bytes += n if ok else 0
+        else:
+            self.writes += 1
+            self.written_bytes += n if ok else 0
+        if not self.in_flight:
+            for w in self._idle_waiters:
+                if not w.done():
+                    w.set_result(None)
+            self._idle_waiters.clear()
+
+    def gpu_io(self) -> Any:
+        """The CUDA half, created on the first CUDA tensor."""
+        if self._gpu is None:
+            try:
+                from .gpu import GpuIO
+            except ImportError as e:  # pragma: no cover
+                raise BackendUnavailableError(f"CUDA tensor I/O is unavailable: {e}") from e
+            self.ready()
+            self._gpu = GpuIO(self)
+        return self._gpu
+
+    # -- introspection and lifetime ------------------------------------------------------------
+    def statistics(self) -> HandleStatistics:
+        c = self.counters
+        return HandleStatistics(
+            backend=self.backend,
+            reads=self.reads,
+            writes=self.writes,
+            read_bytes=self.read_bytes,
+            written_bytes=self.written_bytes,
+            errors=self.errors,
+            in_flight=self.in_flight,
+            direct_bytes=c.direct,
+            staged_bytes=c.staged,
+            buffered_bytes=c.buffered,
+            engine=IOEngineStatistics._from(self.backend, self.engine.statistics()),
+            pool=self.pool.statistics(),
+        )
+
+    async def wait_idle(self) -> None:
+        """Wait for every operation in flight and every request of cancelled ones."""
+        if self.in_flight:
+            idle = asyncio.get_running_loop().create_future()
+            self._idle_waiters.append(idle)
+            await idle
+        pending = self.disp.futures()
+        if pending:
+            await asyncio.wait(pending)
+
+    def close(self) -> None:
+        """Block until the kernel finishes what is in flight, then free the engine and the pool.
+        The caller closes its open files after ``disp.shutdown()`` (this method does both)."""
+        if self.disp.closed:
+            return
+        self.disp.shutdown()
+
+    def release(self) -> None:
+        """Second half of closing, after open files are closed: GPU half, engine, pool."""
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
+        self.engine.close()
+        # Suspended coroutines may still hold staging buffers; their memory outlives the pool's views.
+        self.pool.close(force=True)
