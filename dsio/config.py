@@ -162,8 +162,8 @@ class IOConfig:
         try:
             return cls(**values)
         except ConfigError as e:
-            key = seen.get(e.field or "", e.field)
-            raise ConfigError(f'"aio".{key}: {e}', field=key) from None
+            where: str | None = seen.get(e.field or "", e.field)
+            raise ConfigError(f'"aio".{where}: {e}', field=where) from None
 
     def to_deepspeed(self) -> dict[str, Any]:
         """This config as a DeepSpeed ``"aio"`` block (the inverse of :meth:`from_deepspeed` for
