@@ -122,7 +122,8 @@ class _Saved:
 class PipelineRunner:
     """Runs this stage's part of every batch.
 
-    ``engine`` provides ``zero`` (``before_backward``/``after_backward``/``loss_prescale``), ``precision``
+    ``engine`` provides ``zero`` (``before_backward``/``after_backward``/``loss_prescale``), ``stepper``
+    (``prepare`` at the boundary backward), ``precision``
     (``scale_loss``, ``cast_inputs``), ``step()`` (one micro-step; the optimizer steps at the boundary) and
     ``is_gradient_accumulation_boundary()``. ``pp_ranks`` are the global ranks of this rank's pipeline group
     (index = stage); ``dp_size`` the data-parallel size; ``tied_groups`` maps each tied key held by more than
@@ -398,6 +399,8 @@ class PipelineRunner:
         start = time.perf_counter()
         engine = self.engine
         boundary = mb == self.micro_batches - 1
+        if boundary:
+            engine.stepper.prepare()  # as Engine.backward: e.g. an offloading stepper starts reading its state
         engine.zero.before_backward(boundary)
         out = state.outputs.pop(b)
         if self.last:

@@ -146,6 +146,8 @@ def _train(kind: str, gas: int, steps: int, **pipe: Any) -> dict[str, Any]:
         dist.all_gather(got, w)
         out["tied_identical"] = torch.equal(got[0], got[1])
     out["stats"] = runner.statistics()
+    out["prepares"] = engine.stepper.statistics().prepares  # one per step, at the boundary backward
+    out["global_steps"] = engine.global_steps
     engine.close()
     return out
 
@@ -295,6 +297,8 @@ def test_pp2_equals_single_process_accumulation_bitwise(results: list[dict[str, 
         for r in results:
             assert r[case]["bitwise"], (case, r[case]["max_param_diff"])
             assert r[case]["losses"] == r[case]["ref_losses"], case  # the same mean loss on every stage
+    for r in results:
+        assert r["mlp"]["prepares"] == r["mlp"]["global_steps"] == 3
     s0, s1 = results[0]["mlp"]["stats"], results[1]["mlp"]["stats"]
     assert s0.peak_live_activations == 2 and s1.peak_live_activations == 1  # 1F1B: S - s in flight
     assert s0.send_activation.messages == 12 and s1.recv_grad is None
