@@ -64,6 +64,7 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("eventfd", &Engine::eventfd)
       .def_property_readonly("backend", &Engine::backend)
+      .def_property_readonly("window_bytes", &Engine::window_bytes)
       .def("statistics", [](const Engine& e) {
         py::dict d;
         d["read"] = op_stats(e.stats[0]);

@@ -39,6 +39,7 @@ Engine::Engine(const std::string& backend, uint64_t block_size, unsigned queue_d
     : backend_name_(backend),
       block_size_(block_size),
       queue_depth_(queue_depth),
+      parallelism_(parallelism),
       single_submit_(single_submit),
       overlap_events_(overlap_events) {
   if (block_size == 0 || queue_depth == 0 || parallelism == 0)

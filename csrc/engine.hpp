@@ -85,6 +85,9 @@ class Engine {
   void close();
   int eventfd() const { return efd_; }
   const std::string& backend() const { return backend_name_; }
+  // Bytes the workers put in flight at once (block_size x queue_depth x workers): the part of a
+  // direct read whose destination the submitting workers fault in themselves, before any I/O.
+  uint64_t window_bytes() const { return block_size_ * queue_depth_ * parallelism_; }
 
   OpStats stats[3];
   // Populates read destinations ahead of the I/O (Python queues ranges; see prefault.hpp).
@@ -115,6 +118,7 @@ class Engine {
   std::string backend_name_;
   uint64_t block_size_;
   unsigned queue_depth_;
+  unsigned parallelism_;
   bool single_submit_, overlap_events_;
   int efd_ = -1;
 

@@ -46,12 +46,20 @@ from ._native import C as _C  # noqa: E402 - loaded on first use, not at import
 PREFAULT_MIN_BYTES = 4 << 20
 
 
-def prefault(disp: Dispatcher, op: int, ptr: int, nbytes: int) -> int:
+def prefault(disp: Dispatcher, op: int, ptr: int, nbytes: int, *, direct: bool = False) -> int:
     """Start populating a read's destination ahead of the I/O; a token for ``cancel_prefault``
-    (0 when nothing was queued: a write, a small read, or a kernel without MADV_POPULATE_WRITE)."""
+    (0 when nothing was queued: a write, a small read, or a kernel without MADV_POPULATE_WRITE).
+
+    ``direct``: the kernel reads straight into this memory. The engine's workers then fault in
+    the first window they submit (block_size x queue_depth x workers) themselves, at once, so
+    the prefault thread starts past it instead of racing them over the same pages.
+    """
     if op != READ or nbytes < PREFAULT_MIN_BYTES:
         return 0
-    return int(disp.engine.prefault(ptr, nbytes))
+    skip = min(nbytes, int(disp.engine.window_bytes)) if direct else 0
+    if nbytes - skip < ALIGNMENT:
+        return 0
+    return int(disp.engine.prefault(ptr + skip, nbytes - skip))
 
 
 def cancel_prefault(disp: Dispatcher, token: int) -> None:
@@ -184,14 +192,14 @@ async def transfer(
         futs.append(f)
 
     # A large read's destination is populated ahead of the I/O and of the staging copies.
-    token = prefault(disp, op, ptr, nbytes)
+    body_len = body_end - body_start
+    token = prefault(disp, op, ptr, nbytes, direct=bool(body_len) and body_ptr % ALIGNMENT == 0)
     try:
         if body_start > offset:
             submit(ref.buffered_fd(), ptr, body_start - offset, offset, None)
         if end > body_end:
             submit(ref.buffered_fd(), ptr + (body_end - offset), end - body_end, body_end, None)
-        counters.buffered += nbytes - (body_end - body_start)
-        body_len = body_end - body_start
+        counters.buffered += nbytes - body_len
         if body_len and body_ptr % ALIGNMENT == 0:
             submit(ref.fd, body_ptr, body_len, body_start, None)
             counters.direct += body_len
@@ -215,7 +223,7 @@ def submit_one(
 
     A large read first queues its destination for prefaulting, cancelled when the kernel is done."""
     ref.acquire()
-    token = prefault(disp, op, ptr, n)
+    token = prefault(disp, op, ptr, n, direct=True)
     fin = ref.done if not token else _then_release(lambda _res: cancel_prefault(disp, token), ref)
     try:
         return disp.submit(op, ref.fd, ptr, n, off, path=ref.path, finalize=fin, keep=keep)
