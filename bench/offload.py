@@ -92,6 +92,9 @@ def worker(args: argparse.Namespace) -> None:
             zero["offload_pinned_bytes"] = args.pinned
     else:
         import deepspeed as lib  # type: ignore[import-not-found,no-redef]
+
+        if mode == "none":  # torch's fused AdamW, as dstrain (offload modes use DeepSpeedCPUAdam)
+            cfg["optimizer"]["params"]["torch_adam"] = True
     t0 = time.perf_counter()
     engine, optimizer, _, _ = lib.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     init_s = time.perf_counter() - t0
