@@ -25,6 +25,7 @@ from dstrain.config import DSConfig
 from dstrain.dist.comm import CommStatistics
 from dstrain.dist.topology import Topology
 from dstrain.errors import CheckpointNotFoundError, DstrainError
+from dstrain.moe.compose import check_expert_layout, expert_layout
 from dstrain.optim.clip import clip_grads_, global_grad_norm
 from dstrain.optim.stepper import Stepper
 from dstrain.precision import Precision
@@ -334,6 +335,7 @@ class Engine:
             {
                 "module_extra": extra,
                 "module": full,
+                "moe": expert_layout(self.module),  # which experts this rank's state holds
                 "client_state": client_state or {},
             },
         )
@@ -378,6 +380,7 @@ class Engine:
                 f"{path} was saved at ZeRO stage {saved.get('stage')} with world size {saved.get('world_size')}; "
                 f"this engine runs stage {self.zero.stage} with world size {self.comm.world_size}"
             )
+        check_expert_layout(state.get("moe"), self.module, str(path))
         skip = set()
         if not load_optimizer_states:
             skip.add("stepper")

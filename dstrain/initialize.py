@@ -22,6 +22,7 @@ from dstrain.checkpoint import CheckpointStore, default_store
 from dstrain.config import DSConfig
 from dstrain.dist.topology import Topology
 from dstrain.engine import Engine
+from dstrain.moe.compose import bind_expert_groups, expert_parallel_size, expert_routes, split_expert_groups
 from dstrain.optim.build import ClientOptimizer, build_optimizer
 from dstrain.optim.stepper import Stepper, TorchStepper
 from dstrain.pipe.compose import attach, pipeline_stages, tied_groups
@@ -63,7 +64,7 @@ def init_distributed(backend: str | None = None) -> bool:
 def build_topology(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLike[str]) -> Topology:
     """The process groups. Pipeline stages (``pp``) and expert parallelism (``ep``) come from the model
     (a pipeline module's stages, its MoE layers' ``ep_size``) when those rooms are in; else 1 and 1."""
-    return Topology.from_world(pp=pipeline_stages(model), ep=1)
+    return Topology.from_world(pp=pipeline_stages(model), ep=expert_parallel_size(model))
 
 
 def _param_groups(module: torch.nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
@@ -92,7 +93,7 @@ def build_routes(groups: list[dict[str, Any]], topology: Topology) -> list[Route
     Default: all-reduce / reduce-scatter over the data-parallel group. MoE routes expert groups over
     ``topology.edp``; 1-bit Adam replaces the reducer.
     """
-    return default_routes(groups, topology.dp)
+    return expert_routes(groups, default_routes(groups, topology.dp), topology)
 
 
 def _place_and_broadcast(
@@ -225,12 +226,13 @@ def initialize(
         init_distributed()
 
     topology = build_topology(model, config)
+    bind_expert_groups(model, topology)  # MoE layers exchange tokens over topology.ep (dstrain/moe)
     cfg = DSConfig.load(config, world_size=topology.dp.world_size)  # batch sizes count data-parallel ranks
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     precision = Precision(cfg.precision, cfg.fp16)
 
-    groups = _param_groups(model, model_parameters)
+    groups = split_expert_groups(_param_groups(model, model_parameters))  # experts: groups of their own
     routes = build_routes(groups, topology)
     _place_and_broadcast(model, groups, routes, topology)
     tied = tied_groups(model, topology) if isinstance(model, PipelineModule) else {}  # before ZeRO copies

@@ -2,7 +2,13 @@
 over all-to-all on the expert group, experts in their own parameter groups."""
 
 from dstrain.moe.dispatch import ExchangeStatistics
-from dstrain.moe.errors import ExchangeMismatchError, ExpertGroupError, MoEConfigError, MoEError
+from dstrain.moe.errors import (
+    ExchangeMismatchError,
+    ExpertGroupError,
+    ExpertLayoutError,
+    MoEConfigError,
+    MoEError,
+)
 from dstrain.moe.experts import is_moe_param
 from dstrain.moe.gate import GateOutput, TopKGate
 from dstrain.moe.layer import (
@@ -16,6 +22,7 @@ __all__ = [
     "ExchangeMismatchError",
     "ExchangeStatistics",
     "ExpertGroupError",
+    "ExpertLayoutError",
     "GateOutput",
     "MoE",
     "MoEConfigError",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dstrain.errors import DstrainError
 
-__all__ = ["ExchangeMismatchError", "ExpertGroupError", "MoEConfigError", "MoEError"]
+__all__ = ["ExchangeMismatchError", "ExpertGroupError", "ExpertLayoutError", "MoEConfigError", "MoEError"]
 
 
 class MoEError(DstrainError):
@@ -36,3 +36,9 @@ class ExchangeMismatchError(MoEError):
     def __init__(self, message: str, values: dict[int, dict[str, int]]) -> None:
         super().__init__(message)
         self.values = values
+
+
+class ExpertLayoutError(MoEError):
+    """`Engine.load_checkpoint` was given a checkpoint whose experts are laid out differently (another
+    ``num_experts``, ``ep_size`` or expert-parallel rank) from this model's; raised before anything is
+    loaded, on every rank whose layout differs."""

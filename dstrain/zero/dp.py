@@ -150,7 +150,16 @@ class DataParallelZero(ZeroStrategy):
 
     def grad_sets(self) -> list[GradSet]:
         # stage 0: every rank holds the whole (all-reduced) gradient; 1-2: its slice over the route
-        return [GradSet([g.master_grad], g.route.comm if self.stage > 0 else None) for g in self.groups]
+        # expert groups: each ep rank holds other experts, so squares add over ep too (over dp once partitioned)
+        return [
+            GradSet(
+                [g.master_grad],
+                (g.route.comm if g.route.expert_comm is None else self.comm)
+                if self.stage > 0
+                else g.route.expert_comm,
+            )
+            for g in self.groups
+        ]
 
     def param_groups(self) -> list[dict[str, Any]]:
         return [{"params": g.views, **g.options} for g in self.groups]

@@ -72,6 +72,9 @@ class Route:
 
     reducer: Reducer
     comm: Comm
+    expert_comm: Comm | None = None
+    """MoE expert groups: the expert-parallel group. Its ranks hold *different* parameters of this group
+    (their experts), so squared gradient norms also add up over it (see ``grad_sets``)."""
 
 
 def default_routes(groups: list[dict[str, Any]], dp: Comm) -> list[Route]:

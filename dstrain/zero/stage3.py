@@ -123,7 +123,11 @@ class Stage3Zero(ZeroStrategy):
         return any(g.route.comm.world_size > 1 for g in self.groups)
 
     def grad_sets(self) -> list[GradSet]:
-        return [GradSet([g.master_grad], g.route.comm) for g in self.groups]
+        # expert groups: slices over edp of different experts on every ep rank: their squares add over dp
+        return [
+            GradSet([g.master_grad], g.route.comm if g.route.expert_comm is None else self.comm)
+            for g in self.groups
+        ]
 
     def param_groups(self) -> list[dict[str, Any]]:
         return [{"params": g.views, **g.options} for g in self.groups]

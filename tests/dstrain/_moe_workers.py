@@ -4,6 +4,7 @@ real gloo ranks, and the scenarios those ranks run."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -223,3 +224,67 @@ def mismatch() -> dict[str, Any]:
 def layer_scenarios() -> dict[str, Any]:
     """Both scenarios in one pair of processes (process start dominates on a loaded 2-core machine)."""
     return {"ep": ep_equivalence(), "mismatch": mismatch()}
+
+
+# -- engine scenarios (the model of moe_fixtures/moe_model.py, shared with the DeepSpeed recorder) ----
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_fixtures"))
+import moe_model as mm  # noqa: E402
+
+
+def _engine(k: int, ep: int, stage: int, clip: float = 0.0) -> Any:
+    import dstrain
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    net = mm.Net(MoE, k, ep)
+    mm.init_(net, rank % ep, ep)
+    engine, _, _, _ = dstrain.initialize(model=net, config=mm.config(stage, world, clip))
+    return engine
+
+
+def _train(engine: Any, start: int, steps: int) -> list[float]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    losses = []
+    for step in range(start, start + steps):
+        x, y = mm.batch(step, rank, world)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses
+
+
+def engine_scenarios(root: str) -> dict[str, Any]:
+    """DeepSpeed's scenarios plus stage 3, then a checkpoint round trip at EP=2."""
+    out: dict[str, Any] = {"losses": {}, "norms": {}}
+    for name, k, ep, stage, clip in mm.SCENARIOS + [("k2_ep2_s3", 2, 2, 3, 0.0)]:
+        engine = _engine(k, ep, stage, clip)
+        out["losses"][name] = _train(engine, 0, mm.STEPS)
+        out["norms"][name] = engine.statistics().last_grad_norm
+        if name == "k2_ep2_s2":
+            st = engine.module.moe.statistics()
+            out["routes"] = (st.routes, st.dropped_routes, st.exchange.all_to_all_calls)
+            out["groups"] = [(bool(g.get("moe")), len(g["params"])) for g in engine.optimizer.param_groups]
+        engine.close()
+    # checkpoint round trip at EP=2, ZeRO 2: 5 steps, save, 5 steps; a fresh engine loads and redoes them
+    engine = _engine(2, 2, 2)
+    first = _train(engine, 0, 5)
+    engine.save_checkpoint(root, tag="t5")
+    out["ckpt_continued"] = first + _train(engine, 5, 5)
+    engine.close()
+    engine = _engine(2, 2, 2)
+    engine.load_checkpoint(root, tag="t5")
+    out["ckpt_resumed"] = _train(engine, 5, 5)
+    out["ckpt_weights"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.close()
+    # loading it with another ep_size: a typed error on every rank, nothing loaded
+    engine = _engine(2, 1, 2)
+    try:
+        engine.load_checkpoint(root, tag="t5")
+        out["other_ep"] = None
+    except Exception as e:  # noqa: BLE001 - the type is the result
+        out["other_ep"] = type(e).__name__
+    engine.close()
+    return out

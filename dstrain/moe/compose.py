@@ -1,0 +1,102 @@
+"""How the MoE room plugs into `dstrain.initialize` and the engine's checkpoints.
+
+- `expert_parallel_size`: the topology's ``ep`` from the model's MoE layers (one size for all of them).
+- `bind_expert_groups`: give every MoE layer the topology's expert-parallel group.
+- `split_expert_groups`: expert parameters in param groups of their own (``"moe": True``), whether or not
+  the caller split them with `split_params_into_different_moe_groups_for_optimizer`.
+- `expert_routes`: those groups reduce over the expert-data-parallel group (ZeRO 1-2 partitions their
+  optimizer state over it too); the ZeRO strategy scales them by 1/dp like every other gradient, since an
+  expert has seen the tokens of all dp ranks through the all-to-all. Their squared gradient norms add up
+  over the expert-parallel group (each ep rank holds different experts).
+- `expert_layout` / `check_expert_layout`: what a checkpoint records about the experts, and the clear
+  error when it is loaded into a model whose experts are laid out differently (another ``ep_size``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from dstrain.moe.errors import ExpertLayoutError, MoEConfigError
+from dstrain.moe.experts import is_moe_param
+from dstrain.moe.layer import moe_layers
+
+__all__ = [
+    "bind_expert_groups",
+    "check_expert_layout",
+    "expert_layout",
+    "expert_parallel_size",
+    "expert_routes",
+    "split_expert_groups",
+]
+
+
+def expert_parallel_size(model: nn.Module) -> int:
+    """The ``ep_size`` shared by every MoE layer of ``model`` (1 without MoE layers)."""
+    sizes = {layer.ep_size for layer in moe_layers(model)}
+    if len(sizes) > 1:
+        raise MoEConfigError(
+            "ep_size",
+            f"the MoE layers use different ep_size values {sorted(sizes)}: dstrain needs one per model",
+        )
+    return sizes.pop() if sizes else 1
+
+
+def bind_expert_groups(model: nn.Module, topology: Any) -> None:
+    """Bind ``topology.ep`` (a `Comm`) as the expert-parallel group of every MoE layer."""
+    for layer in moe_layers(model):
+        layer.set_expert_group(topology.ep)
+
+
+def split_expert_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each param group split into its dense parameters and its expert parameters (same options, the
+    expert part marked ``"moe": True``); groups already of one kind are kept as they are."""
+    out: list[dict[str, Any]] = []
+    for g in groups:
+        experts = [p for p in g["params"] if is_moe_param(p)]
+        dense = [p for p in g["params"] if not is_moe_param(p)]
+        if g.get("moe") and dense:
+            raise MoEConfigError("model_parameters", "a param group marked 'moe' holds non-expert parameters")
+        if experts and dense:
+            out.append(dict(g, params=dense))
+            out.append(dict(g, params=experts, moe=True))
+        elif experts:
+            out.append(dict(g, moe=True))
+        else:
+            out.append(g)
+    return out
+
+
+def is_expert_group(group: dict[str, Any]) -> bool:
+    return bool(group.get("moe")) and all(is_moe_param(p) for p in group["params"])
+
+
+def expert_routes(groups: list[dict[str, Any]], routes: list[Any], topology: Any) -> list[Any]:
+    """``routes`` with every expert group's route moved to the expert-data-parallel group."""
+    from dstrain.zero.reduce import Route  # the seam this room plugs into
+
+    return [
+        Route(r.reducer, topology.edp, expert_comm=topology.ep) if is_expert_group(g) else r
+        for g, r in zip(groups, routes, strict=True)
+    ]
+
+
+def expert_layout(model: nn.Module) -> list[dict[str, int]]:
+    """Per MoE layer (in module order): experts, ep_size and this rank's ep_rank."""
+    return [
+        {"num_experts": m.num_experts, "ep_size": m.ep_size, "ep_rank": m.ep_rank} for m in moe_layers(model)
+    ]
+
+
+def check_expert_layout(saved: list[dict[str, int]] | None, model: nn.Module, where: str) -> None:
+    """Raise `ExpertLayoutError` unless ``model``'s experts are laid out as in the checkpoint ``where``."""
+    mine = expert_layout(model)
+    if saved is None:
+        saved = []
+    if saved != mine:
+        raise ExpertLayoutError(
+            f"{where} holds experts laid out as {saved} (per MoE layer: experts, ep_size, ep_rank of this rank) "
+            f"but this model has {mine}; resuming needs the same num_experts, ep_size and world size "
+            "(dstrain does not reshard experts across a different ep_size)"
+        )
