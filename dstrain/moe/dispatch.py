@@ -86,12 +86,12 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single with equal splits whose backward is the same exchange of the gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, exchange: ExpertExchange) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, exchange: ExpertExchange) -> Tensor:
         ctx.exchange = exchange
         return exchange._all_to_all(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         return ctx.exchange._all_to_all(grad), None
 
 

@@ -251,7 +251,7 @@ def split_params_into_different_moe_groups_for_optimizer(
         by_name: dict[str, list[nn.Parameter]] = {}
         for p in params:
             if is_moe_param(p):
-                by_name.setdefault(p.group_name, []).append(p)  # type: ignore[attr-defined]
+                by_name.setdefault(p.group_name, []).append(p)
         for name, ps in by_name.items():
             out.append(dict(g, params=ps, moe=True, name=name))
     return out

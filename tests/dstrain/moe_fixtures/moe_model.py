@@ -16,9 +16,16 @@ D, E, TOKENS, STEPS, AUX = 16, 4, 32, 10, 0.01
 PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
 
 # name, k, ep_size, zero stage, gradient_clipping (DeepSpeed clips at 1.0 unless told: always explicit)
-SCENARIOS = [("k1_ep2_s0", 1, 2, 0, 0.0), ("k2_ep2_s0", 2, 2, 0, 0.0), ("k2_ep1_s0", 2, 1, 0, 0.0),
-             ("k2_ep2_s2", 2, 2, 2, 0.0), ("k2_ep1_s1", 2, 1, 1, 0.0), ("k2_ep2_s0_clip", 2, 2, 0, 0.05),
-             ("k2_ep2_s1_clip", 2, 2, 1, 0.05), ("k2_ep1_s1_clip", 2, 1, 1, 0.05)]
+SCENARIOS = [
+    ("k1_ep2_s0", 1, 2, 0, 0.0),
+    ("k2_ep2_s0", 2, 2, 0, 0.0),
+    ("k2_ep1_s0", 2, 1, 0, 0.0),
+    ("k2_ep2_s2", 2, 2, 2, 0.0),
+    ("k2_ep1_s1", 2, 1, 1, 0.0),
+    ("k2_ep2_s0_clip", 2, 2, 0, 0.05),
+    ("k2_ep2_s1_clip", 2, 2, 1, 0.05),
+    ("k2_ep1_s1_clip", 2, 1, 1, 0.05),
+]
 
 
 def expert() -> nn.Module:
@@ -29,8 +36,17 @@ class Net(nn.Module):
     def __init__(self, moe_cls: Any, k: int, ep_size: int) -> None:
         super().__init__()
         self.inp = nn.Linear(D, D)
-        self.moe = moe_cls(D, expert(), num_experts=E, ep_size=ep_size, k=k, capacity_factor=1.0, min_capacity=0,
-                           use_rts=False, top2_2nd_expert_sampling=False)
+        self.moe = moe_cls(
+            D,
+            expert(),
+            num_experts=E,
+            ep_size=ep_size,
+            k=k,
+            capacity_factor=1.0,
+            min_capacity=0,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+        )
         self.out = nn.Linear(D, D)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -45,7 +61,7 @@ def init_(net: Net, ep_rank: int, ep_size: int) -> None:
     with torch.no_grad():
         for name, p in net.named_parameters():
             if name.startswith(PREFIX):
-                local, rest = name[len(PREFIX):].split(".", 1)
+                local, rest = name[len(PREFIX) :].split(".", 1)
                 name = f"{PREFIX}{ep_rank * n_local + int(local)}.{rest}"
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)

@@ -27,8 +27,12 @@ out = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "world": 
 for name, k, ep, stage, clip in mm.SCENARIOS:
     net = mm.Net(MoE, k, ep)
     mm.init_(net, rank % ep, ep)
-    params = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()), "name": "p"})
-    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=params, config=mm.config(stage, world, clip))
+    params = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(net.parameters()), "name": "p"}
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=net, model_parameters=params, config=mm.config(stage, world, clip)
+    )
     losses = []
     for step in range(mm.STEPS):
         x, y = mm.batch(step, rank, world)
