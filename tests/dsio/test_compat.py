@@ -96,3 +96,26 @@ def test_async_pwrite_to_caller_fd(data_dir):
         assert os.path.getsize(p) == 4196
     finally:
         os.close(fd)
+
+
+def test_handles_share_dsios_one_uvloop_thread(data_dir):
+    """No private loop thread per handle: every aio_handle runs on the bridge's shared loop."""
+    import threading
+
+    from dsio._bridge import shared_loop
+
+    before = {t.name for t in threading.enumerate()}
+    a, b = aio_handle(), aio_handle()
+    try:
+        assert a._lt is b._lt is shared_loop()
+        pytest.importorskip("uvloop")
+        assert type(a._lt.loop).__module__.startswith("uvloop")
+        t = torch.ones(5000)
+        a.async_pwrite(t, os.path.join(data_dir, "u.bin"))
+        assert a.wait() == 1
+        new = {t.name for t in threading.enumerate()} - before
+        assert not any("compat" in n for n in new), new
+    finally:
+        a.close()
+        b.close()
+    assert shared_loop() is a._lt and not a._lt.closed  # closing a handle leaves the shared loop running
