@@ -87,12 +87,18 @@ def _param_groups(module: torch.nn.Module, model_parameters: Iterable[Any] | Non
     return [g for g in groups if g["params"]]
 
 
-def build_routes(groups: list[dict[str, Any]], topology: Topology) -> list[Route]:
+def build_routes(
+    groups: list[dict[str, Any]], topology: Topology, config: DSConfig | None = None
+) -> list[Route]:
     """How each param group's gradients are reduced, and over which group it is partitioned.
 
     Default: all-reduce / reduce-scatter over the data-parallel group. MoE routes expert groups over
-    ``topology.edp``; 1-bit Adam replaces the reducer.
+    ``topology.edp``; 1-bit Adam replaces the reducer (dstrain/onebit).
     """
+    if config is not None and config.optimizer is not None and config.optimizer.name == "OneBitAdam":
+        from dstrain.onebit.room import build_routes as onebit_routes
+
+        return onebit_routes(groups, topology.dp)
     return expert_routes(groups, default_routes(groups, topology.dp), topology)
 
 
@@ -149,6 +155,10 @@ def build_stepper(zero: ZeroStrategy, config: DSConfig, client: ClientOptimizer 
             pinned_budget=zc.offload_pinned_bytes,
             aio=config.aio,
         )
+    if client is None and config.optimizer is not None and config.optimizer.name == "OneBitAdam":
+        from dstrain.onebit.room import build_stepper as onebit_stepper
+
+        return onebit_stepper(zero, config.optimizer.params, config.zero_optimization.stage)
     if callable(client) and not isinstance(client, torch.optim.Optimizer):
         made = client(zero.param_groups())
         if isinstance(made, torch.optim.Optimizer):
@@ -170,7 +180,9 @@ def build_schedule(
     optimizer = getattr(stepper, "optimizer", stepper)
     if client is not None:
         if not callable(client) or isinstance(client, LRSchedule):
-            raise ValueError("lr_scheduler must be a callable taking the optimizer (it is rebuilt over ZeRO's)")
+            raise ValueError(
+                "lr_scheduler must be a callable taking the optimizer (it is rebuilt over ZeRO's)"
+            )
         return client(optimizer)
     if config.scheduler is not None:
         return build_scheduler(optimizer, config.scheduler)
@@ -189,7 +201,9 @@ def _build_loader(
     sampler: DistributedSampler[Any] = DistributedSampler(
         data, num_replicas=topology.dp.world_size, rank=topology.dp.rank, shuffle=True, seed=config.seed or 0
     )
-    return DataLoader(data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn)
+    return DataLoader(
+        data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
+    )
 
 
 # -- the composer ----------------------------------------------------------------------------------
@@ -233,7 +247,7 @@ def initialize(
     precision = Precision(cfg.precision, cfg.fp16)
 
     groups = split_expert_groups(_param_groups(model, model_parameters))  # experts: groups of their own
-    routes = build_routes(groups, topology)
+    routes = build_routes(groups, topology, cfg)
     _place_and_broadcast(model, groups, routes, topology)
     tied = tied_groups(model, topology) if isinstance(model, PipelineModule) else {}  # before ZeRO copies
     model.to(precision.dtype)

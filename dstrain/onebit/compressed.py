@@ -24,7 +24,9 @@ takes part in the scales exactly as in DeepSpeed.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +41,9 @@ __all__ = [
     "simulate",
     "unpack_signs",
 ]
+
+# torch >= 2.10 renamed the tensor-in/tensor-out all-gather; keep older torch working
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
 
@@ -85,6 +90,8 @@ class CompressedStatistics:
     """Bytes sent to other ranks: packed signs (both phases) and scales."""
     fp32_allreduce_bytes: int
     """What a ring all-reduce of the same elements in fp32 would have sent: 2 (w-1)/w x 4 x n."""
+    collective_seconds: float
+    """Wall time inside the collectives (for CUDA tensors only meaningful with ``time_collectives``)."""
 
 
 class CompressedAllReduce:
@@ -103,6 +110,19 @@ class CompressedAllReduce:
         self._elements = 0
         self._wire = 0
         self._fp32 = 0
+        self._coll_s = 0.0
+        self.time_collectives = False
+        """Synchronize CUDA around each collective so `collective_seconds` is exact (benchmarks only)."""
+
+    def _collective(self, fn: Any, *args: Any) -> None:
+        sync = self.time_collectives and torch.cuda.is_available() and args[0].is_cuda
+        if sync:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn(*args, group=self.group)
+        if sync:
+            torch.cuda.synchronize()
+        self._coll_s += time.perf_counter() - t
 
     def padded_numel(self, numel: int) -> int:
         return padded_numel(numel, self.world)
@@ -138,8 +158,8 @@ class CompressedAllReduce:
         recv = torch.empty_like(packed)
         scales = torch.empty(w, 1, dtype=torch.float32, device=b.device)
         if w > 1:
-            dist.all_to_all_single(recv, packed, group=self.group)
-            dist.all_gather_into_tensor(scales, s_w.reshape(1, 1), group=self.group)
+            self._collective(dist.all_to_all_single, recv, packed)
+            self._collective(_all_gather, scales, s_w.reshape(1, 1))
         else:
             recv.copy_(packed)
             scales.copy_(s_w.reshape(1, 1))
@@ -153,8 +173,8 @@ class CompressedAllReduce:
         all_signs = torch.empty(w, chunk // 8, dtype=torch.uint8, device=b.device)
         all_scales = torch.empty(w, 1, dtype=torch.float32, device=b.device)
         if w > 1:
-            dist.all_gather_into_tensor(all_signs, packed_s.reshape(1, -1), group=self.group)
-            dist.all_gather_into_tensor(all_scales, s_s.reshape(1, 1), group=self.group)
+            self._collective(_all_gather, all_signs, packed_s.reshape(1, -1))
+            self._collective(_all_gather, all_scales, s_s.reshape(1, 1))
         else:
             all_signs.copy_(packed_s.reshape(1, -1))
             all_scales.copy_(s_s.reshape(1, 1))
@@ -168,7 +188,11 @@ class CompressedAllReduce:
 
     def statistics(self) -> CompressedStatistics:
         return CompressedStatistics(
-            calls=self._calls, elements=self._elements, wire_bytes=self._wire, fp32_allreduce_bytes=self._fp32
+            calls=self._calls,
+            elements=self._elements,
+            wire_bytes=self._wire,
+            fp32_allreduce_bytes=self._fp32,
+            collective_seconds=self._coll_s,
         )
 
 

@@ -1,0 +1,128 @@
+"""1-bit Adam composed into dstrain.initialize: the reducer stops at the freeze, the stepper compresses
+momentum, losses equal a hand-written loop, checkpoints carry the error feedback, bad configs refused."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dstrain
+from dstrain.errors import ConfigError
+from dstrain.onebit import OneBitAdam
+from tests.dstrain._dstrain_helpers import base_config, engine_losses, global_batch, make_model, spawn
+
+FREEZE = 3
+
+
+def _config(world: int = 2, **params: Any) -> dict[str, Any]:
+    opt = {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": FREEZE, **params}}
+    return base_config(0, world=world, optimizer=opt)
+
+
+def _reference(steps: int) -> list[float]:
+    """The same training written by hand: per-rank micro-batches, gradients averaged while the optimizer
+    asks for it, OneBitAdam over the parameters in module order (the engine's flat layout)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    params = list(model.parameters())  # tied weights appear once, as in the engine's flat buffer
+    opt = OneBitAdam(
+        [torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))], lr=1e-2, freeze_step=FREEZE
+    )
+    flat = opt.param_groups[0]["params"][0]
+    losses = []
+    for step in range(steps):
+        offset = 0
+        for p in params:  # the module computes with views of the flat master
+            p.data = flat.data[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        idx, targets = global_batch(step, 8)
+        lo = rank * 4
+        for p in params:
+            p.grad = None
+        loss = model(idx[lo : lo + 4], targets[lo : lo + 4])
+        (loss / world).backward()
+        grad = torch.cat([p.grad.reshape(-1) for p in params])
+        if opt.reduces_gradients():
+            dist.all_reduce(grad)
+        else:
+            grad.mul_(world)
+        flat.grad = grad
+        opt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append((t / world).item())
+    return losses
+
+
+def _worker(root: str) -> dict[str, Any]:
+    engine, _, _, _ = dstrain.initialize(
+        model=make_model(), config=_config(cuda_aware=False, comm_backend_name="nccl")
+    )
+    first = engine_losses(engine, 5)
+    engine.save_checkpoint(os.path.join(root, "ck"))
+    rest = engine_losses(engine, 3, start=5)
+    st = engine.stepper.statistics()
+    comm = engine.comm.statistics()
+    params = [p.detach().clone() for p in engine.module.parameters()]
+    engine.close()
+
+    resumed, _, _, _ = dstrain.initialize(model=make_model(seed=7), config=_config())
+    resumed.load_checkpoint(os.path.join(root, "ck"))
+    again = engine_losses(resumed, 3, start=5)
+    resumed_params = [p.detach().clone() for p in resumed.module.parameters()]
+    resumed.close()
+    return {
+        "losses": first + rest,
+        "again": again,
+        "stats": st,
+        "all_reduce_calls": comm.all_reduce_calls,
+        "params": params,
+        "resumed_params": resumed_params,
+        "reference": _reference(8),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn(_worker, str(tmp_path_factory.mktemp("onebit")), world=2)
+
+
+def test_engine_equals_hand_written_loop_bitwise(runs) -> None:
+    assert runs[0]["losses"] == runs[0]["reference"]
+
+
+def test_gradients_stop_being_reduced_at_the_freeze(runs) -> None:
+    st = runs[0]["stats"]
+    assert st.frozen and st.steps == 8
+    assert st.skipped_reductions == 8 - FREEZE  # one flat gradient per step after the freeze
+    assert st.compressed.calls == 8 - FREEZE
+    assert st.compressed.wire_bytes * 28 <= st.compressed.fp32_allreduce_bytes
+    for a, b in zip(runs[0]["params"], runs[1]["params"], strict=True):
+        assert torch.equal(a, b)  # replicas stay identical without any gradient all-reduce
+
+
+def test_checkpoint_resume_after_freeze_is_bitwise(runs) -> None:
+    for r in range(2):
+        assert runs[r]["again"] == runs[r]["losses"][5:]
+        for a, b in zip(runs[r]["params"], runs[r]["resumed_params"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_stage_1_and_unknown_keys_are_refused() -> None:
+    engine, _, _, _ = dstrain.initialize(
+        model=make_model(), config=_config(world=1)
+    )  # the valid config works
+    assert isinstance(engine.optimizer, OneBitAdam)
+    engine.close()
+    cfg = _config(world=1)
+    cfg["zero_optimization"]["stage"] = 1
+    with pytest.raises(ConfigError, match="stage"):
+        dstrain.initialize(model=make_model(), config=cfg)
+    with pytest.raises(ConfigError, match="freeze_steps"):
+        dstrain.initialize(model=make_model(), config=_config(world=1, freeze_steps=3))
+    with pytest.raises(ConfigError, match="freeze_step"):
+        dstrain.initialize(model=make_model(), config=_config(world=1, freeze_step=0))
