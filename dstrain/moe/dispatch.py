@@ -108,22 +108,30 @@ class ExpertExchange:
         self._agree_seconds = 0.0
 
     def agree(
-        self, *, capacity: int, hidden: int, dtype: torch.dtype, experts: int, drop_tokens: bool
+        self,
+        *,
+        capacity: int,
+        hidden: int,
+        dtype: torch.dtype,
+        experts: int,
+        drop_tokens: bool,
+        device: torch.device | None = None,
     ) -> int:
         """The capacity every rank of the group uses for this exchange (see the module docstring).
 
+        ``device``: where the collective's small tensor lives (the tokens' device: NCCL needs CUDA).
         Raises `ExchangeMismatchError` on every rank when the ranks disagree.
         """
         mine = (capacity, hidden, _dtype_code(dtype), experts, int(drop_tokens))
         if self.size == 1:
             return capacity
         start = time.perf_counter()
-        local = torch.tensor(mine, dtype=torch.int64)
+        local = torch.tensor(mine, dtype=torch.int64, device=device)
         gathered = [torch.empty_like(local) for _ in range(self.size)]
         dist.all_gather(gathered, local, group=self.group)
         self._agreements += 1
         self._agree_seconds += time.perf_counter() - start
-        values = {r: dict(zip(_FIELDS, t.tolist(), strict=True)) for r, t in enumerate(gathered)}
+        values = {r: dict(zip(_FIELDS, t.cpu().tolist(), strict=True)) for r, t in enumerate(gathered)}
         binding = ("hidden", "dtype", "experts", "drop_tokens") + (("capacity",) if drop_tokens else ())
         differ = [f for f in binding if len({v[f] for v in values.values()}) > 1]
         if differ:

@@ -86,6 +86,7 @@ class MOELayer(nn.Module):
             dtype=tokens.dtype,
             experts=self.num_experts,
             drop_tokens=route.drop_tokens,
+            device=tokens.device,
         )
         buffers = pack(tokens, route, cap)  # (E, C, M), experts of rank r in chunk r
         buffers = self.exchange(buffers)  # chunk g: rank g's tokens for this rank's experts
