@@ -31,7 +31,10 @@ It is 1 when routing is perfectly balanced and grows with imbalance; its gradien
 
 In eval mode no randomness is used at all (no Jitter, RSample, RTS or second-expert sampling), and the
 eval capacity factor applies. DeepSpeed applies RTS and second-expert sampling in eval mode too; we don't,
-so that evaluation is deterministic.
+so that evaluation is deterministic. ``used_token`` (padding mask) applies to every k here; DeepSpeed
+honours it for top-1 only. ``noisy_gate_policy='RSample'`` applies to top-1 only, as in DeepSpeed (a
+warning says so for k > 1). DeepSpeed asserts ``tokens >= min_capacity`` for top-1; here fewer tokens
+simply means nothing is dropped.
 """
 
 from __future__ import annotations
