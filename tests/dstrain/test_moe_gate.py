@@ -171,3 +171,14 @@ def test_bad_arguments_are_typed_errors(kwargs: dict[str, Any], field: str) -> N
     with pytest.raises(MoEConfigError) as info:
         TopKGate(8, 4, **kwargs)
     assert info.value.field == field
+
+
+def test_fewer_tokens_than_min_capacity_drops_nothing() -> None:
+    # DeepSpeed asserts here (top-1); a batch smaller than min_capacity simply fits
+    logits = torch.randn(3, 4)
+    for out in (
+        top1_gating(logits, 1.0, 4, use_rts=True),
+        top2_gating(logits, 1.0, 4, second_expert_sampling=False),
+        topk_gating(logits, 3, 1.0, 4),
+    ):
+        assert out.capacity == 4 and out.dropped_routes() == 0
