@@ -31,14 +31,20 @@ WORK="$(mktemp -d /tmp/dsio-mutate.XXXXXX)"
 trap 'rm -rf "$WORK"' EXIT
 SO="$("$PY" -c 'import dsio._C as c; print(c.__file__)')"
 killed=0; survived=0
-for site in $SITES; do
+for site in unmutated $SITES; do
   file="${site%%:*}"; line="${site##*:}"
   rm -rf "$WORK/tree"; mkdir -p "$WORK/tree/tests/dsio"
   cp -r "$ROOT/dsio" "$WORK/tree/dsio"; cp "$SO" "$WORK/tree/dsio/"
-  cp -r "$ROOT/tests/dsio/checkpoint" "$WORK/tree/tests/dsio/"; cp "$ROOT/tests/conftest.py" "$WORK/tree/tests/"
+  cp -r "$ROOT/tests/dsio/checkpoint" "$WORK/tree/tests/dsio/"; cp "$ROOT"/tests/*.py "$WORK/tree/tests/"
   cp "$ROOT/pyproject.toml" "$WORK/tree/"
   printf 'import sys\nsys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]\n' \
     > "$WORK/tree/sitecustomize.py"
+  if [[ "$site" == unmutated ]]; then  # the copy must pass as it is, or no kill below means anything
+    if ! (cd "$WORK/tree" && PYTHONPATH="$WORK/tree" timeout 300 "$PY" -m pytest -q -x -p no:cacheprovider $TESTS >"$WORK/log" 2>&1); then
+      echo "the unmutated copy fails its tests; fix that first:"; tail -20 "$WORK/log"; exit 2
+    fi
+    echo "unmutated copy passes: $(tail -1 "$WORK/log")"; continue
+  fi
   "$PY" - "$WORK/tree/$file" "$line" <<'EOF'
 import re, sys
 path, n = sys.argv[1], int(sys.argv[2])
@@ -55,7 +61,9 @@ EOF
     echo "SURVIVED  $site: $(sed -n "${line}p" "$ROOT/$file" | sed 's/^ *//')"
     survived=$((survived + 1))
   else
-    echo "killed    $site: $(sed -n "${line}p" "$ROOT/$file" | sed 's/^ *//')  <- $(grep -m1 -oE '(FAILED|ERROR) [^ ]+' "$WORK/log" || echo 'tests failed')"
+    why="$(grep -m1 -E '^(FAILED|ERROR) ' "$WORK/log" | cut -c1-160 || true)"
+    echo "killed    $site: $(sed -n "${line}p" "$ROOT/$file" | sed 's/^ *//')"
+    echo "            <- ${why:-$(tail -1 "$WORK/log")}"
     killed=$((killed + 1))
   fi
 done

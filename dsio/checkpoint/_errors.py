@@ -44,7 +44,7 @@ class CheckpointCommitError(DsioError, OSError):
         super().__init__(code, f"checkpoint of step {step} was not committed: {detail} ({os.strerror(code)})")
         self.step = step
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self):  # keep pickling working with the extra arguments
         return (type(self), (self.errno, self.step, self.strerror))
 
 
@@ -68,5 +68,5 @@ class LatestNotUpdatedError(CheckpointCommitError):
         self.step = step
         self.previous = previous
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self):  # keep pickling working with the extra arguments
         return (type(self), (self.errno, self.step, self.strerror, self.previous))

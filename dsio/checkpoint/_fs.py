@@ -22,6 +22,7 @@ import os
 import shutil
 import stat
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from ..errors import CheckpointFormatError
 
@@ -184,10 +185,9 @@ def write_durable(path: str, data: bytes) -> None:
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-_libc: ctypes.CDLL | None
+_renameat2: Any = None
 try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    _renameat2 = _libc.renameat2
+    _renameat2 = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).renameat2
     _renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
     _renameat2.restype = ctypes.c_int
 except (OSError, AttributeError):  # pragma: no cover - glibc < 2.28 / another libc

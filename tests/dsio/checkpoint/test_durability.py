@@ -8,7 +8,8 @@ exchange, re-save by the fallback, recovery after a crash, the single-file save,
 - R2: the step directory is fsynced after its last file was made durable and before it is renamed;
 - R3: every rank file is fsynced before the manifest that lists it is renamed into place;
 - R4: after each rename the parent directory is fsynced before the save is reported done
-  (renames of garbage to ``*.del.tmp`` excepted);
+  (renames of garbage, ``*.tmp`` to ``*.del.tmp``, excepted; a step retired to ``*.del.tmp``
+  must be durably renamed before its files are deleted);
 - R5: between a step's rename and ``latest``'s rename, the parent directory is fsynced.
 
 ``scripts/mutate_fsync.sh`` removes each sync of dsio/checkpoint in turn and shows this file failing.
@@ -90,7 +91,7 @@ def check(events, *, root: str) -> list[str]:
 
         renames = [(i, e[1], e[2]) for i, e in enumerate(seg) if e[0] == "rename"]
         for i, src, dst in renames:
-            garbage = dst.endswith(".del.tmp")
+            garbage = dst.endswith(".del.tmp") and src.endswith(".tmp")  # a retired *step* is not garbage yet
             if not garbage and not synced_between(os.path.dirname(dst), i, len(seg)):
                 bad.append(
                     f"{name}: R4 rename {os.path.basename(src)} -> {os.path.basename(dst)} not followed by fsync of its directory"
