@@ -66,91 +66,97 @@ uint64_t Prefaulter::add(uintptr_t ptr, uint64_t nbytes) {
   uintptr_t start = (ptr + pg - 1) & ~(pg - 1);
   uintptr_t end = (ptr + nbytes) & ~(pg - 1);
   if (end <= start || !populate_write_supported()) return 0;
-  auto flag = std::make_shared<std::atomic<bool>>(false);
-  uint64_t token;
+  auto st = std::make_shared<RangeState>();
+  st->pos.store(start);
+  st->end = end;
   {
     std::lock_guard<std::mutex> g(mu_);
     if (stopping_) return 0;
-    token = next_token_++;
-    queue_.push_back(Range{token, start, end, flag});
-    live_.emplace_back(token, flag);
-    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    st->token = next_token_++;
+    queue_.push_back(st);
+    if (threads_.empty()) {
+      unsigned n = std::max(1u, std::min(kMaxThreads, std::thread::hardware_concurrency()));
+      for (unsigned i = 0; i < n; ++i) threads_.emplace_back([this] { run(); });
+    }
   }
   ranges.fetch_add(1, std::memory_order_relaxed);
-  cv_.notify_one();
-  return token;
+  cv_.notify_all();
+  return st->token;
 }
 
 void Prefaulter::cancel(uint64_t token) {
   if (token == 0) return;
   std::lock_guard<std::mutex> g(mu_);
-  for (auto it = live_.begin(); it != live_.end(); ++it) {
-    if (it->first == token) {
-      it->second->store(true);
-      live_.erase(it);
-      return;
-    }
+  for (auto& st : queue_) {
+    if (st->token == token) st->cancelled.store(true);
   }
 }
 
 void Prefaulter::stop() {
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (stopping_ && !thread_.joinable()) return;
     stopping_ = true;
-    for (auto& l : live_) l.second->store(true);
-    live_.clear();
+    for (auto& st : queue_) st->cancelled.store(true);
   }
   cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  for (auto& t : threads_)
+    if (t.joinable()) t.join();
+  threads_.clear();
+  std::lock_guard<std::mutex> g(mu_);
+  queue_.clear();
+}
+
+// Claims the next 2 MiB step of `st` (steps end on 2 MiB boundaries); false when none is left.
+static bool claim(Prefaulter::RangeState& st, uintptr_t& from, uintptr_t& to) {
+  uintptr_t cur = st.pos.load();
+  for (;;) {
+    if (cur >= st.end) return false;
+    uintptr_t next = std::min<uintptr_t>((cur + kStep) & ~(kStep - 1), st.end);
+    if (st.pos.compare_exchange_weak(cur, next)) {
+      from = cur;
+      to = next;
+      return true;
+    }
+  }
 }
 
 void Prefaulter::run() {
   for (;;) {
-    Range r;
+    std::shared_ptr<RangeState> st;
     {
       std::unique_lock<std::mutex> lk(mu_);
       cv_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
-      if (stopping_) {
-        queue_.clear();
-        return;
-      }
-      r = queue_.front();
-      queue_.pop_front();
+      if (stopping_) return;
+      // Ranges whose every step is claimed leave the queue; the threads share the head range.
+      while (!queue_.empty() && queue_.front()->pos.load() >= queue_.front()->end) queue_.pop_front();
+      if (queue_.empty()) continue;
+      st = queue_.front();
     }
-    while (r.pos < r.end) {
-      if (r.cancelled->load(std::memory_order_relaxed)) {
-        cancelled_bytes.fetch_add(r.end - r.pos, std::memory_order_relaxed);
-        break;
-      }
-      uintptr_t next = std::min<uintptr_t>((r.pos + kStep) & ~(kStep - 1), r.end);
-      uint64_t len = next - r.pos;
-      if (page_resident(r.pos) && page_resident(next - 1)) {
-        resident_bytes.fetch_add(len, std::memory_order_relaxed);
-      } else {
-        uint64_t t0 = now_ns();
-        int rc = madvise(reinterpret_cast<void*>(r.pos), len, MADV_POPULATE_WRITE);
-        busy_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-        if (rc != 0) {
-          int e = errno;
-          last_errno.store(e);
-          if (e != EINTR && e != EAGAIN) {
-            cancelled_bytes.fetch_add(r.end - r.pos, std::memory_order_relaxed);
-            break;  // EFAULT/ENOMEM (unmapped, read-only): not ours to populate
-          }
-          continue;
-        }
-        populated_bytes.fetch_add(len, std::memory_order_relaxed);
-      }
-      r.pos = next;
+    if (st->cancelled.load(std::memory_order_relaxed)) {
+      uintptr_t left = st->pos.exchange(st->end);  // whoever swaps first accounts the rest
+      if (left < st->end) cancelled_bytes.fetch_add(st->end - left, std::memory_order_relaxed);
+      continue;
     }
-    std::lock_guard<std::mutex> g(mu_);
-    for (auto it = live_.begin(); it != live_.end(); ++it) {
-      if (it->first == r.token) {
-        live_.erase(it);
-        break;
-      }
+    uintptr_t from, to;
+    if (!claim(*st, from, to)) continue;
+    uint64_t len = to - from;
+    if (page_resident(from) && page_resident(to - 1)) {
+      resident_bytes.fetch_add(len, std::memory_order_relaxed);
+      continue;
     }
+    uint64_t t0 = now_ns();
+    int rc;
+    do rc = madvise(reinterpret_cast<void*>(from), len, MADV_POPULATE_WRITE);
+    while (rc != 0 && (errno == EINTR || errno == EAGAIN));
+    busy_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    if (rc != 0) {
+      // EFAULT/ENOMEM/EINVAL (unmapped, read-only, special mapping): not ours to populate.
+      last_errno.store(errno);
+      uintptr_t left = st->pos.exchange(st->end);
+      cancelled_bytes.fetch_add(len + (left < st->end ? st->end - left : 0), std::memory_order_relaxed);
+      continue;
+    }
+    populated_bytes.fetch_add(len, std::memory_order_relaxed);
   }
 }
 

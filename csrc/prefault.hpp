@@ -1,4 +1,4 @@
-// Prefaulting: populate the page tables of a destination range on a helper thread, ahead of
+// Prefaulting: populate the page tables of a destination range on helper threads, ahead of
 // the reads that will fill it, so first-touch faults (the kernel zeroing fresh pages) overlap
 // the disk instead of stalling the submitter or the staging copy.
 //
@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 namespace dsio {
 
@@ -30,36 +31,42 @@ class Prefaulter {
   Prefaulter& operator=(const Prefaulter&) = delete;
 
   // Queue [ptr, ptr+nbytes) for population; returns a token for cancel() (0: not queued,
-  // because the range is empty or the kernel lacks MADV_POPULATE_WRITE).
+  // because the range is empty, the prefaulter is stopped, or the kernel lacks
+  // MADV_POPULATE_WRITE). The threads start on the first range.
   uint64_t add(uintptr_t ptr, uint64_t nbytes);
   // Stop populating the range of `token` (its transfer finished or failed). Idempotent.
   void cancel(uint64_t token);
-  // Joins the thread; pending ranges are dropped. Idempotent.
+  // Joins the threads; pending ranges are dropped. Idempotent; add() returns 0 afterwards.
   void stop();
-  static bool supported() { return populate_write_supported(); }
 
-  std::atomic<uint64_t> ranges{0};          // ranges queued
+  std::atomic<uint64_t> ranges{0};           // ranges queued
   std::atomic<uint64_t> populated_bytes{0};  // bytes madvise(POPULATE_WRITE) ran over
   std::atomic<uint64_t> resident_bytes{0};   // bytes skipped because already resident
   std::atomic<uint64_t> cancelled_bytes{0};  // bytes left when their range was cancelled
-  std::atomic<uint64_t> busy_ns{0};          // time spent populating
+  std::atomic<uint64_t> busy_ns{0};          // thread time spent populating (summed over threads)
   std::atomic<int> last_errno{0};
 
- private:
-  struct Range {
-    uint64_t token;
-    uintptr_t pos, end;
-    std::shared_ptr<std::atomic<bool>> cancelled;
+  // One queued range: the threads claim its 2 MiB steps through `pos`, in order, so every byte
+  // is accounted exactly once (populated, resident or cancelled).
+  struct RangeState {
+    uint64_t token = 0;
+    std::atomic<uintptr_t> pos{0};
+    uintptr_t end = 0;
+    std::atomic<bool> cancelled{false};
   };
+
+ private:
+  // Up to this many threads share the head range: zeroing fresh pages is CPU work, and two
+  // cores populate twice as fast as one while the disk works.
+  static constexpr unsigned kMaxThreads = 2;
   void run();
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Range> queue_;
-  std::deque<std::pair<uint64_t, std::shared_ptr<std::atomic<bool>>>> live_;
+  std::deque<std::shared_ptr<RangeState>> queue_;
   uint64_t next_token_ = 1;
   bool stopping_ = false;
-  std::thread thread_;
+  std::vector<std::thread> threads_;
 };
 
 // Whether every page of [ptr, ptr+nbytes) probed at 2 MiB steps (first and last page of each)
