@@ -84,7 +84,8 @@ class PipelineStatistics:
     peak_live_activations: int
     """Most micro-batches held between forward and backward at once (1F1B: at most stages - stage)."""
     peak_activation_bytes: int
-    """Largest bytes of tensors saved for backward at once (autograd saved tensors, from a pack hook)."""
+    """Largest bytes of tensors saved for backward at once (autograd saved tensors other than parameters,
+    counted by a pack hook)."""
     send_activation: P2PStatistics | None
     recv_activation: P2PStatistics | None
     send_grad: P2PStatistics | None
@@ -92,13 +93,18 @@ class PipelineStatistics:
 
 
 class _SavedBytes:
-    """Counts the bytes of tensors autograd saves for backward (live: freed when the graph is)."""
+    """Counts the bytes of tensors autograd saves for backward (live: freed when the graph is), except the
+    parameters themselves (a Linear saves its weight: a reference, not activation memory)."""
 
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
+        self.exclude: set[int] = set()
+        """Storage addresses of the module's parameters."""
 
     def pack(self, t: torch.Tensor) -> Any:
+        if t.untyped_storage().data_ptr() in self.exclude:
+            return _Saved(t, 0, self)
         n = t.numel() * t.element_size()
         self.live += n
         self.peak = max(self.peak, self.live)
@@ -231,6 +237,7 @@ class PipelineRunner:
         if train and self.grad_in is not None:
             self.grad_in.expect(m)
         state = _BatchState(sched.num_buffers)
+        self._saved.exclude = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
         error: BaseException | None = None
         try:
             if (self.first or self.last) and data_iter is None:
