@@ -51,18 +51,20 @@ def check_range(offset: object, nbytes: int, *, path: str | os.PathLike[str] | N
     """``offset`` as an int, checked so that ``[offset, offset + nbytes)`` can exist in a file.
 
     Raises :class:`~dsio.OffsetError` -- before anything is opened or created -- for a non-int or
-    negative offset, an end past ``off_t`` (2**63 - 1), past ``RLIMIT_FSIZE``, or (``path``
-    given, end past 1 TiB) past what ``path``'s filesystem accepts: probed once per size on an
-    unnamed ``O_TMPFILE`` inode in its directory, so no visible file is ever made.
+    negative offset or an end past ``off_t`` (2**63 - 1); for writes (``path`` given) also for an
+    end past ``RLIMIT_FSIZE`` or, past 1 TiB, past what ``path``'s filesystem accepts: probed once
+    per size on an unnamed ``O_TMPFILE`` inode in its directory, so no visible file is ever made.
     """
     off = check_offset(offset)
     end = off + nbytes
     if end > OFF_MAX:
         raise OffsetError(f"offset {off} + {nbytes} bytes passes the largest file offset (2**63 - 1)")
+    if path is None:
+        return off  # a read: past the end of the file is ShortIOError, found by the read itself
     soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if soft != resource.RLIM_INFINITY and end > soft:
         raise OffsetError(f"offset {off} + {nbytes} bytes passes RLIMIT_FSIZE ({soft} bytes)")
-    if path is not None and end > _PROBE_ABOVE:
+    if end > _PROBE_ABOVE:
         _check_fs_limit(os.path.dirname(os.path.abspath(os.fspath(path))) or ".", off, end)
     return off
 
