@@ -203,6 +203,25 @@ class PipelineRunner:
         with torch.no_grad():
             return self._run(sched, data_iter, train=False)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The pipeline layout this rank's state belongs to (a checkpoint part: checked on load)."""
+        return {
+            "stage": self.stage,
+            "stages": self.stages,
+            "parts": list(self.module.parts),
+            "layers": self.module.layer_names(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Refuse a checkpoint written by another pipeline layout (stage, stage count, split or layers)."""
+        mine = self.state_dict()
+        if dict(state) != mine:
+            diff = [k for k in mine if state.get(k) != mine[k]]
+            raise PipelineError(
+                f"the checkpoint was written by another pipeline layout ({', '.join(diff)} differ): "
+                f"saved {[state.get(k) for k in diff]}, this run {[mine[k] for k in diff]}"
+            )
+
     def statistics(self) -> PipelineStatistics:
         def st(c: Any) -> P2PStatistics | None:
             return c.statistics() if c is not None else None

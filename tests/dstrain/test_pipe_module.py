@@ -180,3 +180,21 @@ def test_bad_arguments() -> None:
         PipelineModule(_layers(), num_stages=1, activation_checkpoint_interval=-1, stage_id=0)
     with pytest.raises(ValueError):
         TiedLayerSpec("k", Emb, 2, 2, tied_weight_attr=[])
+
+
+def test_runner_checks_the_layout_of_a_checkpoint() -> None:
+    """The runner's checkpoint part: state saved by another split (or stage count) is refused on load."""
+    from dstrain.pipe.errors import PipelineError
+    from dstrain.pipe.runner import PipelineRunner
+
+    def runner(method: str) -> PipelineRunner:
+        module = PipelineModule(_layers(), num_stages=1, partition_method=method, stage_id=0)
+        return PipelineRunner(
+            module=module, engine=None, micro_batches=2, pp_ranks=[0], pp_group=None, dp_size=1
+        )
+
+    saved = runner("uniform").state_dict()
+    runner("parameters").load_state_dict(saved)  # one stage: same split whatever the method
+    other = dict(saved, parts=[0, 3, 7], stages=2)
+    with pytest.raises(PipelineError):
+        runner("uniform").load_state_dict(other)
