@@ -61,12 +61,24 @@ def check_range(offset: object, nbytes: int, *, path: str | os.PathLike[str] | N
         raise OffsetError(f"offset {off} + {nbytes} bytes passes the largest file offset (2**63 - 1)")
     if path is None:
         return off  # a read: past the end of the file is ShortIOError, found by the read itself
-    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if soft != resource.RLIM_INFINITY and end > soft:
+    soft = _fsize_limit()
+    if soft is not None and end > soft:
         raise OffsetError(f"offset {off} + {nbytes} bytes passes RLIMIT_FSIZE ({soft} bytes)")
     if end > _PROBE_ABOVE:
         _check_fs_limit(os.path.dirname(os.path.abspath(os.fspath(path))) or ".", off, end)
     return off
+
+
+_fsize: list[int | None] = []
+
+
+def _fsize_limit() -> int | None:
+    """The soft RLIMIT_FSIZE, read once per process (a syscall per write measured +1 us); a limit
+    lowered later is still enforced by the kernel (EFBIG, an IOFailedError)."""
+    if not _fsize:
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        _fsize.append(None if soft == resource.RLIM_INFINITY else soft)
+    return _fsize[0]
 
 
 def _check_fs_limit(directory: str, off: int, end: int) -> None:
