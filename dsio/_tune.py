@@ -10,7 +10,6 @@ names: ``--workload checkpoint`` (write), ``--workload offload`` (read), or a ba
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import csv
 import dataclasses
@@ -162,7 +161,7 @@ def tune(args: argparse.Namespace) -> int:
     rungs = [(probe, 1, 0.55), (max(probe, args.size // 4), 1, 0.75), (args.size, args.reps, 0.0)]
     try:
         buf = _buffer(args.size, args.gpu)
-        asyncio.run(_fill(path, buf))
+        _cli.run(_fill(path, buf))  # uvloop when importable, like every loop dsio starts
         alive = {op: list(points) for op in ("read", "write")}
         for r, (nbytes, reps, keep) in enumerate(rungs):
             final = r == len(rungs) - 1
@@ -192,7 +191,7 @@ def tune(args: argparse.Namespace) -> int:
             with tqdm(total=total, desc=desc, unit="op", disable=args.quiet, file=sys.stderr) as bar:
                 measured: dict[tuple[Point, str], list[float]] = {}
                 for pts, ops in plan:
-                    measured.update(asyncio.run(_run_rung(pts, ops, nbytes, reps, path, args.size, buf, bar)))
+                    measured.update(_cli.run(_run_rung(pts, ops, nbytes, reps, path, args.size, buf, bar)))
             for op in ("write", "read"):
                 rs = [Result(p, op, r, nbytes, v) for (p, o), v in measured.items() if o == op]
                 rs.sort(key=lambda x: x.median, reverse=True)
