@@ -68,6 +68,11 @@ class AsyncIOHandle:
     def _pool(self) -> PinnedPool:
         return self._ops.pool
 
+    @property
+    def _gpu(self) -> Any:
+        """The CUDA half (``GpuIO``) once a CUDA tensor was seen, else None."""
+        return self._ops._gpu
+
     # -- operations ------------------------------------------------------------------------
     async def pwrite(
         self, tensor: torch.Tensor, path: PathLike, offset: int | None = None, *, fsync: bool = False
