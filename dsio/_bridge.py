@@ -140,7 +140,8 @@ class LoopThread:
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self, timeout: float | None = DRAIN_TIMEOUT_S) -> None:
-        """Let submitted work finish (up to ``timeout``), run finalizers, stop the loop, join.
+        """Let submitted work finish (up to ``timeout``), run finalizers, let tasks that work left
+        running finish too (up to ``timeout``, then cancelled), stop the loop, join.
 
         Never blocks when the interpreter is finalizing or when called on the loop thread itself
         (then the loop is only told to stop).
