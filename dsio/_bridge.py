@@ -6,10 +6,12 @@ coroutines to it with :meth:`LoopThread.submit` (a ``concurrent.futures.Future``
 :meth:`LoopThread.run` (blocks for the result).
 
 Exit safety, the reason this module exists: objects that own a loop thread are often never
-closed (DeepSpeed scripts never close their handles). At interpreter exit an ``atexit`` hook
-drains every live loop thread -- work already submitted finishes (bounded by
-``DRAIN_TIMEOUT_S``), registered finalizers run on the loop (closing handles, flushing files)
--- then stops the loop and joins the thread, while daemon threads can still run. After that,
+closed (DeepSpeed scripts never close their handles). At interpreter exit a hook (threading's
+exit hooks, before ``concurrent.futures`` shuts its executors; ``atexit`` as a backstop) drains
+every live loop thread -- work already submitted finishes (bounded by ``DRAIN_TIMEOUT_S``),
+registered finalizers run on the loop (closing handles, flushing files), tasks that work left
+running (a background checkpoint save) finish, bounded, then are cancelled -- then stops the
+loop and joins the thread, while daemon threads can still run. After that,
 and whenever ``sys.is_finalizing()``, nothing here blocks: a ``__del__`` that calls ``close()``
 late returns at once instead of waiting on a thread the interpreter has frozen.
 
