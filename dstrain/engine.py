@@ -293,6 +293,7 @@ class Engine:
             "precision": self.precision,
             "lr_scheduler": self.lr_scheduler,
             "rng": RngPart(),
+            "pipeline": self.runner,  # a pipeline's layout, checked on load (None without one)
         }
 
     def _where(self, root: Path, tag: str | None, save_latest: bool) -> tuple[Path, int]:
