@@ -294,7 +294,7 @@ def test_successive_halving_with_known_speeds(data_dir, tmp_path, monkeypatch, c
     speed = {"io_uring": 1.0, "aio": 3.0, "posix": 2.0}
 
     async def fake(f, op, view, offset):
-        cfg = f._h.config
+        cfg = f._ops.config
         gbps = speed[cfg.backend] * (1 + cfg.block_size / (8 << 20)) * (1.1 if op == "read" else 1.0)
         return view.numel() / (gbps * 1e9)
 

@@ -34,7 +34,7 @@ def known_speeds(monkeypatch):
     so the best read and write settings differ by construction."""
 
     async def fake(f, op, view, offset):
-        cfg = f._h.config
+        cfg = f._ops.config
         if op == "read":
             gbps = 1.0 + (cfg.block_size == 1 << 20) + (cfg.queue_depth == 32)
         else:
@@ -73,7 +73,7 @@ def test_workload_picks_read_or_write_settings(data_dir, tmp_path, capsys, known
 
 def test_same_best_settings_say_they_agree(data_dir, tmp_path, capsys, monkeypatch):
     async def fake(f, op, view, offset):
-        cfg = f._h.config
+        cfg = f._ops.config
         gbps = 1.0 + (cfg.block_size == 1 << 20) + (cfg.queue_depth == 32) + 0.1 * (not cfg.single_submit)
         gbps += 0.05 * cfg.overlap_events
         return view.numel() / (gbps * 1e9)
