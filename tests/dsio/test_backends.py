@@ -136,21 +136,18 @@ def ramfs_dir(tmp_path):
 
 
 @pytest.mark.needs_mount
-def test_filesystem_without_o_direct_falls_back_with_a_logged_reason(monkeypatch, caplog, run, ramfs_dir):
+async def test_filesystem_without_o_direct_falls_back_with_a_logged_reason(monkeypatch, caplog, ramfs_dir):
     monkeypatch.setattr(_backends, "_warned", set())
     path = os.path.join(ramfs_dir, "t.bin")
 
-    async def main():
-        async with dsio.AsyncIOHandle() as h:
-            t = torch.arange(10_000, dtype=torch.float32)
-            with caplog.at_level(logging.WARNING, logger="dsio"):
-                await h.pwrite(t, path)
-                async with h.open(path, "r") as f:
-                    assert not f.direct
-            back = torch.empty_like(t)
-            await h.pread(back, path)
-            assert torch.equal(back, t)
-            assert h.statistics().buffered_bytes >= 2 * t.nbytes and h.statistics().direct_bytes == 0
-
-    run(main())
+    async with dsio.AsyncIOHandle() as h:
+        t = torch.arange(10_000, dtype=torch.float32)
+        with caplog.at_level(logging.WARNING, logger="dsio"):
+            await h.pwrite(t, path)
+            async with h.open(path, "r") as f:
+                assert not f.direct
+        back = torch.empty_like(t)
+        await h.pread(back, path)
+        assert torch.equal(back, t)
+        assert h.statistics().buffered_bytes >= 2 * t.nbytes and h.statistics().direct_bytes == 0
     assert "O_DIRECT not supported" in caplog.text
