@@ -43,6 +43,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dsio  # noqa: E402
 from bench._common import (  # noqa: E402
+    RESULTS,
     deepspeed_python,
     drop_caches_verified,
     fmt,
@@ -384,13 +385,14 @@ def main_read_path(args: argparse.Namespace, meta: dict) -> None:
         + (f" Label: **{args.label}**." if args.label else "")
     )
     md = report_read_path(data, meta, header)
-    kind = "io-read-path" + (f"-{args.label}" if args.label else "")
-    with open(result_path(kind), "w") as f:
+    day = meta["date"].split()[0]
+    stem = os.path.join(RESULTS, "io-read-path" + (f"-{args.label}" if args.label else "") + f"-{day}")
+    with open(stem + ".md", "w") as f:
         f.write(md)
-    with open(result_path(kind, "json"), "w") as f:
+    with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "args": vars(args), **data}, f, indent=1)
     print(md)
-    print(f"written: {result_path(kind)}")
+    print(f"written: {stem}.md (+ .json)")
 
 
 def main_io(args: argparse.Namespace, meta: dict) -> None:
