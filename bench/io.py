@@ -54,6 +54,7 @@ from bench._common import (  # noqa: E402
     summarize,
 )
 from bench.baselines import fio  # noqa: E402
+from dsio._native import native  # noqa: E402
 
 DS_PY: str | None = None  # set by main() from --ds-python / the environment
 DS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines", "deepspeed_io.py")
@@ -402,10 +403,10 @@ def main_io(args: argparse.Namespace, meta: dict) -> None:
 
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    locked = torch.frombuffer(dsio._C.AlignedBuffer(size, True), dtype=torch.uint8)
+    locked = torch.frombuffer(native().AlignedBuffer(size, True), dtype=torch.uint8)
     locked.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
     plain = unaligned_tensor(size)  # an ordinary tensor: not 4096-aligned, not locked
-    ops_buf = torch.frombuffer(dsio._C.AlignedBuffer(args.ops << 20, True), dtype=torch.uint8)
+    ops_buf = torch.frombuffer(native().AlignedBuffer(args.ops << 20, True), dtype=torch.uint8)
     ops_buf.fill_(7)
 
     default = dsio.IOConfig()

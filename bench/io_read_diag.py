@@ -32,6 +32,7 @@ import dsio  # noqa: E402
 import dsio._transfer as transfer  # noqa: E402
 from bench._common import deepspeed_python, drop_caches_verified, scratch_dir  # noqa: E402
 from bench.io_read_path import DeepSpeedServer, _prepare  # noqa: E402
+from dsio._native import native  # noqa: E402
 
 PREFAULT_DEFAULT = transfer.PREFAULT_MIN_BYTES
 DS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines", "deepspeed_io.py")
@@ -82,7 +83,7 @@ def measure(case: str, loop, h, ds, path: str, size: int, locked, touched, dev: 
     # The A/B of the prefault thread: the same read with the threshold out of reach.
     transfer.PREFAULT_MIN_BYTES = 1 << 62 if case.endswith("prefault off") else PREFAULT_DEFAULT
     if case.startswith("dsio fresh aligned"):
-        dest = torch.frombuffer(dsio._C.AlignedBuffer(size, False), dtype=torch.uint8)
+        dest = torch.frombuffer(native().AlignedBuffer(size, False), dtype=torch.uint8)
     elif case.startswith("dsio fresh"):
         dest = torch.empty(size, dtype=torch.uint8)
     else:
@@ -154,8 +155,8 @@ def strace_counts(ds_py: str | None, path: str, size: int) -> dict[str, str]:
     trace = "trace=io_submit,io_getevents,io_uring_enter,pread64,madvise,mincore,mlock"
     out = {}
     dsio_code = (
-        "import asyncio, torch, dsio, dsio._C\n"
-        f"b = torch.frombuffer(dsio._C.AlignedBuffer({size}, True), dtype=torch.uint8)\n"
+        "import asyncio, torch, dsio\nfrom dsio._native import native\n"
+        f"b = torch.frombuffer(native().AlignedBuffer({size}, True), dtype=torch.uint8)\n"
         "async def m():\n"
         "    async with dsio.AsyncIOHandle() as h:\n"
         f"        await h.pread(b, {path!r})\n"
@@ -202,7 +203,7 @@ def main() -> None:
     ds = DeepSpeedServer(ds_py, DS_SCRIPT, size) if ds_py else None
     loop = asyncio.new_event_loop()
     h = dsio.AsyncIOHandle()
-    locked = torch.frombuffer(dsio._C.AlignedBuffer(size, True), dtype=torch.uint8)
+    locked = torch.frombuffer(native().AlignedBuffer(size, True), dtype=torch.uint8)
     touched = torch.ones(size, dtype=torch.uint8)
     rows = []
     try:

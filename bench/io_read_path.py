@@ -36,6 +36,7 @@ import torch
 
 import dsio
 from bench._common import drop_caches_verified, fmt
+from dsio._native import native
 
 __all__ = ["DeepSpeedServer", "READ_CASES", "run_read_path", "report_read_path"]
 
@@ -128,7 +129,7 @@ def run_read_path(
     try:
         for size in sizes:
             ds = DeepSpeedServer(ds_python, ds_script, size) if ds_python else None
-            locked_mem = dsio._C.AlignedBuffer(size, True)
+            locked_mem = native().AlignedBuffer(size, True)
             locked = torch.frombuffer(locked_mem, dtype=torch.uint8)
             locked.fill_(3)
             touched = torch.empty(size, dtype=torch.uint8)
@@ -186,7 +187,7 @@ def _one(loop, h, ds, case, src, dst, off, size, locked, touched) -> dict:
     elif case.endswith("touched"):
         dest = touched
     elif case.endswith("fresh aligned"):
-        dest = torch.frombuffer(dsio._C.AlignedBuffer(size, False), dtype=torch.uint8)
+        dest = torch.frombuffer(native().AlignedBuffer(size, False), dtype=torch.uint8)
     else:
         dest = torch.empty(size, dtype=torch.uint8)
     rec.update(_timed(loop, h, lambda: h.pread(dest, src, off), size))

@@ -22,6 +22,7 @@ import torch
 import dsio
 from bench._common import drop_caches_verified, fmt
 from bench.io_read_path import DeepSpeedServer
+from dsio._native import native
 
 __all__ = ["SWEEP", "run_tuned", "report_tuned"]
 
@@ -48,7 +49,7 @@ def run_tuned(
 ) -> dict:
     """{side: {op: {label: [GB/s per rep]}}, "cold": bool}."""
     path = os.path.join(directory, "tuned.bin")
-    mem = dsio._C.AlignedBuffer(size, True)
+    mem = native().AlignedBuffer(size, True)
     buf = torch.frombuffer(mem, dtype=torch.uint8)
     buf.fill_(5)
     loop = asyncio.new_event_loop()
