@@ -105,7 +105,8 @@ class GateOutput:
         k, s = self.indices.shape
         out = self.weights.new_zeros(s * self.num_experts * c)
         slot = (
-            torch.arange(s).expand(k, s) * self.num_experts + self.indices.clamp(min=0)
+            torch.arange(s, device=self.indices.device).expand(k, s) * self.num_experts
+            + self.indices.clamp(min=0)
         ) * c + self.locations
         out = out.index_add(0, slot[self.kept], self.weights[self.kept])
         return out.view(s, self.num_experts, c)

@@ -67,13 +67,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _entry(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out_dir: str
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    out_dir: str,
+    backend: str = "gloo",
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank
+        dist.init_process_group(backend, rank=rank, world_size=world)
         result = fn(*args)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
     except BaseException:
@@ -84,13 +92,15 @@ def _entry(
             dist.destroy_process_group()
 
 
-def spawn_bounded(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 120.0) -> list[Any]:
-    """Run ``fn(*args)`` on ``world`` gloo ranks; a run past ``timeout`` seconds is killed and raises
-    TimeoutError (a hang fails the test instead of stalling it)."""
+def spawn_bounded(
+    fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 120.0, backend: str = "gloo"
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` ranks of a ``backend`` group ("nccl": rank r on cuda:r); a run past
+    ``timeout`` seconds is killed and raises TimeoutError (a hang fails the test instead of stalling it)."""
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _entry,
-            args=(world, free_port(), fn, args, out_dir),
+            args=(world, free_port(), fn, args, out_dir, backend),
             nprocs=world,
             join=False,
             start_method="spawn",
@@ -106,16 +116,19 @@ def spawn_bounded(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: f
             pass
         except mp.ProcessExitedException:
             pass
-        results = []
+        # every rank's error first (a rank killed because its peer failed leaves no result: name the cause)
+        loaded = {}
         for rank in range(world):
             path = os.path.join(out_dir, f"{rank}.pt")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} died without a result")
-            data = torch.load(path, weights_only=False)
-            if "error" in data:
-                raise RuntimeError(f"rank {rank} failed:\n{data['error']}")
-            results.append(data["ok"])
-        return results
+            if os.path.exists(path):
+                loaded[rank] = torch.load(path, weights_only=False)
+        errors = [f"rank {r} failed:\n{d['error']}" for r, d in loaded.items() if "error" in d]
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        missing = [r for r in range(world) if r not in loaded]
+        if missing:
+            raise RuntimeError(f"ranks {missing} died without a result")
+        return [loaded[r]["ok"] for r in range(world)]
 
 
 # -- scenarios run on each rank ---------------------------------------------------------------------
@@ -132,9 +145,12 @@ EP_CASES = [
 D, E = 8, 4
 
 
-def ep_equivalence() -> dict[str, Any]:
-    """Per case: forward vs the dense reference (no drops) and EP=2 gradients vs the EP=1 layer's."""
+def ep_equivalence(device: str = "cpu") -> dict[str, Any]:
+    """Per case: forward vs the dense reference (no drops) and EP=2 gradients vs the EP=1 layer's.
+
+    ``device`` "cuda": everything on this rank's GPU (``cuda:rank``, the NCCL tests)."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    dev = torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
     out: dict[str, Any] = {}
     for k, drop, cf, s in EP_CASES:
         name = f"k{k}-{'drop' if drop else 'nodrop'}"
@@ -145,11 +161,11 @@ def ep_equivalence() -> dict[str, Any]:
             use_rts=False,
             top2_2nd_expert_sampling=False,
         )
-        ref = reference_layer(D, E, k, **kw)
+        ref = reference_layer(D, E, k, **kw).to(dev)
         torch.manual_seed(1)
-        xs = [torch.randn(s, D) for _ in range(world)]
-        target = torch.randn(s, D)
-        layer = MoE(D, make_expert(D), num_experts=E, ep_size=world, k=k, **kw)
+        xs = [torch.randn(s, D).to(dev) for _ in range(world)]
+        target = torch.randn(s, D).to(dev)
+        layer = MoE(D, make_expert(D), num_experts=E, ep_size=world, k=k, **kw).to(dev)
         layer.set_expert_group(None)  # the whole world is the expert group here
         copy_into(layer, ref, rank)
         x = xs[rank].clone().requires_grad_(True)
@@ -158,7 +174,7 @@ def ep_equivalence() -> dict[str, Any]:
         loss.backward()
         # the EP=1 reference: every rank's tokens through the same layer, separately (routing is per rank)
         xr = [t.clone().requires_grad_(True) for t in xs]
-        total = torch.zeros(())
+        total = torch.zeros((), device=dev)
         for r in range(world):
             yr, la, _ = ref(xr[r])
             if r == rank:
@@ -232,21 +248,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe
 import moe_model as mm  # noqa: E402
 
 
-def _engine(k: int, ep: int, stage: int, clip: float = 0.0) -> Any:
+def _engine(k: int, ep: int, stage: int, clip: float = 0.0, bf16: bool = False) -> Any:
     import dstrain
 
     world, rank = dist.get_world_size(), dist.get_rank()
     net = mm.Net(MoE, k, ep)
     mm.init_(net, rank % ep, ep)
-    engine, _, _, _ = dstrain.initialize(model=net, config=mm.config(stage, world, clip))
+    config = mm.config(stage, world, clip)
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    engine, _, _, _ = dstrain.initialize(model=net, config=config)
     return engine
 
 
 def _train(engine: Any, start: int, steps: int) -> list[float]:
     world, rank = dist.get_world_size(), dist.get_rank()
+    device = next(engine.module.parameters()).device  # cuda:rank on NCCL (the engine placed the model)
     losses = []
     for step in range(start, start + steps):
-        x, y = mm.batch(step, rank, world)
+        x, y = (t.to(device) for t in mm.batch(step, rank, world))
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -287,4 +307,34 @@ def engine_scenarios(root: str) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the type is the result
         out["other_ep"] = type(e).__name__
     engine.close()
+    return out
+
+
+# name, k, ep_size, zero stage, bf16: the curves the NCCL tests compare (fp32 ones also to DeepSpeed's)
+DEVICE_SCENARIOS = [
+    ("k2_ep2_s1", 2, 2, 1, False),
+    ("k2_ep1_s1", 2, 1, 1, False),
+    ("k2_ep2_s2", 2, 2, 2, False),
+    ("k1_ep2_s0", 1, 2, 0, False),
+    ("k1_ep1_s0", 1, 1, 0, False),
+    ("k2_ep2_s1_bf16", 2, 2, 1, True),
+    ("k2_ep1_s1_bf16", 2, 1, 1, True),
+]
+
+
+def engine_curves() -> dict[str, Any]:
+    """`DEVICE_SCENARIOS` trained ``mm.STEPS`` steps on whatever the group's backend implies (NCCL: the
+    engine puts the model on cuda:rank); per scenario the loss curve, the parameters' device and dtype
+    and the all-to-all count (the exchange really ran on that backend)."""
+    out: dict[str, Any] = {}
+    for name, k, ep, stage, bf16 in DEVICE_SCENARIOS:
+        engine = _engine(k, ep, stage, bf16=bf16)
+        p = next(engine.module.moe.parameters())
+        out[name] = {
+            "losses": _train(engine, 0, mm.STEPS),
+            "device": str(p.device),
+            "dtype": str(p.dtype),
+            "a2a": engine.module.moe.statistics().exchange.all_to_all_calls,
+        }
+        engine.close()
     return out
