@@ -58,11 +58,32 @@ HEADER_CASES = {
 }
 
 
+def _data_bytes(raw: bytes) -> int:
+    """The data section size the header itself claims, so that only its malformation is wrong
+    (a file size that does not match would be refused for that reason alone)."""
+    try:
+        obj = json.loads(raw)
+        offs = [v.get("data_offsets") for v in obj.values() if isinstance(v, dict)]
+        return max(
+            (o[1] for o in offs if isinstance(o, list) and len(o) == 2 and type(o[1]) is int), default=0
+        )
+    except (ValueError, RecursionError, AttributeError):
+        return 0
+
+
 @pytest.mark.parametrize("name", sorted(HEADER_CASES))
 def test_malformed_header_is_format_error(name):
     raw = HEADER_CASES[name]
     with pytest.raises(CheckpointFormatError):
-        _parse(raw, 8 + len(raw) + 4)
+        _parse(raw, 8 + len(raw) + _data_bytes(raw))
+
+
+def test_shape_overflow_in_a_file_is_format_error_not_a_torch_error(tmp_path):
+    hdr = json.dumps({"x": {"dtype": "F32", "shape": [2**40, 2**30, 0], "data_offsets": [0, 0]}}).encode()
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(struct.pack("<Q", len(hdr)) + hdr)
+    with pytest.raises(CheckpointFormatError):
+        asyncio.run(C.load(str(path)))
 
 
 # -- state tree: explicit cases -------------------------------------------------------------------

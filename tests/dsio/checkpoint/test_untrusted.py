@@ -132,3 +132,18 @@ def test_a_symlinked_root_the_caller_names_is_fine(ckdir, tmp_path):
     back = {"w": torch.zeros(3)}
     dcp.load(back, storage_reader=C.DsioStorageReader(tmp_path / "dlink"))
     assert torch.equal(back["w"], torch.arange(3.0))
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+@pytest.mark.parametrize("where", ["latest", f"{STEP}/manifest.json"])
+def test_a_huge_sparse_file_is_refused_by_its_size_not_read(ckdir, where):
+    root, _ = ckdir
+    _replace(root / where, "sparse")
+    before = _rchar()
+    with pytest.raises(dsio.CheckpointFormatError):
+        _load(root, step=None if where == "latest" else 5)
+    assert _rchar() - before < (8 << 20), "the 1 GiB file was read"
