@@ -14,6 +14,13 @@ same quantities computed from its exp_counts and capacity, which its layer expos
 
     python bench/moe.py                                 # defaults below; writes bench/results/moe-<date>.{md,json}
     python bench/moe.py --reps 1 --steps 5 --label quick
+
+On GPUs (one per rank, NCCL): ``--device cuda --backend nccl`` (optionally ``--bf16``). DeepSpeed is not
+installed on the GPU machine, so there the comparison is dstrain's MoE vs the dense MLP only (the report
+says so), e.g. a realistic layer on 2x H200:
+
+    python bench/moe.py --device cuda --backend nccl --bf16 --d 2048 --ffn 8192 --experts 8 --k 2 \
+        --tokens 8192 --steps 20 --reps 3 --output /tmp/out/moe-h200x2-nccl
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("dstrain-moe", "deepspeed-moe", "dstrain-dense")
-_SHAPE = ("d", "ffn", "experts", "k", "ep", "tokens", "steps", "warmup")
+_SHAPE = ("d", "ffn", "experts", "k", "ep", "tokens", "steps", "warmup", "device", "backend", "bf16")
 
 
 # -- worker (runs on each rank under torchrun) --------------------------------------------------------
@@ -45,6 +52,10 @@ def _worker(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     d, f, e, k, ep, tokens = a.d, a.ffn, a.experts, a.k, a.ep, a.tokens
+    device = torch.device("cpu")
+    if a.device == "cuda":  # one GPU per rank; the engine also puts the model there under NCCL
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if a.worker == "deepspeed-moe":
         import deepspeed
         from deepspeed.moe.layer import MoE
@@ -58,7 +69,7 @@ def _worker(a: argparse.Namespace) -> None:
         from dstrain.moe import MoE
         from dstrain.moe import split_params_into_different_moe_groups_for_optimizer as split
 
-        dstrain.init_distributed("gloo")
+        dstrain.init_distributed(a.backend)
         init = dstrain.initialize
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -104,10 +115,15 @@ def _worker(a: argparse.Namespace) -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
         "zero_optimization": {"stage": 1},
     }
+    if a.bf16:
+        cfg["bf16"] = {"enabled": True}
     params = split({"params": list(net.parameters()), "name": "p"})
     engine, _, _, _ = init(model=net, model_parameters=params, config=cfg)
     g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(tokens, d, generator=g), torch.randn(tokens, d, generator=g)) for _ in range(4)]
+    batches = [
+        (torch.randn(tokens, d, generator=g).to(device), torch.randn(tokens, d, generator=g).to(device))
+        for _ in range(4)
+    ]
     times, dropped, routes = [], 0, 0
     for step in range(a.warmup + a.steps):
         x, y = batches[step % len(batches)]
@@ -116,6 +132,8 @@ def _worker(a: argparse.Namespace) -> None:
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         if step >= a.warmup:
             times.append(dt)
@@ -129,14 +147,15 @@ def _worker(a: argparse.Namespace) -> None:
     if a.worker != "dstrain-dense":
         cap = _capacity(tokens, e, k)
         res["capacity"] = cap
-        res["a2a_bytes_per_step_formula"] = 4 * e * cap * d * 4  # 2 all-to-alls forward, 2 backward, fp32
+        # 2 all-to-alls forward, 2 backward, of the compute dtype
+        res["a2a_bytes_per_step_formula"] = 4 * e * cap * d * (2 if a.bf16 else 4)
         res["dropped_fraction"] = dropped / routes if routes else 0.0
     if a.worker == "dstrain-moe":
         st = net.moe.statistics()
         res["a2a_bytes_per_step"] = st.exchange.all_to_all_bytes / (a.warmup + a.steps)
         res["a2a_seconds_per_step"] = st.exchange.all_to_all_seconds / (a.warmup + a.steps)
         res["dropped_fraction_counted"] = st.dropped_fraction
-    t = torch.tensor([step_s])
+    t = torch.tensor([step_s], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     res["step_s_max_rank"] = float(t)
     if rank == 0:
@@ -203,13 +222,27 @@ def main() -> None:
     p.add_argument("--ds-python", default=os.environ.get("DSIO_DEEPSPEED_PYTHON", "/work/ds-venv/bin/python"))
     p.add_argument("--label", default="", help="appended to the result file names (e.g. run-under-load)")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: rank r on cuda:r")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--bf16", action="store_true", help="bf16 compute (the engine's bf16 section)")
+    p.add_argument(
+        "--output", default="", help="result path prefix (default bench/results/moe-<date>[-label])"
+    )
     a = p.parse_args()
     if a.worker:
         for key, value in json.loads(os.environ.get("MOE_BENCH_ARGS", "{}")).items():
             setattr(a, key, value)
         _worker(a)
         return
+    if (a.device == "cuda") != (a.backend == "nccl"):
+        p.error("--device cuda goes with --backend nccl (and cpu with gloo)")
     methods = [m for m in a.methods.split(",") if m]
+    notes: list[str] = []
+    if a.device == "cuda" and "deepspeed-moe" in methods:
+        methods.remove("deepspeed-moe")
+        notes.append(
+            "DeepSpeed is not run on the GPU machine (not installed there): dstrain MoE vs dense MLP only"
+        )
     if "deepspeed-moe" in methods and not os.path.exists(a.ds_python):
         print(f"bench/moe: {a.ds_python} missing: DeepSpeed skipped", file=sys.stderr)
         methods.remove("deepspeed-moe")
@@ -245,15 +278,21 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     name = f"moe-{date}" + (f"-{a.label}" if a.label else "")
     out_dir = ROOT / "bench" / "results"
+    if a.output:
+        out_dir, name = Path(a.output).parent, Path(a.output).name
+        out_dir.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "moe",
         "date": date,
         "label": a.label,
         "config": {
-            k: getattr(a, k) for k in ("d", "ffn", "experts", "k", "ep", "tokens", "steps", "warmup", "reps")
+            k: getattr(a, k)
+            for k in ("d", "ffn", "experts", "k", "ep", "tokens", "steps", "warmup", "reps", "bf16")
         },
         "world": 2,
-        "backend": "gloo",
+        "backend": a.backend,
+        "device": a.device,
+        "notes": notes,
         "wall_seconds": wall,
         "load_average_at_end": os.getloadavg(),
         "summary": summary,
@@ -264,7 +303,8 @@ def main() -> None:
     lines = [
         f"# MoE benchmark {date}{' (' + a.label + ')' if a.label else ''}",
         "",
-        f"2 gloo ranks (CPU), d={a.d}, expert ffn={a.ffn}, E={a.experts}, k={a.k}, ep_size={a.ep}, "
+        f"2 {a.backend} ranks ({'one GPU each' if a.device == 'cuda' else 'CPU'}"
+        f"{', bf16' if a.bf16 else ', fp32'}), d={a.d}, expert ffn={a.ffn}, E={a.experts}, k={a.k}, ep_size={a.ep}, "
         f"{a.tokens} tokens/rank/step, ZeRO 1, AdamW; {a.reps} interleaved reps x {a.steps} steps "
         f"(+{a.warmup} warm-up); step time = the slower rank's median. Load average at the end: "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}. Command: `python bench/moe.py {' '.join(sys.argv[1:])}`"
@@ -287,6 +327,7 @@ def main() -> None:
             f"{'-' if drop is None else f'{drop:.1%}'} |"
         )
     lines.append("")
+    lines += [f"- {n}" for n in notes]
     for key, r in ratios.items():
         lines.append(
             f"- dstrain MoE {key.replace('_', ' ')}: {r['median']:.2f}x (their step time / ours, per rep: "
