@@ -79,9 +79,11 @@ def reducer_run(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for mode in ("default", "recording", "dropping"):
             reducers: list[Any] = []
 
-            def routes(groups: Any, topo: Any, mode: str = mode, reducers: list[Any] = reducers) -> Any:
+            def routes(
+                groups: Any, topo: Any, *rest: Any, mode: str = mode, reducers: list[Any] = reducers
+            ) -> Any:
                 if mode == "default":
-                    return original(groups, topo)
+                    return original(groups, topo, *rest)  # build_routes may take more (the config)
                 reducers.extend(
                     [RecordingReducer(), RecordingReducer() if mode == "recording" else DroppingReducer()]
                 )
