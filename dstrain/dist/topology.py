@@ -142,7 +142,9 @@ class Topology:
     def __init__(self, layout: Layout, world: Comm | None = None) -> None:
         world = world if world is not None else Comm()
         if world.world_size != layout.world:
-            raise TopologyError(f"layout is for {layout.world} ranks, the process group has {world.world_size}")
+            raise TopologyError(
+                f"layout is for {layout.world} ranks, the process group has {world.world_size}"
+            )
         self.layout = layout
         self.world = world
         self.coords = layout.coordinates(world.rank)
