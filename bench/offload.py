@@ -100,7 +100,8 @@ def worker(args: argparse.Namespace) -> None:
     init_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(1 + rank)
     xs = [torch.randn(8, h, generator=g) for _ in range(args.steps)]
-    times = []
+    times: list[float] = []
+    losses: list[float] = []
     stats0 = None
     for i, x in enumerate(xs):
         if i == 2:
@@ -111,6 +112,7 @@ def worker(args: argparse.Namespace) -> None:
         engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - t)
+        losses.append(float(loss.item()))
     stats1 = _offload_stats(optimizer)
     tail = times[2:] or times
     result = {
@@ -120,6 +122,7 @@ def worker(args: argparse.Namespace) -> None:
         "peak_rss_mib": _rss_kib() / 1024,
         "init_s": init_s,
         "params": n_params,
+        "losses": losses,
     }
     if stats0 is not None and stats1 is not None:
         k = len(tail)
@@ -311,6 +314,20 @@ def report(args: argparse.Namespace, summary: dict[str, Any], n_params: int) -> 
     return "\n".join(lines) + "\n"
 
 
+def loss_agreement(runs: list[dict[str, Any]]) -> list[str]:
+    """Per-step loss of dstrain vs DeepSpeed in the same mode (same model, seed and data), rank 0."""
+    out = []
+    for mode in MODES:
+        a = next((r for r in runs if r["method"] == f"dstrain-{mode}" and "ranks" in r), None)
+        b = next((r for r in runs if r["method"] == f"deepspeed-{mode}" and "ranks" in r), None)
+        if a is None or b is None or "losses" not in a["ranks"][0] or "losses" not in b["ranks"][0]:
+            continue
+        la, lb = a["ranks"][0]["losses"], b["ranks"][0]["losses"]
+        rel = max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(la, lb, strict=True))
+        out.append(f"- {mode}: max relative difference of per-step loss over {len(la)} steps: {rel:.2e}")
+    return out
+
+
 def targets(summary: dict[str, Any]) -> list[str]:
     def step(m: str) -> float | None:
         row = summary.get(m)
@@ -382,6 +399,10 @@ def main() -> None:
     n_params = next((r["ranks"][0]["params"] for r in runs if "ranks" in r), 0)
     summary = summarize(runs, probes, methods)
     text = report(args, summary, n_params) + "\nTargets (issue 11):\n\n" + "\n".join(targets(summary)) + "\n"
+    agreement = loss_agreement(runs)
+    if agreement:
+        text += "\nLoss agreement, dstrain vs DeepSpeed (rank 0, same model, seed and data):\n\n"
+        text += "\n".join(agreement) + "\n"
     stem = args.out or str(ROOT / "bench" / "results" / f"offload-{datetime.date.today()}")
     Path(stem + ".md").write_text(text)
     Path(stem + ".json").write_text(json.dumps({"args": vars(args), "runs": runs, "probes": probes,
