@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import io
 import os
 import pickle
@@ -285,10 +286,33 @@ _ALLOWED: frozenset[tuple[str, str]] = frozenset(
 )
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """What ``builtins.getattr`` may do in DCP metadata: look up a member of an allowed Enum.
+
+    Some Pythons (3.11.2 here) pickle an enum member as ``getattr(EnumClass, "NAME")`` (3.11.7:
+    ``EnumClass(value)``), so metadata written there holds a ``getattr`` call. Anything
+    but an allowlisted Enum class and one of its member names is refused.
+    """
+    if not (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and (cls.__module__, cls.__qualname__) in _ALLOWED
+        and isinstance(name, str)
+        and name in cls.__members__
+    ):
+        raise CheckpointFormatError(
+            f"{METADATA} calls getattr on something other than an allowed enum member"
+        )
+    return cls[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``Metadata`` and nothing else: exact names only, no callables, no code."""
+    """Unpickles DCP ``Metadata`` and nothing else: exact names only, no callables, no code
+    (``getattr`` only as the guarded enum-member lookup older Pythons pickle)."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if (module, name) not in _ALLOWED:  # exact: "os.system" reached through an allowed module is not
             raise CheckpointFormatError(f"{METADATA} refers to a global DCP metadata never holds")
         obj = super().find_class(module, name)
