@@ -1,6 +1,6 @@
 """Where read time goes (issue 17): one cold read per case, with what the device and the kernel saw.
 
-    python bench/io_read_diag.py [--size-mib 512] [--reps 2] [--strace]
+    python bench/io_read_diag.py [--size-mib 512] [--reps 2] [--strace] [--cases "dsio fresh;DeepSpeed locked"]
 
 Per case (dsio into a locked / touched / fresh / fresh page-aligned destination, DeepSpeed's
 ``aio_handle()`` into its own locked buffer) and rep, page cache dropped and checked first:
@@ -39,7 +39,9 @@ DS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines"
 CASES = (
     "dsio locked",
     "dsio touched",
+    "dsio touched, loop copy",
     "dsio fresh",
+    "dsio fresh, loop copy",
     "dsio fresh, prefault off",
     "dsio fresh aligned",
     "dsio fresh aligned, prefault off",
@@ -82,6 +84,8 @@ def measure(case: str, loop, h, ds, path: str, size: int, locked, touched, dev: 
     cold = drop_caches_verified(path)
     # The A/B of the prefault thread: the same read with the threshold out of reach.
     transfer.PREFAULT_MIN_BYTES = 1 << 62 if case.endswith("prefault off") else PREFAULT_DEFAULT
+    # The A/B of the native staging copy: "loop copy" copies pool -> tensor on the loop thread.
+    transfer.LOOP_THREAD_COPY = case.endswith("loop copy")
     if case.startswith("dsio fresh aligned"):
         dest = torch.frombuffer(native().AlignedBuffer(size, False), dtype=torch.uint8)
     elif case.startswith("dsio fresh"):
@@ -128,6 +132,8 @@ def measure(case: str, loop, h, ds, path: str, size: int, locked, touched, dev: 
             pieces=st1["pieces"] - st0["pieces"],
             submit_syscalls=st1["submit_syscalls"] - st0["submit_syscalls"],
             wait_syscalls=st1["wait_syscalls"] - st0["wait_syscalls"],
+            native_copy_bytes=st1["copy"]["bytes"] - st0["copy"]["bytes"],
+            native_copy_busy_s=(st1["copy"]["busy_ns"] - st0["copy"]["busy_ns"]) / 1e9,
             latency_hist_us={
                 f"<{2**i}": b - a
                 for i, (a, b) in enumerate(zip(st0["read"]["latency_hist"], st1["read"]["latency_hist"]))
@@ -192,7 +198,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ds-python", default=None)
     ap.add_argument("--strace", action="store_true")
+    ap.add_argument("--cases", default=None, help="semicolon-separated subset of: " + "; ".join(CASES))
     args = ap.parse_args()
+    cases = CASES if args.cases is None else tuple(c.strip() for c in args.cases.split(";"))
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        ap.error(f"unknown cases {unknown}; known: {list(CASES)}")
     d = args.dir or scratch_dir()
     os.makedirs(d, exist_ok=True)
     size = args.size_mib << 20
@@ -208,7 +219,7 @@ def main() -> None:
     rows = []
     try:
         for _rep in range(args.reps):
-            for case in CASES:
+            for case in cases:
                 if case.startswith("DeepSpeed") and ds is None:
                     continue
                 rec = measure(case, loop, h, ds, path, size, locked, touched, dev)

@@ -51,7 +51,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("block_size"), py::arg("queue_depth"), py::arg("parallelism"), py::arg("single_submit"),
            py::arg("overlap_events"))
       .def("submit", &Engine::submit, py::arg("op"), py::arg("fd"), py::arg("buf"), py::arg("nbytes"),
-           py::arg("offset"), py::arg("tag"))
+           py::arg("offset"), py::arg("tag"), py::arg("copy_dst") = 0,
+           py::arg("copy_src") = 0)
       .def(
           "prefault", [](Engine& e, uintptr_t ptr, uint64_t nbytes) { return e.prefaulter.add(ptr, nbytes); },
           py::arg("ptr"), py::arg("nbytes"),
@@ -74,6 +75,11 @@ PYBIND11_MODULE(_C, m) {
         d["completed"] = e.finished_.load();
         d["pieces"] = e.pieces_.load();
         d["short"] = e.short_.load();
+        py::dict cp;
+        cp["pieces"] = e.copies_.load();
+        cp["bytes"] = e.copy_bytes_.load();
+        cp["busy_ns"] = e.copy_ns_.load();
+        d["copy"] = cp;
         d["submit_syscalls"] = e.submit_syscalls();
         d["wait_syscalls"] = e.wait_syscalls();
         const Prefaulter& p = e.prefaulter;

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <stdexcept>
 #include <system_error>
 
@@ -77,8 +78,13 @@ void Engine::close() {
   efd_ = -1;
 }
 
-void Engine::submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offset, uint64_t tag) {
+void Engine::submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offset, uint64_t tag,
+                    uintptr_t copy_dst, uintptr_t copy_src) {
   if (op < 0 || op > 2) throw std::invalid_argument("op must be 0 (read), 1 (write) or 2 (fsync)");
+  if (copy_dst != 0 && op != static_cast<int>(Op::Read))
+    throw std::invalid_argument("copy_dst is for reads only");
+  if (copy_src != 0 && op != static_cast<int>(Op::Write))
+    throw std::invalid_argument("copy_src is for writes only");
   auto* r = new Request();
   r->tag = tag;
   r->op = static_cast<Op>(op);
@@ -86,6 +92,8 @@ void Engine::submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offs
   r->buf = reinterpret_cast<char*>(buf);
   r->nbytes = r->op == Op::Fsync ? 0 : nbytes;
   r->offset = offset;
+  r->copy_dst = reinterpret_cast<char*>(copy_dst);
+  r->copy_src = reinterpret_cast<char*>(copy_src);
   r->t_start_ns = now_ns();
   submitted_.fetch_add(1);
   {
@@ -109,6 +117,8 @@ bool Engine::carve(Slot& s) {
     if (r->op == Op::Fsync && !failed) {
       queue_.pop_front();
       s = Slot{r, nullptr, 0, r->offset};
+      s.start = nullptr;
+      s.full = 0;
       return true;  // the fsync piece inherits the carving reference
     }
     if (failed || r->cursor >= r->nbytes) {
@@ -118,6 +128,8 @@ bool Engine::carve(Slot& s) {
     }
     uint64_t len = std::min(block_size_, r->nbytes - r->cursor);
     s = Slot{r, r->buf + r->cursor, len, r->offset + static_cast<int64_t>(r->cursor)};
+    s.start = s.buf;
+    s.full = len;
     r->cursor += len;
     r->outstanding.fetch_add(1);
     if (r->cursor >= r->nbytes) {
@@ -135,6 +147,7 @@ void Engine::run(Worker& w) {
   std::vector<Completion> done;
   std::vector<uint32_t> rejected;
   std::vector<uint32_t> resubmit;
+  std::vector<uint32_t> taken;
   for (;;) {
     bool more = false;
     // 1. Take new pieces, sleeping only when nothing is in flight.
@@ -149,15 +162,29 @@ void Engine::run(Worker& w) {
         uint32_t slot = w.free.back();
         if (!carve(w.slots[slot])) break;
         w.free.pop_back();
-        Slot& s = w.slots[slot];
-        s.t_submit_ns = now_ns();
-        be.prepare(slot, s.req->op, s.req->fd, s.buf, s.len, s.off);
+        taken.push_back(slot);
         ++inflight;
         pieces_.fetch_add(1, std::memory_order_relaxed);
       }
       more = !queue_.empty();
     }
     if (more) qcv_.notify_one();  // more work than this worker can hold: wake a sibling
+    // Outside the queue lock: a staged write's piece is first copied into its staging buffer
+    // (here, GIL-free, in parallel across workers), then every new piece is prepared.
+    for (uint32_t slot : taken) {
+      Slot& s = w.slots[slot];
+      Request* r = s.req;
+      if (r->copy_src != nullptr && s.full != 0) {
+        uint64_t t0 = now_ns();
+        std::memcpy(s.start, r->copy_src + (s.start - r->buf), s.full);
+        copies_.fetch_add(1, std::memory_order_relaxed);
+        copy_bytes_.fetch_add(s.full, std::memory_order_relaxed);
+        copy_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+      }
+      s.t_submit_ns = now_ns();
+      be.prepare(slot, r->op, r->fd, s.buf, s.len, s.off);
+    }
+    taken.clear();
     for (uint32_t slot : resubmit) {
       const Slot& s = w.slots[slot];
       be.prepare(slot, s.req->op, s.req->fd, s.buf, s.len, s.off);
@@ -209,10 +236,24 @@ void Engine::piece_done(Request* r, int64_t res, const Slot& s) {
     if (r->err.compare_exchange_strong(expected, static_cast<int>(-res))) r->err_offset.store(s.off);
   } else if (r->op != Op::Fsync && static_cast<uint64_t>(res) < s.len) {
     // Zero bytes: end of file on a read, or a write the kernel refused to extend.
-    bool expected = false;
-    if (r->short_io.compare_exchange_strong(expected, true)) r->err_offset.store(s.off + res);
+    // Pieces end short in any order across workers: report the lowest offset where data stopped
+    // (unless an errno already claimed err_offset).
+    r->short_io.store(true);
+    int64_t at = s.off + res;
+    int64_t cur = r->err_offset.load();
+    while (r->err.load() == 0 && (cur < 0 || at < cur) && !r->err_offset.compare_exchange_weak(cur, at)) {
+    }
     r->done.fetch_add(static_cast<uint64_t>(res), std::memory_order_relaxed);
   } else {
+    if (r->copy_dst != nullptr && s.full != 0) {
+      // The whole piece is in the staging buffer: copy it out here, in this worker, GIL-free.
+      // The request (and so the caller's lease and destination) is held until finish().
+      uint64_t t0 = now_ns();
+      std::memcpy(r->copy_dst + (s.start - r->buf), s.start, s.full);
+      copies_.fetch_add(1, std::memory_order_relaxed);
+      copy_bytes_.fetch_add(s.full, std::memory_order_relaxed);
+      copy_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    }
     r->done.fetch_add(static_cast<uint64_t>(res), std::memory_order_relaxed);
   }
   if (r->outstanding.fetch_sub(1) == 1) finish(r);

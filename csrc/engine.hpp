@@ -54,6 +54,12 @@ struct Request {
   char* buf;
   uint64_t nbytes;
   int64_t offset;
+  // Reads only: once a piece has been read in full into buf, a worker copies it to the same
+  // position under copy_dst (GIL-free, before the request can complete). 0: no copy.
+  char* copy_dst = nullptr;
+  // Writes only: each piece is copied from the same position under copy_src into buf by the
+  // worker that carved it, just before it is submitted. 0: no copy.
+  char* copy_src = nullptr;
   uint64_t cursor = 0;                 // next byte to carve (guarded by the queue mutex)
   std::atomic<int64_t> outstanding{1};  // carved pieces not yet done, +1 until fully carved
   std::atomic<uint64_t> done{0};
@@ -73,7 +79,12 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  void submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offset, uint64_t tag);
+  // copy_dst (reads only, 0 = none): each piece read in full into buf is memcpy'd to the same
+  // position under copy_dst by the worker that reaped it, before the request completes. A piece
+  // that failed or came back short is never copied. copy_src (writes only, 0 = none): each piece
+  // is copied from the same position under copy_src into buf by its worker just before submission.
+  void submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offset, uint64_t tag,
+              uintptr_t copy_dst = 0, uintptr_t copy_src = 0);
   std::vector<Result> reap();
   // Completes `tag` (result 0) through the eventfd once `stream` (a CUstream) reaches this point.
   // 0, -ENOSYS without a CUDA driver, or -CUresult.
@@ -93,6 +104,8 @@ class Engine {
   // Populates read destinations ahead of the I/O (Python queues ranges; see prefault.hpp).
   Prefaulter prefaulter;
   std::atomic<uint64_t> submitted_{0}, finished_{0}, pieces_{0}, short_{0};
+  // Staging copies done by the workers (see submit's copy_dst / copy_src): pieces, bytes, time spent.
+  std::atomic<uint64_t> copies_{0}, copy_bytes_{0}, copy_ns_{0};
   uint64_t submit_syscalls() const;
   uint64_t wait_syscalls() const;
 
@@ -103,6 +116,8 @@ class Engine {
     uint64_t len;
     int64_t off;
     uint64_t t_submit_ns = 0;
+    char* start = nullptr;  // where the piece began in the request's buf (buf moves on short transfers)
+    uint64_t full = 0;      // the piece's whole length
   };
   struct Worker {
     std::unique_ptr<Backend> backend;

@@ -77,9 +77,17 @@ class Dispatcher:
         path: str | None,
         finalize: Callable[[int], None] | None = None,
         keep: Any = None,
+        copy_dst: int = 0,
+        copy_src: int = 0,
     ) -> asyncio.Future:
         """Start one request. ``finalize(result)`` runs when the kernel is done, before the future
-        resolves, whether or not anyone still awaits it; ``keep`` is held alive until then."""
+        resolves, whether or not anyone still awaits it; ``keep`` is held alive until then.
+
+        ``copy_dst`` (reads only): the engine's workers copy every piece read in full from ``ptr``
+        to the same position under ``copy_dst`` before the request completes (a staged read's
+        pool -> tensor copy, off the event-loop thread); failed or short pieces are not copied.
+        ``copy_src`` (writes only): each piece is first copied from the same position under
+        ``copy_src`` into ``ptr`` by the worker submitting it (a staged write's tensor -> pool copy)."""
         if self.closed:
             raise ClosedError("the handle is closed")
         loop = self.loop()
@@ -87,7 +95,10 @@ class Dispatcher:
         tag = next(self._tags)
         self._entries[tag] = _Entry(fut, nbytes, path, offset, finalize, keep)
         try:
-            self.engine.submit(op, fd, ptr, nbytes, offset, tag)
+            if copy_dst or copy_src:
+                self.engine.submit(op, fd, ptr, nbytes, offset, tag, copy_dst, copy_src)
+            else:
+                self.engine.submit(op, fd, ptr, nbytes, offset, tag)
         except BaseException:
             del self._entries[tag]
             raise

@@ -77,6 +77,10 @@ class IOEngineStatistics:
     """Read-destination bytes the prefault thread found already resident (touched or locked memory)."""
     prefault_seconds_total: float = 0.0
     """Time the prefault thread spent populating."""
+    staged_copy_bytes: int = 0
+    """Bytes the engine's workers copied between pool buffers and caller memory (staged I/O)."""
+    staged_copy_seconds_total: float = 0.0
+    """Worker time spent on those copies (off the event-loop thread, GIL-free)."""
 
     @classmethod
     def _from(cls, backend: str, d: dict) -> IOEngineStatistics:
@@ -96,6 +100,8 @@ class IOEngineStatistics:
             prefaulted_bytes=d.get("prefault", {}).get("populated_bytes", 0),
             prefault_skipped_bytes=d.get("prefault", {}).get("resident_bytes", 0),
             prefault_seconds_total=d.get("prefault", {}).get("busy_ns", 0) / 1e9,
+            staged_copy_bytes=d.get("copy", {}).get("bytes", 0),
+            staged_copy_seconds_total=d.get("copy", {}).get("busy_ns", 0) / 1e9,
         )
 
 

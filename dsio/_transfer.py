@@ -5,7 +5,9 @@ A transfer of ``nbytes`` at file offset ``offset`` on an O_DIRECT file becomes
     head  [offset, align_up(offset))            buffered fd (unaligned file offset)
     body  [align_up(offset), align_down(end))   O_DIRECT, straight from the tensor when its memory
                                                 is 4096-aligned, else staged chunk by chunk through
-                                                PinnedPool buffers, pipelined with the disk
+                                                PinnedPool buffers, pipelined with the disk (a
+                                                staging copy, pool <-> tensor, runs in the
+                                                engine's worker threads, piece by piece, GIL-free)
     tail  [align_down(end), end)                buffered fd (unaligned length)
 
 so any size, any address and any offset work and files end exactly at ``end``. Where the
@@ -20,7 +22,8 @@ import os
 from collections.abc import Callable
 
 from ._backends import warn_once
-from ._dispatch import FSYNC, READ, WRITE, Dispatcher
+from ._dispatch import FSYNC, READ, Dispatcher
+from ._native import C as _C  # loaded on first use, not at import
 from .config import ALIGNMENT
 from .errors import ClosedError, ShortIOError
 from .pool import Lease, PinnedPool
@@ -36,8 +39,6 @@ __all__ = [
     "submit_one",
     "transfer",
 ]
-
-from ._native import C as _C  # noqa: E402 - loaded on first use, not at import
 
 #: Reads of at least this many bytes have their destination populated ahead of the I/O by the
 #: engine's prefault thread (MADV_POPULATE_WRITE), so first-touch page faults on fresh memory
@@ -66,6 +67,11 @@ def cancel_prefault(disp: Dispatcher, token: int) -> None:
     """The read is over (done, failed or cancelled): stop populating its destination."""
     if token:
         disp.engine.prefault_cancel(token)
+
+
+#: Benchmarks' A/B switch only: True restores the earlier staging copies made on the event-loop
+#: thread (a whole chunk at a time, GIL released, loop blocked) instead of in the engine's workers.
+LOOP_THREAD_COPY = False
 
 
 class FileRef:
@@ -180,11 +186,14 @@ async def transfer(
         if not f.cancelled() and f.exception() is not None:
             failed.append(f)
 
-    def submit(fd: int, p: int, n: int, off: int, finalize: Callable[[int], None] | None) -> None:
+    def submit(
+        fd: int, p: int, n: int, off: int, finalize: Callable[[int], None] | None, stage_of: int = 0
+    ) -> None:
         ref.acquire()
         fin = ref.done if finalize is None else _then_release(finalize, ref)
+        cp = {"copy_dst": stage_of} if op == READ else {"copy_src": stage_of}
         try:
-            f = disp.submit(op, fd, p, n, off, path=ref.path, finalize=fin, keep=keep)
+            f = disp.submit(op, fd, p, n, off, path=ref.path, finalize=fin, keep=keep, **cp)
         except BaseException:
             fin(-errno.ECANCELED)  # never reached the engine: give back the ref and any lease now
             raise
@@ -247,17 +256,25 @@ async def _staged(
     submit, pool: PinnedPool, op: int, fd: int, ptr: int, n: int, off: int, failed: list
 ) -> None:
     """Pipeline: each chunk takes a pool buffer (waiting when none is free), so staging the next
-    chunk overlaps the disk I/O of the previous ones. Stops early once any request failed."""
+    chunk overlaps the disk I/O of the previous ones. Stops early once any request failed.
+
+    The staging copies happen in the engine's workers, piece by piece, GIL-free, never on the
+    event-loop thread: a read's pool -> tensor copy (``copy_dst``) by the worker that reaped the
+    piece, while the chunk's other pieces are still in flight; a write's tensor -> pool copy
+    (``copy_src``) by the worker about to submit the piece. The lease is released only after the
+    request (copies included) completed."""
     chunk = pool.buffer_bytes
     pos = 0
     while pos < n and not failed:
         size = min(chunk, n - pos)
         lease = await pool.acquire()
-        if op == WRITE:
+        if not LOOP_THREAD_COPY:
+            submit(fd, lease.ptr, size, off + pos, _releaser(lease), ptr + pos)
+        elif op == READ:
+            submit(fd, lease.ptr, size, off + pos, _loop_copier(lease, ptr + pos, size))
+        else:
             _C.memcpy(lease.ptr, ptr + pos, size)
             submit(fd, lease.ptr, size, off + pos, _releaser(lease))
-        else:
-            submit(fd, lease.ptr, size, off + pos, _copier(lease, ptr + pos, size))
         pos += size
 
 
@@ -265,7 +282,9 @@ def _releaser(lease: Lease) -> Callable[[int], None]:
     return lambda _res: lease.release()
 
 
-def _copier(lease: Lease, dst: int, size: int) -> Callable[[int], None]:
+def _loop_copier(lease: Lease, dst: int, size: int) -> Callable[[int], None]:
+    """LOOP_THREAD_COPY's read finalizer: the whole chunk, on the loop thread, if read in full."""
+
     def fin(res: int) -> None:
         try:
             if res == size:

@@ -8,6 +8,8 @@ small tensors take the same path as big ones.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import resource
 import time
@@ -196,3 +198,210 @@ async def test_piece_latency_histogram_counts_every_piece(backend, data_dir):
         st = h.statistics().engine
     assert sum(st.read.piece_latency_buckets) == 2 * MIB // SMALL["block_size"]
     assert sum(st.read.piece_latency_buckets) + sum(st.write.piece_latency_buckets) == st.pieces
+
+
+# -- the staged read's pool -> tensor copy runs in the engine's workers, not on the loop -------
+
+
+class _CountingMemcpy:
+    """Stands in for ``dsio._C.memcpy``: counts the copies made from Python."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+        self.calls = 0
+
+    def __call__(self, dst: int, src: int, n: int) -> None:
+        self.calls += 1
+        self._real(dst, src, n)
+
+
+def _never_page_aligned(make, n: int) -> torch.Tensor:
+    """``make(n + 128)`` cut to ``n`` bytes at a start that is not 4096-aligned (the allocator
+    sometimes hands out page-aligned memory, which would take the direct path)."""
+    t = make(n + 128)
+    shift = 64 if (t.data_ptr() + 64) % 4096 else 128
+    return t[shift : shift + n]
+
+
+@pytest.mark.parametrize("kind", ["fresh", "touched", "odd_address"])
+@pytest.mark.parametrize("offset", [0, 4096, 4099])
+async def test_staged_read_copies_natively(backend, data_dir, kind, offset, monkeypatch):
+    """Every staged body byte is copied by the engine (its copy counters), none by Python."""
+    src = fill_random(torch.empty(SIZE, dtype=torch.uint8), seed=offset + 3)
+    path = os.path.join(data_dir, "c.bin")
+    async with dsio.AsyncIOHandle(dsio.IOConfig(backend=backend, **SMALL)) as h:
+        if offset:
+            await h.pwrite(torch.zeros(offset, dtype=torch.uint8), path)
+        await h.pwrite(src, path, offset=offset)
+        counting = _CountingMemcpy(native().memcpy)
+        monkeypatch.setattr(native(), "memcpy", counting)
+        before = h._engine.statistics()["copy"]
+        staged_before = h.statistics().staged_bytes
+        dst = _never_page_aligned(DESTINATIONS[kind], SIZE)
+        assert await h.pread(dst, path, offset) == SIZE
+        assert torch.equal(dst, src)
+        after = h._engine.statistics()["copy"]
+        staged = h.statistics().staged_bytes - staged_before
+        st = h.statistics().engine
+    assert staged > 0, "this destination should have been staged"
+    assert counting.calls == 0, "a staged read copied on the event-loop thread"
+    assert after["bytes"] - before["bytes"] == staged
+    assert after["pieces"] - before["pieces"] >= staged // SMALL["block_size"]
+    assert st.staged_copy_bytes == after["bytes"] and st.staged_copy_seconds_total > 0
+
+
+def _reap_all(eng, tags: int, timeout: float = 20.0) -> list:
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while len(out) < tags:
+        assert time.monotonic() < deadline, out
+        out += eng.reap()
+        time.sleep(0.002)
+    return out
+
+
+def test_engine_copy_skips_short_and_failed_pieces(backend, data_dir):
+    """copy_dst receives exactly the pieces read in full: a piece cut short by end of file, the
+    pieces past it and a failed request leave the destination's bytes as they were."""
+    bs = 64 << 10
+    path = os.path.join(data_dir, "s.bin")
+    data = fill_random(torch.empty(bs + bs // 2, dtype=torch.uint8), seed=5)  # 1.5 pieces
+    with open(path, "wb") as f:
+        f.write(data.numpy().tobytes())
+    eng = native().Engine(backend, bs, 4, 2, False, True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        stage = _aligned(4 * bs, True)
+        dst = torch.full((4 * bs,), 0xAB, dtype=torch.uint8)
+        eng.submit(0, fd, stage.data_ptr(), 4 * bs, 0, 1, dst.data_ptr())
+        [(tag, res, err_off)] = _reap_all(eng, 1)
+        assert (tag, res) == (1, bs + bs // 2)  # short: the caller raises ShortIOError
+        assert err_off == bs + bs // 2
+        assert torch.equal(dst[:bs], data[:bs])
+        assert bool((dst[bs:] == 0xAB).all()), "a short piece or one past end of file was copied"
+        assert eng.statistics()["copy"]["bytes"] == bs
+
+        # A failed request (bad fd) copies nothing.
+        dst2 = torch.full((2 * bs,), 0xCD, dtype=torch.uint8)
+        eng.submit(0, 1 << 20, stage.data_ptr(), 2 * bs, 0, 2, dst2.data_ptr())
+        [(tag, res, _)] = _reap_all(eng, 1)
+        assert tag == 2 and res < 0
+        assert bool((dst2 == 0xCD).all())
+        assert eng.statistics()["copy"]["bytes"] == bs
+
+        with pytest.raises(ValueError):
+            eng.submit(1, fd, stage.data_ptr(), bs, 0, 3, dst.data_ptr())  # copies are for reads
+    finally:
+        eng.close()
+        os.close(fd)
+
+
+async def test_cancelled_staged_read_returns_every_lease(backend, data_dir):
+    """Cancelling a staged read mid-way: the engine finishes (and copies) what it holds, every
+    pool buffer comes back, and the handle keeps working."""
+    n = 32 * MIB
+    path = os.path.join(data_dir, "x.bin")
+    src = fill_random(torch.empty(n, dtype=torch.uint8), seed=9)
+    async with dsio.AsyncIOHandle(dsio.IOConfig(backend=backend, **SMALL)) as h:
+        await h.pwrite(src, path)
+        for delay in (0.0, 0.002, 0.01):
+            dst = torch.zeros(n, dtype=torch.uint8)
+            task = asyncio.ensure_future(h.pread(dst, path))
+            await asyncio.sleep(delay)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            del dst  # the engine keeps the memory alive until its copies are done
+            deadline = time.monotonic() + 20
+            while h._pool.statistics().in_use:
+                assert time.monotonic() < deadline, h._pool.statistics()
+                await asyncio.sleep(0.005)
+        again = torch.empty(n + 1, dtype=torch.uint8)[1:]
+        assert await h.pread(again, path) == n
+        assert torch.equal(again, src)
+
+
+def test_staged_read_spends_little_loop_cpu(data_dir):
+    """The loop thread's CPU time during a 128 MiB staged read is a fraction of what copying
+    128 MiB costs that thread (CPU time, so other load on the machine does not matter)."""
+    n = 128 * MIB
+    path = os.path.join(data_dir, "big.bin")
+    src = torch.ones(n, dtype=torch.uint8)
+    dst = torch.zeros(n + 64, dtype=torch.uint8)[64:]  # touched, 64 mod 4096: staged
+    from dsio._bridge import run_sync
+
+    async def go() -> tuple[float, float]:
+        async with dsio.AsyncIOHandle(dsio.IOConfig()) as h:
+            await h.pwrite(src, path)
+            t0 = time.thread_time()
+            native().memcpy(dst.data_ptr(), src.data_ptr(), n)  # what the loop used to pay
+            copy_cpu = time.thread_time() - t0
+            dst.zero_()
+            t0 = time.thread_time()
+            await h.pread(dst, path)
+            read_cpu = time.thread_time() - t0
+            assert h.statistics().staged_bytes >= n - 4096
+        return copy_cpu, read_cpu
+
+    copy_cpu, read_cpu = run_sync(go(), timeout=120)
+    assert torch.equal(dst, src)
+    assert read_cpu < 0.5 * copy_cpu, f"loop thread CPU {read_cpu:.3f}s vs a 128 MiB copy {copy_cpu:.3f}s"
+
+
+@pytest.mark.parametrize("offset", [0, 4099])
+async def test_staged_write_copies_natively(backend, data_dir, offset, monkeypatch):
+    """The tensor -> pool copy of a staged write runs in the engine's workers too."""
+    src = fill_random(torch.empty(SIZE + 1, dtype=torch.uint8), seed=offset + 11)[1:]  # odd address
+    path = os.path.join(data_dir, "w.bin")
+    async with dsio.AsyncIOHandle(dsio.IOConfig(backend=backend, **SMALL)) as h:
+        counting = _CountingMemcpy(native().memcpy)
+        monkeypatch.setattr(native(), "memcpy", counting)
+        before = h._engine.statistics()["copy"]["bytes"]
+        assert await h.pwrite(src, path, offset=offset) == SIZE
+        copied = h._engine.statistics()["copy"]["bytes"] - before
+        staged = h.statistics().staged_bytes
+        monkeypatch.undo()
+        back = _aligned(SIZE, True)
+        assert await h.pread(back, path, offset) == SIZE
+    assert staged > 0 and copied == staged
+    assert counting.calls == 0, "a staged write copied on the event-loop thread"
+    assert torch.equal(back, src)
+    with open(path, "rb") as f:
+        assert len(f.read()) == offset + SIZE
+
+
+def test_engine_copy_src_is_for_writes_only(backend, data_dir):
+    eng = native().Engine(backend, 64 << 10, 4, 2, False, True)
+    path = os.path.join(data_dir, "v.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        stage = _aligned(128 << 10, True)
+        src = fill_random(torch.empty(128 << 10, dtype=torch.uint8), seed=2)
+        with pytest.raises(ValueError):
+            eng.submit(0, fd, stage.data_ptr(), 128 << 10, 0, 1, 0, src.data_ptr())
+        with pytest.raises(ValueError):
+            eng.submit(2, fd, 0, 0, 0, 1, stage.data_ptr())
+        eng.submit(1, fd, stage.data_ptr(), 128 << 10, 0, 2, 0, src.data_ptr())
+        assert [r[:2] for r in _reap_all(eng, 1)] == [(2, 128 << 10)]
+        assert torch.equal(stage, src)  # the worker staged it before writing
+        with open(path, "rb") as f:
+            assert f.read() == src.numpy().tobytes()
+    finally:
+        eng.close()
+        os.close(fd)
+
+
+async def test_loop_thread_copy_switch_is_a_faithful_baseline(data_dir, monkeypatch):
+    """LOOP_THREAD_COPY (the benchmarks' A/B baseline) copies on the loop thread, same bytes."""
+    monkeypatch.setattr(transfer, "LOOP_THREAD_COPY", True)
+    counting = _CountingMemcpy(native().memcpy)
+    monkeypatch.setattr(native(), "memcpy", counting)
+    src = fill_random(torch.empty(SIZE + 1, dtype=torch.uint8), seed=4)[1:]
+    path = os.path.join(data_dir, "b.bin")
+    async with dsio.AsyncIOHandle(dsio.IOConfig(**SMALL)) as h:
+        await h.pwrite(src, path, offset=4099)
+        dst = _never_page_aligned(DESTINATIONS["fresh"], SIZE)
+        assert await h.pread(dst, path, 4099) == SIZE
+        native_copies = h._engine.statistics()["copy"]["pieces"]
+    assert torch.equal(dst, src)
+    assert counting.calls >= 2 * (SIZE // SMALL["staging_buffer_bytes"]) and native_copies == 0
