@@ -70,7 +70,9 @@ def global_grad_norm(sets: Iterable[GradSet], *, agree: Comm | None = None) -> f
     # a sum over ``agree`` itself already gives every rank the same total
     agreed = bool(sets) and all(s.comm is agree for s in sets)
     if agree is not None and agree.world_size > 1 and not agreed:
-        t = torch.tensor(total if math.isfinite(total) else math.inf, dtype=torch.float64)
+        # NCCL reduces CUDA tensors only (even on a rank whose sets hold no gradient)
+        device = torch.device("cuda", torch.cuda.current_device()) if agree.backend == "nccl" else None
+        t = torch.tensor(total if math.isfinite(total) else math.inf, dtype=torch.float64, device=device)
         agree.all_reduce(t, op=dist.ReduceOp.MAX)
         total = float(t)
     return math.sqrt(total) if math.isfinite(total) else total
