@@ -97,12 +97,22 @@ def attach(
     if config.activation_checkpoint_interval:
         model.activation_checkpoint_interval = config.activation_checkpoint_interval
     layout = topology.layout
+    pp_group = topology.pp.group
+    if topology.world.backend == "nccl" and model.num_stages > 1:
+        # NCCL p2p ignores tags and needs CUDA tensors: the p2p messages (tagged headers, metadata) travel on
+        # a gloo group of the same ranks; payloads are staged through host memory (p2p.py)
+        groups = sorted({tuple(layout.group_of("pp", r)) for r in range(layout.world)})
+        mine = tuple(layout.group_of("pp", topology.world.rank))
+        for ranks in groups:  # collective: every rank creates every group in the same order
+            g = dist.new_group(list(ranks), backend="gloo")
+            if ranks == mine:
+                pp_group = g
     return PipelineRunner(
         module=model,
         engine=engine,
         micro_batches=engine.config.gradient_accumulation_steps,
         pp_ranks=layout.group_of("pp", topology.world.rank),
-        pp_group=topology.pp.group,
+        pp_group=pp_group,
         dp_size=layout.dp,
         tied_groups=tied,
         p2p_timeout=config.p2p_timeout,

@@ -130,6 +130,8 @@ class _Channel:
         self._stats = {"messages": 0, "payload_bytes": 0, "metadata_messages": 0, "speculative_hits": 0}
         self._stats.update(wasted_bytes=0)
         self._wait_seconds = 0.0
+        self.device = torch.device("cpu")
+        """Where received tensors are delivered (the wire is the group's: host memory on gloo)."""
 
     def statistics(self) -> P2PStatistics:
         return P2PStatistics(**self._stats, wait_seconds=self._wait_seconds)
@@ -151,7 +153,7 @@ class Sender(_Channel):
     ) -> None:
         """Post message ``micro_batch`` (the tensors are detached, made contiguous and kept until released)."""
         metas = tuple(TensorMeta.of(t) for t in tensors)
-        payload = [t.detach().contiguous() for t in tensors]
+        payload = [t.detach().cpu().contiguous() for t in tensors]  # gloo's wire: host memory
         changed = metas != self._last
         meta_words = encode_meta(metas) if changed else []
         header = torch.tensor(
@@ -303,10 +305,11 @@ class Receiver(_Channel):
             self._wait(w, f"payload of micro-batch {micro_batch}")
         tensors = []
         for (buf, _), m in zip(posted, metas, strict=True):
+            self._stats["payload_bytes"] += buf.numel() * buf.element_size()
+            buf = buf.to(self.device)
             if m.requires_grad:
                 buf.requires_grad_()
             tensors.append(buf)
-            self._stats["payload_bytes"] += buf.numel() * buf.element_size()
         self._stats["messages"] += 1
         self._stable = not n_meta
         self._last = metas

