@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dsio  # noqa: E402
-from dsio._native import native  # noqa: E402
 from bench._common import drop_caches  # noqa: E402
+from dsio._native import native  # noqa: E402
 
 
 def fsync_path(p: str) -> None:
