@@ -86,7 +86,7 @@ def build_model(args: argparse.Namespace) -> Any:
 
         def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             T = idx.shape[1]
-            x = self.wte(idx) + self.wpe(torch.arange(T))  # (B, T, C)
+            x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)
             for block in self.blocks:
                 x = block(x)
             logits = self.head(self.ln_f(x))  # (B, T, V)
