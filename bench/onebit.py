@@ -72,7 +72,7 @@ def worker(args: argparse.Namespace) -> None:
         t_c0 = backend.statistics().collective_seconds if backend is not None else 0.0
         dist.barrier()
         t = time.perf_counter()
-        loss = engine(x[:, :-1], x[:, 1:])
+        loss = engine(x[:, :-1].contiguous(), x[:, 1:].contiguous())
         engine.backward(loss)
         engine.step()
         if args.device == "cuda":
