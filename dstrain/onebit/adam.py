@@ -92,7 +92,7 @@ class OneBitAdam(torch.optim.Optimizer):
     # -- the update ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
         first_compat_call = self.deepspeed_compat and self.steps == 0
         compress = self.frozen and self.backend.world > 1

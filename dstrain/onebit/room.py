@@ -22,6 +22,7 @@ from dstrain.dist.comm import Comm
 from dstrain.errors import ConfigError
 from dstrain.onebit.adam import OneBitAdam
 from dstrain.onebit.compressed import CompressedStatistics
+from dstrain.optim.stepper import StepperStatistics, TorchStepper
 from dstrain.zero.reduce import DefaultReducer, Handle, Route
 
 __all__ = ["OneBitReducer", "OneBitStepper", "OneBitStepperStatistics", "onebit_options"]
@@ -84,41 +85,24 @@ class _Done:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class OneBitStepperStatistics:
-    steps: int
-    prepares: int
+class OneBitStepperStatistics(StepperStatistics):
+    """`StepperStatistics` plus the freeze and the compressed all-reduce's counters."""
+
     frozen: bool
     skipped_reductions: int
     """Gradient reductions not sent because the variance was frozen."""
     compressed: CompressedStatistics
 
 
-class OneBitStepper:
-    """`Stepper` over `OneBitAdam`; tells its `OneBitReducer` when the freeze begins."""
+class OneBitStepper(TorchStepper):
+    """`Stepper` over `OneBitAdam` (a `TorchStepper` with 1-bit statistics); binds its `OneBitReducer`
+    to the optimizer, which tells it when the freeze begins."""
 
     def __init__(self, optimizer: OneBitAdam, reducer: OneBitReducer) -> None:
-        self.optimizer = optimizer
+        super().__init__(optimizer)
+        self.optimizer: OneBitAdam = optimizer
         self.reducer = reducer
         reducer.optimizer = optimizer
-        self._steps = 0
-        self._prepares = 0
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    def prepare(self) -> None:
-        self._prepares += 1
-
-    def step(self) -> None:
-        self.optimizer.step()
-        self._steps += 1
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
 
     def statistics(self) -> OneBitStepperStatistics:
         return OneBitStepperStatistics(
@@ -128,9 +112,6 @@ class OneBitStepper:
             skipped_reductions=self.reducer.skipped,
             compressed=self.optimizer.backend.statistics(),
         )
-
-    def close(self) -> None:
-        return None
 
 
 def build_routes(groups: list[dict[str, Any]], dp: Comm) -> list[Route]:

@@ -93,15 +93,7 @@ def test_error_feedback_makes_the_running_average_unbiased() -> None:
 
 
 def _compressed_worker(numel: int, calls: int) -> dict[str, Any]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    backend = CompressedAllReduce()
-    torch.manual_seed(123)
-    bufs = [[torch.randn(numel) for _ in range(world)] for _ in range(calls)]
-    we, se = backend.new_errors(numel)
-    outs = []
-    for c in range(calls):
-        outs.append(backend.all_reduce(bufs[c][rank].clone(), we, se))
-    return {"outs": outs, "we": we, "se": se, "stats": backend.statistics()}
+    return _compressed_worker_on(numel, calls, torch.device("cpu"))
 
 
 def _onebit_train(freeze: int, steps: int, fused: bool, compat: bool, noise: bool = False) -> dict[str, Any]:
