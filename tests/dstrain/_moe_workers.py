@@ -7,7 +7,6 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _dstrain_helpers import free_port
+from _dstrain_helpers import _entry, free_port
 from torch import nn
 
 from dstrain.moe import ExchangeMismatchError, MoE
@@ -64,32 +63,6 @@ def dense_topk(layer: MoE, x: torch.Tensor, k: int) -> torch.Tensor:
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
-
-
-def _entry(
-    rank: int,
-    world: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    out_dir: str,
-    backend: str = "gloo",
-) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ["LOCAL_RANK"] = str(rank)
-    torch.set_num_threads(1)
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)  # one GPU per rank
-        dist.init_process_group(backend, rank=rank, world_size=world)
-        result = fn(*args)
-        torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def spawn_bounded(

@@ -193,18 +193,24 @@ def runs() -> list[dict[str, Any]]:
     return spawn(_all_runs, world=2)
 
 
-def test_distributed_compressed_allreduce_equals_simulation_exactly(runs) -> None:
-    numel, calls, world = 1000, 3, 2
+def _simulated(
+    numel: int, calls: int, world: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The workers' inputs (seed 123) run through `simulate`: per-call results and the final error buffers."""
     torch.manual_seed(123)
     bufs = [[torch.randn(numel) for _ in range(world)] for _ in range(calls)]
     n = padded_numel(numel, world)
     we = [torch.zeros(n) for _ in range(world)]
     se = [torch.zeros(n // world) for _ in range(world)]
-    for c in range(calls):
-        ref = simulate(bufs[c], we, se)
-        for r in range(world):
+    return [simulate(bufs[c], we, se) for c in range(calls)], we, se
+
+
+def test_distributed_compressed_allreduce_equals_simulation_exactly(runs) -> None:
+    refs, we, se = _simulated(1000, 3, 2)
+    for c, ref in enumerate(refs):
+        for r in range(2):
             assert torch.equal(runs[r]["compressed"]["outs"][c], ref)
-    for r in range(world):
+    for r in range(2):
         assert torch.equal(runs[r]["compressed"]["we"], we[r])
         assert torch.equal(runs[r]["compressed"]["se"], se[r])
 
@@ -336,13 +342,8 @@ def _compressed_worker_on(numel: int, calls: int, device: torch.device) -> dict[
 def test_compressed_allreduce_on_nccl_cuda_matches_simulation() -> None:
     numel, calls, world = 100_003, 3, 2
     res = spawn(_nccl_worker, numel, calls, world=2, backend="nccl")
-    torch.manual_seed(123)
-    bufs = [[torch.randn(numel) for _ in range(world)] for _ in range(calls)]
-    n = padded_numel(numel, world)
-    we = [torch.zeros(n) for _ in range(world)]
-    se = [torch.zeros(n // world) for _ in range(world)]
-    for c in range(calls):
-        ref = simulate(bufs[c], we, se)
+    refs, _, _ = _simulated(numel, calls, world)
+    for c, ref in enumerate(refs):
         for r in range(world):
             # CUDA's norm reduces in another order than the CPU's, so the scales differ in the last bits and
             # the error feedback carries that into later calls: every sign equal, magnitudes within 1e-4
