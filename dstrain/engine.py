@@ -13,6 +13,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from dstrain.dist.comm import CommStatistics
 from dstrain.dist.topology import Topology
 from dstrain.errors import CheckpointNotFoundError, DstrainError
 from dstrain.moe.compose import check_expert_layout, expert_layout
-from dstrain.optim.clip import clip_grads_, global_grad_norm
+from dstrain.optim.clip import GradSet, clip_grads_, global_grad_norm
 from dstrain.optim.stepper import Stepper
 from dstrain.precision import Precision
 from dstrain.scheduler import LRSchedule
@@ -91,6 +92,9 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._grad_norm = float("nan")
+        self.grad_sets: Callable[[], list[GradSet]] = zero.grad_sets
+        """What the global gradient norm (clipping, fp16's overflow check) is computed over: ZeRO's sets; a
+        pipeline stage's runner replaces it with sets summed over every stage (tied weights counted once)."""
         self._samples = 0
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._last_step_end: float | None = None
@@ -184,7 +188,7 @@ class Engine:
             return False
         # with fp16 every rank (every stage, too) must agree to skip or take the step
         agree = self.topology.world if self.precision.checks_overflow else None
-        self._grad_norm = global_grad_norm(self.zero.grad_sets(), agree=agree)
+        self._grad_norm = global_grad_norm(self.grad_sets(), agree=agree)
         overflow = not math.isfinite(self._grad_norm)
         self.precision.update(overflow)
         if not overflow:

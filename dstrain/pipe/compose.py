@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dstrain.dist.topology import Topology
 from dstrain.errors import ConfigError, NotImplementedConfigError
 from dstrain.pipe.config import PipelineConfig
+from dstrain.pipe.grads import StageGrads, TiedGroup
 from dstrain.pipe.module import PipelineModule
 from dstrain.pipe.runner import PipelineRunner
 
@@ -40,25 +41,31 @@ def pipeline_stages(model: torch.nn.Module, config: PipelineConfig | None = None
     return model.num_stages
 
 
-def tied_groups(model: PipelineModule, topology: Topology) -> dict[str, Any]:
-    """Process groups of the ranks holding each tied key (one per data-parallel index); this rank's ones.
+def tied_groups(model: PipelineModule, topology: Topology) -> dict[str, TiedGroup]:
+    """Process groups of the ranks holding each tied key (one per data-parallel index, and one of every
+    data-parallel index: ZeRO 2 sums the master gradient's slices over it); this rank's ones.
 
     Collective: every rank creates every group in the same order. Each group's tied weights are then made
     equal to those of its lowest stage (a no-op for seeded layers), before ZeRO copies them anywhere.
     """
     layout = topology.layout
-    mine: dict[str, Any] = {}
+    mine: dict[str, TiedGroup] = {}
     for key, stages in sorted(model.tied_stages().items()):
         if len(stages) < 2:
             continue
+        same_dp = None
         for d in range(layout.dp):
             ranks = [layout.rank_of(s, d) for s in stages]
             group = dist.new_group(ranks)
             if topology.world.rank in ranks:
-                mine[key] = group
+                same_dp = group
                 with torch.no_grad():
                     for p in model.tied_weights(key):
                         dist.broadcast(p.data, src=ranks[0], group=group)
+        every = sorted(layout.rank_of(s, d) for s in stages for d in range(layout.dp))
+        all_dp = dist.new_group(every) if layout.dp > 1 else same_dp
+        if same_dp is not None:
+            mine[key] = TiedGroup(same_dp=same_dp, all_dp=all_dp)
     return mine
 
 
@@ -66,7 +73,7 @@ def attach(
     engine: Any,
     model: PipelineModule,
     topology: Topology,
-    tied: dict[str, Any],
+    tied: dict[str, TiedGroup],
     config: PipelineConfig,
     *,
     channel_id: int | None = None,
@@ -77,23 +84,18 @@ def attach(
     pipeline built in this process takes the next id (every rank builds its pipelines in the same order).
     """
     pipeline_stages(model, config)
-    if model.num_stages > 1 and engine.config.gradient_clipping > 0:
-        # the global norm must sum over stages and count tied weights once: not wired to the clip room yet
-        raise NotImplementedConfigError(
-            "gradient_clipping", "is not implemented with pipeline parallelism yet; set it to 0"
-        )
     stage = engine.config.zero_optimization.stage
     if model.num_stages > 1 and stage == 3:
         raise NotImplementedConfigError(
             "zero_optimization.stage", "3 is not implemented with pipeline parallelism; use 0, 1 or 2"
         )
-    if stage == 2 and tied:
-        # stage 2 moves each micro-batch's gradient into reduced buckets during backward: the tied sum over
-        # stages must happen before that, which needs a tied route in the reduction queue (not built yet)
-        raise NotImplementedConfigError(
-            "zero_optimization.stage",
-            "2 with weights tied across pipeline stages is not implemented; use 0 or 1",
-        )
+    reduce_tied = None
+    if model.num_stages > 1:
+        grads = StageGrads(module=model, zero=engine.zero, topology=topology, tied=tied)
+        if engine.config.gradient_clipping > 0:
+            grads.check_clipping()
+        engine.grad_sets = grads.grad_sets  # the norm of the whole model: summed over the stages
+        reduce_tied = grads.reduce_tied if tied else None
     if config.activation_checkpoint_interval:
         model.activation_checkpoint_interval = config.activation_checkpoint_interval
     layout = topology.layout
@@ -114,7 +116,7 @@ def attach(
         pp_ranks=layout.group_of("pp", topology.world.rank),
         pp_group=pp_group,
         dp_size=layout.dp,
-        tied_groups=tied,
+        reduce_tied=reduce_tied,
         p2p_timeout=config.p2p_timeout,
         channel_id=next(_CHANNELS) if channel_id is None else channel_id,
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,8 +132,9 @@ class PipelineRunner:
     (``prepare`` at the boundary backward), ``precision``
     (``scale_loss``, ``cast_inputs``), ``step()`` (one micro-step; the optimizer steps at the boundary) and
     ``is_gradient_accumulation_boundary()``. ``pp_ranks`` are the global ranks of this rank's pipeline group
-    (index = stage); ``dp_size`` the data-parallel size; ``tied_groups`` maps each tied key held by more than
-    one stage to the process group of the ranks holding it (same data-parallel index). Pipelines sharing a
+    (index = stage); ``dp_size`` the data-parallel size; ``reduce_tied`` sums the tied weights' gradients over
+    the stages holding them (`dstrain.pipe.grads.StageGrads.reduce_tied`), called at the boundary before the
+    engine's step. Pipelines sharing a
     process group (e.g. a second model) need distinct ``channel_id``s: their messages use distinct tags.
     """
 
@@ -146,7 +147,7 @@ class PipelineRunner:
         pp_ranks: list[int],
         pp_group: Any,
         dp_size: int,
-        tied_groups: dict[str, Any] | None = None,
+        reduce_tied: Callable[[], None] | None = None,
         p2p_timeout: float = 300.0,
         channel_id: int = 0,
     ) -> None:
@@ -159,7 +160,7 @@ class PipelineRunner:
             raise PipelineError(f"pipeline group has {len(pp_ranks)} ranks for {self.stages} stages")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.dp_size = dp_size
-        self.tied_groups = tied_groups or {}
+        self._reduce_tied = reduce_tied
         self.first = self.stage == 0
         self.last = self.stage == self.stages - 1
         prev = pp_ranks[self.stage - 1] if not self.first else None
@@ -313,7 +314,8 @@ class PipelineRunner:
         if train:
             if self.grad_out is not None:
                 self.grad_out.drain()
-            self._reduce_tied_grads()
+            if self._reduce_tied is not None:
+                self._reduce_tied()
             self.engine.step()  # the boundary micro-step: reduce over dp, unscale, clip, optimizer step
         self._batches += 1
         self._micro += m
@@ -457,14 +459,6 @@ class PipelineRunner:
             )
         state.live -= 1
         self._compute += time.perf_counter() - start
-
-    def _reduce_tied_grads(self) -> None:
-        """Sum the tied weights' gradients over the stages holding them (same dp index), in place."""
-        for key, group in self.tied_groups.items():
-            for p in self.module.tied_weights(key):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
 
 
 class _BatchState:

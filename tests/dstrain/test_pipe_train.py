@@ -93,11 +93,14 @@ def build_engine(module: PipelineModule, cfg: dict[str, Any]) -> tuple[Any, Any]
     return engine, engine.runner
 
 
-def reference(layers: list[Any], loss_fn: Any, data: list[Any], gas: int, steps: int) -> dict[str, Any]:
-    """The whole model in one process: gradient accumulation over the same micro-batches, same SGD."""
+def reference(
+    layers: list[Any], loss_fn: Any, data: list[Any], gas: int, steps: int, clip: float = 0.0
+) -> dict[str, Any]:
+    """The whole model in one process: gradient accumulation over the same micro-batches, same SGD (and
+    torch's ``clip_grad_norm_`` when ``clip`` > 0: the tied embedding is one parameter here, counted once)."""
     model = PipelineModule(layers, num_stages=1, loss_fn=loss_fn, seed_layers=True, stage_id=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
+    losses, norms = [], []
     for s in range(steps):
         total = 0.0
         for m in range(gas):
@@ -105,10 +108,13 @@ def reference(layers: list[Any], loss_fn: Any, data: list[Any], gas: int, steps:
             loss = loss_fn(model(x), y)
             (loss.float() * (1.0 / gas)).backward()  # what Precision.scale_loss computes at fp32
             total += loss.item()
+        if clip > 0:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
         losses.append(float(torch.tensor(total / gas, dtype=torch.float32)))
-    return {"model": model, "losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"model": model, "losses": losses, "norms": norms, "state": state}
 
 
 def _compare(module: PipelineModule, ref: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +125,7 @@ def _compare(module: PipelineModule, ref: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _train(kind: str, gas: int, steps: int, **pipe: Any) -> dict[str, Any]:
+def _train(kind: str, gas: int, steps: int, clip: float = 0.0, **pipe: Any) -> dict[str, Any]:
     layers, loss_fn, data = (
         (mlp_layers(), F.cross_entropy, mlp_data(gas * steps + gas))
         if kind == "mlp"
@@ -129,11 +135,16 @@ def _train(kind: str, gas: int, steps: int, **pipe: Any) -> dict[str, Any]:
         layers, num_stages=2, loss_fn=loss_fn, partition_method="uniform", seed_layers=True
     )
     cfg = config(gas, pipeline=pipe) if pipe else config(gas)
+    cfg["gradient_clipping"] = clip
     engine, runner = build_engine(module, cfg)
     it = iter(data)
-    losses = [engine.train_batch(it).item() for _ in range(steps)]
-    ref = reference(layers, loss_fn, data, gas, steps)
+    losses, norms = [], []
+    for _ in range(steps):
+        losses.append(engine.train_batch(it).item())
+        norms.append(engine.statistics().last_grad_norm)
+    ref = reference(layers, loss_fn, data, gas, steps, clip)
     out: dict[str, Any] = {"losses": losses, "ref_losses": ref["losses"], **_compare(module, ref)}
+    out["norms"], out["ref_norms"] = norms, ref["norms"]
     if kind == "mlp":  # eval on the next micro-batches: no step, the mean loss on every stage
         eval_loss = runner.eval_batch(it).item()
         with torch.no_grad():
@@ -273,6 +284,8 @@ def _scenarios(directory: str) -> dict[str, Any]:
         "deepspeed": _deepspeed_anchor(),
         "mlp": _train("mlp", 4, 3),
         "tied": _train("tied", 4, 3),
+        "mlp_clip": _train("mlp", 4, 3, clip=0.05),
+        "tied_clip": _train("tied", 4, 3, clip=0.05),
         "ckpt": _train("mlp", 4, 2, activation_checkpoint_interval=2),
         "mlp8": _train("mlp", 8, 1),
         "few": _train("mlp", 1, 2),  # fewer micro-batches than stages
@@ -393,3 +406,25 @@ def test_bf16_and_fp16(results: list[dict[str, Any]]) -> None:
             a["losses"],
             ref,
         )
+
+
+def test_gradient_clipping_over_stages(results: list[dict[str, Any]]) -> None:
+    """Clipping with PP=2: the global norm sums over both stages (the tied embedding/head weight counted
+    once), on both stages equal to one process's ``clip_grad_norm_``, and the clipped weights within 1e-6.
+
+    Not bitwise: torch's norm is an fp32 norm of per-tensor fp32 norms; dstrain sums squared per-piece norms
+    in float64 over the stages (another order), so the norm, and the clip factor, differ in the last bits.
+    """
+    for case in ("mlp_clip", "tied_clip"):
+        for r in results:
+            c = r[case]
+            assert min(c["ref_norms"]) > 0.05, case  # every step really clipped
+            for got, want in zip(c["norms"], c["ref_norms"], strict=True):
+                assert abs(got - want) <= 1e-6 * want, (case, c["norms"], c["ref_norms"])
+            assert c["max_param_diff"] <= 1e-6, (case, c["max_param_diff"])
+            assert max(abs(a - b) for a, b in zip(c["losses"], c["ref_losses"], strict=True)) <= 1e-6
+        # unclipped, the same run moves further: clipping changed the weights
+        assert results[0][case]["losses"][-1] != results[0][case.split("_")[0]]["losses"][-1]
+    assert (
+        results[0]["tied_clip"]["norms"] == results[1]["tied_clip"]["norms"]
+    )  # the same norm on every stage
