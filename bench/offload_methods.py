@@ -1,0 +1,190 @@
+"""Shapes and methods of the offload benchmark, and the bytes per step each method should swap.
+
+A *shape* is a model plus its data: the anchors' 16.8M-parameter MLP and the ~110M GPT of
+bench/train.py (its model is imported from there, not copied). A *method* is a library (dstrain or
+DeepSpeed) and where the optimizer state and the parameters live (memory, cpu, nvme). New methods
+are rows of `METHODS`; the driver runs every listed one and a method the library refuses shows up in
+the report as a failed row with the library's own error, so rows appear as soon as a feature lands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DEFAULT_METHODS", "METHODS", "SHAPES", "Method", "Shape", "expected_bytes"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Shape:
+    """A model and its data, with the ZeRO settings both libraries get."""
+
+    name: str
+    kind: str
+    """``mlp`` or ``gpt``."""
+    micro_batch: int
+    sub_group: int
+    """``zero_optimization.sub_group_size`` (elements)."""
+    steps: int
+    """Default steps per run (two warm-up steps, then the timed ones)."""
+    pinned: int
+    """dstrain's ``offload_pinned_bytes`` per rank for this shape."""
+    hidden: int = 2048
+    layers: int = 12
+    dim: int = 768
+    heads: int = 12
+    vocab: int = 32000
+    seq: int = 128
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("mlp", "gpt"):
+            raise ValueError(f"Shape.kind: expected 'mlp' or 'gpt', got {self.kind!r}")
+        for f in ("micro_batch", "sub_group", "steps", "pinned"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"Shape.{f}: must be positive, got {getattr(self, f)}")
+
+    def describe(self, params: int) -> str:
+        if self.kind == "mlp":
+            return (
+                f"MLP of {params / 1e6:.1f}M parameters (4 x Linear({self.hidden}, {self.hidden}) + GELU, "
+                f"Linear({self.hidden}, 8)), micro batch {self.micro_batch} per rank"
+            )
+        return (
+            f"GPT of bench/train.py, {params / 1e6:.1f}M parameters ({self.layers} layers, d={self.dim}, "
+            f"{self.heads} heads, vocab {self.vocab}, seq {self.seq}, tied head), micro batch "
+            f"{self.micro_batch} per rank"
+        )
+
+    def tiny(self) -> Shape:
+        """The same kind of model at a few hundred thousand parameters (the smoke test's size)."""
+        if self.kind == "mlp":
+            return dataclasses.replace(self, hidden=256, sub_group=16384, steps=3, pinned=4 << 20)
+        return dataclasses.replace(
+            self, layers=2, dim=64, heads=4, vocab=512, seq=32, sub_group=16384, steps=3, pinned=4 << 20
+        )
+
+    def build(self) -> tuple[Any, Callable[[Any], Any], Callable[[Any, Any], Any]]:
+        """(model, make_batch(generator), loss_of(engine, batch)); the model seeded identically everywhere."""
+        import torch
+        from torch import nn
+
+        if self.kind == "mlp":
+            h = self.hidden
+            torch.manual_seed(0)
+            model = nn.Sequential(
+                *[nn.Sequential(nn.Linear(h, h), nn.GELU()) for _ in range(4)], nn.Linear(h, 8)
+            )
+
+            def make_batch(g: Any) -> Any:
+                return torch.randn(self.micro_batch, h, generator=g)  # (B, H)
+
+            def loss_of(engine: Any, x: Any) -> Any:
+                return engine(x).pow(2).mean()
+
+            return model, make_batch, loss_of
+
+        from bench.train import build_model  # the GPT of the training benchmark, one definition
+
+        ns = argparse.Namespace(
+            layers=self.layers, dim=self.dim, heads=self.heads, vocab=self.vocab, seq=self.seq
+        )
+        model = build_model(ns)
+
+        def make_gpt_batch(g: Any) -> Any:
+            return torch.randint(0, self.vocab, (self.micro_batch, self.seq + 1), generator=g)  # (B, T+1)
+
+        def gpt_loss(engine: Any, b: Any) -> Any:
+            return engine(b[:, :-1], b[:, 1:])
+
+        return model, make_gpt_batch, gpt_loss
+
+
+SHAPES: dict[str, Shape] = {
+    "mlp": Shape(name="mlp", kind="mlp", micro_batch=8, sub_group=4_000_000, steps=8, pinned=64 << 20),
+    "gpt110m": Shape(
+        name="gpt110m", kind="gpt", micro_batch=1, sub_group=4_000_000, steps=5, pinned=128 << 20
+    ),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Method:
+    """A library and where optimizer state and parameters live (``none`` = in memory, not offloaded)."""
+
+    name: str
+    impl: str
+    optimizer: str
+    param: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.impl not in ("dstrain", "deepspeed"):
+            raise ValueError(f"Method.impl: expected 'dstrain' or 'deepspeed', got {self.impl!r}")
+        for f in ("optimizer", "param"):
+            if getattr(self, f) not in ("none", "cpu", "nvme"):
+                raise ValueError(f"Method.{f}: expected 'none', 'cpu' or 'nvme', got {getattr(self, f)!r}")
+
+    @property
+    def swaps(self) -> bool:
+        """Whether anything of this method lives on NVMe."""
+        return "nvme" in (self.optimizer, self.param)
+
+    @property
+    def label(self) -> str:
+        if self.param == "none":
+            return f"{self.impl} optimizer {self.optimizer}"
+        return f"{self.impl} param {self.param} + optimizer {self.optimizer}"
+
+
+def _m(name: str, optimizer: str, param: str = "none") -> Method:
+    return Method(name=name, impl=name.split("-")[0], optimizer=optimizer, param=param)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        _m("dstrain-none", "none"),
+        _m("dstrain-cpu", "cpu"),
+        _m("dstrain-nvme", "nvme"),
+        _m("dstrain-param-cpu", "cpu", "cpu"),
+        _m("dstrain-paramopt-nvme", "nvme", "nvme"),
+        _m("deepspeed-none", "none"),
+        _m("deepspeed-cpu", "cpu"),
+        _m("deepspeed-nvme", "nvme"),
+    )
+}
+"""Every method the bench knows. DeepSpeed's parameter offload is not a row: at fp32 on NVMe it rounds
+the weights to bf16 at initialize (anchors/ds_param_nvme_rounding.py), below ``max_in_cpu`` (1e9
+parameters) it silently keeps them in memory, and with ``max_in_cpu: 0`` its prefetcher asserts."""
+
+DEFAULT_METHODS = list(METHODS)
+
+
+def expected_bytes(method: Method, params: int, world: int = 2) -> tuple[dict[str, float], str]:
+    """({kind: bytes per step, both directions, all ranks}, the formula with the numbers plugged in).
+
+    fp32 everywhere. Each rank holds P / world of every tensor. dstrain keeps the fp32 master in the
+    parameter shard it already holds (at fp32 it is the parameter) and swaps Adam's m and v: 8 bytes
+    per element read and 8 written. Offloaded parameters (stage 3): each rank's shard read once for
+    the forward gathers and once for the backward gathers, written once after the step. DeepSpeed's
+    optimizer swapper moves the fp32 master with m and v: 12 bytes read and 12 written per element.
+    Sub-groups are padded to 4 KiB in dstrain's files (a few KiB per sub-group, below the rounding)."""
+    shard = params / world
+    out: dict[str, float] = {}
+    parts: list[str] = []
+    if method.optimizer == "nvme":
+        per = 12 if method.impl == "deepspeed" else 8
+        out["optimizer"] = 2 * per * shard * world
+        what = "master + m + v" if per == 12 else "m + v"
+        parts.append(
+            f"optimizer ({what}): 2 x {per} B x {shard:,.0f} x {world} ranks = {out['optimizer'] / 1e6:,.0f} MB"
+        )
+    if method.param == "nvme":
+        out["param"] = 3 * 4 * shard * world
+        parts.append(
+            f"param (read fwd + bwd, write once): 3 x 4 B x {shard:,.0f} x {world} ranks = "
+            f"{out['param'] / 1e6:,.0f} MB"
+        )
+    return out, "; ".join(parts)

@@ -1,0 +1,172 @@
+"""bench/offload.py: the report's arithmetic and target lines on known numbers, and one real tiny run.
+
+The tiny run launches 2 gloo ranks with dstrain's NVMe optimizer offload on a 0.3M-parameter MLP and
+checks that the bytes dstrain's counters say it swapped equal the formula (and what the kernel saw
+the processes move), that the report, JSON and PNG are written, and that prefetch/stall are filled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.offload import BenchError, parse_args  # noqa: E402
+from bench.offload_methods import METHODS, SHAPES, Method, expected_bytes  # noqa: E402
+from bench.offload_report import _error_line, summarize, targets  # noqa: E402
+from bench.offload_worker import offload_counters  # noqa: E402
+
+
+def _rank(step: float, rss: float, **extra: float) -> dict[str, float]:
+    return {"median_step_s": step, "peak_rss_mib": rss, "params": 1_000_000, "losses": [1.0, 0.9], **extra}
+
+
+def _run(method: str, step: float, rss: float, **extra: float) -> dict[str, object]:
+    return {
+        "shape": "mlp",
+        "method": method,
+        "rep": 0,
+        "ranks": [_rank(step, rss, **extra), _rank(step, rss, **extra)],
+    }
+
+
+SWAP = {"optimizer_read_bytes_per_step": 4e6, "optimizer_written_bytes_per_step": 4e6}
+COUNTERS = {"stall_s_per_step": 0.01, "hits": 9, "misses": 1, "pinned_bytes": 1 << 20}
+PROBES = [{"read_gbps": 1.0, "write_gbps": 1.0}]
+
+
+def test_targets_met_missed_and_not_applicable() -> None:
+    runs = [
+        _run("dstrain-cpu", 0.40, 600),
+        _run("dstrain-nvme", 0.45, 590, **SWAP, **COUNTERS),
+        _run("deepspeed-cpu", 0.60, 1000),
+        _run("deepspeed-nvme", 1.00, 950),
+    ]
+    s = summarize(runs, PROBES)
+    row = s["shapes"]["mlp"]["dstrain-nvme"]
+    assert row["swap_bytes_per_step"] == {"optimizer_read": 8e6, "optimizer_written": 8e6}
+    assert row["io_floor_s"] == pytest.approx(0.016)  # 8 MB read + 8 MB written at 1 GB/s each
+    assert row["prefetch_hit_rate"] == pytest.approx(0.9)
+    assert row["stall_fraction"][0] == pytest.approx(0.01 / 0.45)
+    lines = targets(s, "mlp")
+    assert "2.22x faster" in lines[0] and "MISSED" not in lines[0]
+    assert "1.12" in lines[1] and ": met" in lines[1]
+    assert "1.50x" in lines[2] and "met" in lines[2]
+
+    slow = [*runs[:1], _run("dstrain-nvme", 0.80, 990, **SWAP, **COUNTERS), *runs[2:]]
+    lines = targets(summarize(slow, PROBES), "mlp")
+    assert "MISSED" in lines[0] and "NOT lower" in lines[0] and "limit:" in lines[0]
+    assert "MISSED" in lines[1] and "I/O floor 0.016 s" in lines[1]
+
+    # the disk too slow for the step: the NVMe/CPU target does not apply to this shape
+    lines = targets(summarize(slow, [{"read_gbps": 0.01, "write_gbps": 0.01}]), "mlp")
+    assert "not applicable" in lines[1]
+
+
+def test_failed_rows_name_the_ranks_exception() -> None:
+    err = (
+        "[rank0]: Traceback (most recent call last):\n"
+        "[rank0]: dstrain.errors.NotImplementedConfigError: zero_optimization.offload_param.device: nope\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+    )
+    assert _error_line(err).startswith("dstrain.errors.NotImplementedConfigError: zero_optimization")
+    s = summarize([{"shape": "mlp", "method": "dstrain-paramopt-nvme", "rep": 0, "error": err}], PROBES)
+    assert "NotImplementedConfigError" in s["shapes"]["mlp"]["dstrain-paramopt-nvme"]["error"]
+
+
+def test_expected_bytes_formulas() -> None:
+    p = 16_801_800
+    ours, text = expected_bytes(METHODS["dstrain-nvme"], p)
+    assert ours == {"optimizer": 16 * p} and "8,400,900" in text
+    theirs, _ = expected_bytes(METHODS["deepspeed-nvme"], p)
+    assert theirs == {"optimizer": 24 * p}
+    both, text = expected_bytes(METHODS["dstrain-paramopt-nvme"], p)
+    assert both == {"optimizer": 16 * p, "param": 12 * p} and "param" in text
+    assert expected_bytes(METHODS["dstrain-cpu"], p)[0] == {}
+
+
+def test_counters_walk_nested_snapshots_once() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Sw:
+        kind: str
+        path: str
+        read_bytes: int
+        written_bytes: int
+        pinned_bytes: int
+
+    @dataclasses.dataclass(frozen=True)
+    class Opt:
+        stall_seconds: float
+        prefetch_hits: int
+        prefetch_misses: int
+        swapper: Sw
+
+    @dataclasses.dataclass(frozen=True)
+    class Eng:
+        zero: object
+        offload: list[object]
+
+    opt = Opt(0.5, 3, 1, Sw("optimizer", "/a", 10, 20, 7))
+    par = Sw("param", "/b", 100, 50, 5)
+
+    class Src:
+        def __init__(self, snap: object) -> None:
+            self.snap = snap
+
+        def statistics(self) -> object:
+            return self.snap
+
+    # the optimizer's snapshot reachable both from the optimizer and from the engine: counted once
+    c = offload_counters(Src(opt), Src(Eng(zero=opt, offload=[par])))
+    assert c == {
+        "stall_s": 0.5, "hits": 3, "misses": 1, "pinned_bytes": 12,
+        "optimizer_read_bytes": 10, "optimizer_written_bytes": 20, "param_read_bytes": 100, "param_written_bytes": 50,
+    }  # fmt: skip
+    assert offload_counters(object(), Src(None)) is None
+
+
+def test_cli_refuses_unknown_names() -> None:
+    with pytest.raises(BenchError):
+        parse_args(["--shapes", "mlp,resnet"])
+    with pytest.raises(BenchError):
+        parse_args(["--methods", "dstrain-nvme,deepspeed-tape"])
+    with pytest.raises(BenchError):
+        parse_args(["--steps", "2"])
+    a = parse_args(["--tiny"])
+    assert a.reps == 1 and not any(m.startswith("deepspeed") for m in a.method_list)
+    assert {"dstrain-param-cpu", "dstrain-paramopt-nvme"} <= set(parse_args([]).method_list)
+    with pytest.raises(ValueError):
+        Method(name="x", impl="dstrain", optimizer="disk")
+    with pytest.raises(ValueError):
+        dataclasses.replace(SHAPES["mlp"], steps=0)
+
+
+def test_tiny_run_swaps_the_formulas_bytes(tmp_path: Path) -> None:
+    stem = tmp_path / "offload-tiny"
+    env = {**os.environ, "DSIO_BENCH_DIR": str(tmp_path / "scratch")}
+    cmd = [sys.executable, str(ROOT / "bench" / "offload.py"), "--tiny", "--shapes", "mlp",
+           "--methods", "dstrain-nvme", "--out", str(stem)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    saved = json.loads(stem.with_suffix(".json").read_text())
+    row = saved["summary"]["shapes"]["mlp"]["dstrain-nvme"]
+    swapped = row["swap_bytes_per_step"]
+    total = swapped["optimizer_read"] + swapped["optimizer_written"]
+    # m and v of each rank's shard, read and written once per step; sub-groups padded to 4 KiB
+    assert row["expected_bytes_per_step"] <= total <= row["expected_bytes_per_step"] * 1.02 + 2 * 4 * 4096
+    # what the kernel saw the rank processes move through the disk (O_DIRECT): the same bytes
+    assert row["disk_bytes_per_step"]["read"] >= swapped["optimizer_read"]
+    assert row["prefetch_hit_rate"] is not None and 0 <= row["stall_fraction"][0] <= 1
+    assert row["io_floor_s"] > 0
+    md = stem.with_suffix(".md").read_text()
+    assert "| dstrain-nvme |" in md and "2 x 8 B x" in md and "Targets (issue 11)" in md
+    assert stem.with_suffix(".png").stat().st_size > 0
+    assert not list((tmp_path / "scratch").iterdir())  # the scratch folder is left empty
