@@ -38,21 +38,32 @@ def first_error(
     return first
 
 
-async def wait_all(aws: Iterable[Awaitable[T]]) -> list[T]:
+async def wait_all(aws: Iterable[Awaitable[T]], *, drain: bool = False) -> list[T]:
     """Run ``aws`` concurrently until every one is done; return their results in order, or raise
-    the first failure (in order) once all are done. Cancelling the caller cancels them all and
-    waits for them before re-raising ``CancelledError``."""
+    the first failure (in order) once all are done.
+
+    Cancelling the caller cancels them all and waits for them before re-raising
+    ``CancelledError``. With ``drain=True`` they are *not* cancelled but waited for to their end
+    (for work that cannot be recalled once started, such as kernel I/O requests: cancelling their
+    futures would only stop us watching while the kernel still reads or writes the memory);
+    the cancellation propagates once the last one is done.
+    """
     futs = [asyncio.ensure_future(a) for a in aws]
     if not futs:
         return []
-    try:
-        await asyncio.wait(futs)
-    except asyncio.CancelledError:
-        for f in futs:
-            f.cancel()
-        await asyncio.wait(futs)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            await asyncio.wait(futs)
+            break
+        except asyncio.CancelledError as e:
+            cancelled = cancelled or e
+            if not drain:
+                for f in futs:
+                    f.cancel()
+    if cancelled is not None:
         first_error(futs)  # retrieve what failed meanwhile
-        raise
+        raise cancelled
     exc = first_error(futs)
     if exc is not None:
         raise exc

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from ._backends import warn_once
 from ._dispatch import FSYNC, READ, Dispatcher
+from ._gather import wait_all
 from ._native import C as _C  # loaded on first use, not at import
 from .config import ALIGNMENT
 from .errors import ClosedError, ShortIOError
@@ -160,8 +161,9 @@ async def transfer(
 ) -> None:
     """Move ``nbytes`` between memory at ``ptr`` and ``ref`` at ``offset``; raise if any part fails.
 
-    Returns only when every request of the transfer has finished (or raised), so nothing of it
-    is still in flight afterwards unless the caller was cancelled.
+    Returns or raises only when every request it submitted has finished (``_gather.wait_all``
+    with ``drain``): after a failed piece, a refused submission or the caller's cancellation,
+    nothing of it is still reading into or writing from the caller's memory.
     """
     if nbytes == 0:
         return
@@ -203,26 +205,35 @@ async def transfer(
     # A large read's destination is populated ahead of the I/O and of the staging copies.
     body_len = body_end - body_start
     token = prefault(disp, op, ptr, nbytes, direct=bool(body_len) and body_ptr % ALIGNMENT == 0)
+    stopped: BaseException | None = None  # what ended the submissions early, if anything
     try:
-        if body_start > offset:
-            submit(ref.buffered_fd(), ptr, body_start - offset, offset, None)
-        if end > body_end:
-            submit(ref.buffered_fd(), ptr + (body_end - offset), end - body_end, body_end, None)
-        counters.buffered += nbytes - body_len
-        if body_len and body_ptr % ALIGNMENT == 0:
-            submit(ref.fd, body_ptr, body_len, body_start, None)
-            counters.direct += body_len
-        elif body_len:
-            await _staged(submit, pool, op, ref.fd, body_ptr, body_len, body_start, failed)
-            counters.staged += body_len
-        if futs:
-            await asyncio.wait(futs)
+        try:
+            if body_start > offset:
+                submit(ref.buffered_fd(), ptr, body_start - offset, offset, None)
+            if end > body_end:
+                submit(ref.buffered_fd(), ptr + (body_end - offset), end - body_end, body_end, None)
+            counters.buffered += nbytes - body_len
+            if body_len and body_ptr % ALIGNMENT == 0:
+                submit(ref.fd, body_ptr, body_len, body_start, None)
+                counters.direct += body_len
+            elif body_len:
+                await _staged(submit, pool, op, ref.fd, body_ptr, body_len, body_start, failed)
+                counters.staged += body_len
+        except BaseException as e:  # a refused submission, or the caller cancelled mid-way
+            stopped = e
+        # Whatever happened, every request already in the kernel is waited for (kernel I/O cannot
+        # be recalled: returning earlier would leave it reading into or writing from the caller's
+        # memory after the call ended).
+        try:
+            await wait_all(futs, drain=True)  # a cancellation arriving now propagates after it
+        except Exception:
+            if stopped is None or isinstance(stopped, Exception):
+                raise  # a request failed before the submissions stopped: the first error in order
+            # else the caller was cancelled mid-submission: that cancellation propagates below
+        if stopped is not None:
+            raise stopped
     finally:
         cancel_prefault(disp, token)
-    for f in futs:
-        exc = f.exception()
-        if exc is not None:
-            raise exc
 
 
 def submit_one(

@@ -87,3 +87,41 @@ def test_blocking_twin_for_concurrent_futures():
         with pytest.raises(RuntimeError):
             wait_all_futures([ex.submit(bad), ex.submit(slow)])
         assert done == [1]
+
+
+async def test_drain_waits_for_uncancellable_work_then_propagates_the_cancellation():
+    """``drain=True``: work that cannot be recalled (kernel I/O) is not cancelled when the caller
+    is; it is waited for to its end, then CancelledError propagates."""
+    started = asyncio.Event()
+    finished: list[str] = []
+
+    async def io() -> int:
+        started.set()
+        await asyncio.sleep(0.05)
+        finished.append("io")
+        return 1
+
+    children = [asyncio.ensure_future(io()), asyncio.ensure_future(io())]
+    task = asyncio.ensure_future(wait_all(children, drain=True))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished == ["io", "io"]  # ran to their end, not cancelled
+    assert not any(c.cancelled() for c in children)
+
+
+async def test_drain_survives_repeated_cancellation_and_raises_it_after_errors():
+    async def bad() -> int:
+        await asyncio.sleep(0.03)
+        raise OSError(5, "piece failed")
+
+    child = asyncio.ensure_future(bad())
+    task = asyncio.ensure_future(wait_all([child, _ok(2, 0.04)], drain=True))
+    await asyncio.sleep(0.005)
+    task.cancel()
+    await asyncio.sleep(0.005)
+    task.cancel()  # a second cancel while draining: still waits
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert child.done() and not child.cancelled()
