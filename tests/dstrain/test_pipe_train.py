@@ -272,8 +272,35 @@ def _half(dtype: str) -> dict[str, Any]:
     losses = [engine.train_batch(it).item() for _ in range(3)]
     st = runner.statistics()
     sent = st.send_activation or st.send_grad
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     engine.close()
-    return {"losses": losses, "bytes": sent.payload_bytes, "skipped": engine.skipped_steps}
+    return {"losses": losses, "bytes": sent.payload_bytes, "skipped": engine.skipped_steps, "state": state}
+
+
+def unpipelined_half(dtype: str) -> dict[str, Any]:
+    """The same model, data and config without a pipeline: one process (world size 1, no process group),
+    ``engine(x)`` / ``engine.backward`` / ``engine.step`` over the 4 micro-batches of each step."""
+    import dstrain
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the spawned ranks
+    try:
+        module = PipelineModule(mlp_layers(), 1, F.cross_entropy, "uniform", seed_layers=True, stage_id=0)
+        engine, _, _, _ = dstrain.initialize(model=module, config=config(4, **{dtype: {"enabled": True}}))
+        data, losses = mlp_data(12), []
+        for s in range(3):
+            total = 0.0
+            for x, y in data[4 * s : 4 * s + 4]:
+                loss = F.cross_entropy(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                total += loss.float().item()
+            losses.append(float(torch.tensor(total / 4, dtype=torch.float32)))
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        engine.close()
+    finally:
+        torch.set_num_threads(threads)
+    return {"losses": losses, "state": state}
 
 
 def _scenarios(directory: str) -> dict[str, Any]:
@@ -428,3 +455,16 @@ def test_gradient_clipping_over_stages(results: list[dict[str, Any]]) -> None:
     assert (
         results[0]["tied_clip"]["norms"] == results[1]["tied_clip"]["norms"]
     )  # the same norm on every stage
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_equals_the_unpipelined_run(results: list[dict[str, Any]], dtype: str) -> None:
+    """bf16 / fp16 with PP=2 against the same engine without a pipeline (one process): the activations and
+    gradients crossing stages are the same half-precision tensors, gradients accumulate in the same dtype and
+    order, so losses and weights are bitwise equal (each stage holds its layers' weights)."""
+    want = unpipelined_half(dtype)
+    for r in results:
+        got = r[dtype]
+        assert got["losses"] == want["losses"], (got["losses"], want["losses"])
+        for k, v in got["state"].items():
+            assert torch.equal(v, want["state"][k]), k
