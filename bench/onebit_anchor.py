@@ -1,10 +1,18 @@
-"""1-bit Adam side by side with DeepSpeed 0.16.5's OnebitAdam: per-step losses of one small training run.
+"""1-bit Adam and 0/1 Adam side by side with DeepSpeed 0.16.5's OnebitAdam / ZeroOneAdam: per-step
+losses of one small training run.
 
 Run under torchrun with 2 ranks, once per implementation, and compare the JSON they print:
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 ONEBIT_SRC=/work/onebit_0.16.5 \\
         /work/ds-venv/bin/torchrun --standalone --nproc_per_node 2 bench/onebit_anchor.py deepspeed 40 10
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 2 bench/onebit_anchor.py dstrain 40 10
+
+A fourth argument ``zeroone`` runs 0/1 Adam instead (DeepSpeed's ``runtime/fp16/onebit/zoadam.py``,
+unmodified, with the same shims); the third argument is then ``var_freeze_step``, and the scalers are
+small enough that 40 steps see every schedule: ``var_update_scaler=4`` (the variance interval doubles
+1 -> 2 -> 4), ``local_step_scaler=4`` and ``local_step_clipper=4`` (local intervals 1 -> 2 -> 4):
+
+    ... bench/onebit_anchor.py deepspeed 40 20 zeroone     (tests/dstrain/fixtures/onebit_zeroone_deepspeed_0.16.5.json)
 
 ONEBIT_SRC holds DeepSpeed 0.16.5's ``runtime/fp16/onebit/adam.py`` and ``runtime/comm/compressed.py``
 from its source distribution (DeepSpeed removed them after 0.16.5; see shared/anchors/extract_onebit.sh),
@@ -29,8 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+ZEROONE = {"var_update_scaler": 4, "local_step_scaler": 4, "local_step_clipper": 4}
+"""0/1 Adam's schedule parameters in the anchor run (besides ``var_freeze_step``)."""
 
-def _deepspeed_optimizer(params, freeze: int):
+
+def _deepspeed_optimizer(params, freeze: int, kind: str = "onebit"):
     import deepspeed
     import deepspeed.ops.op_builder as ob
 
@@ -79,22 +90,34 @@ def _deepspeed_optimizer(params, freeze: int):
         enable_backward_allreduce = True
 
     eng = Engine()
-    opt = onebit.OnebitAdam(
-        params, deepspeed=eng, lr=1e-2, freeze_step=freeze, comm_backend_name="compressed"
-    )
+    if kind == "zeroone":
+        zoadam = load("deepspeed_zoadam_0165", os.path.join(src, "zoadam.py"))
+        opt = zoadam.ZeroOneAdam(
+            params, deepspeed=eng, lr=1e-2, var_freeze_step=freeze, comm_backend_name="compressed", **ZEROONE
+        )
+    else:
+        opt = onebit.OnebitAdam(
+            params, deepspeed=eng, lr=1e-2, freeze_step=freeze, comm_backend_name="compressed"
+        )
     return opt, lambda: eng.enable_backward_allreduce
 
 
-def _dstrain_optimizer(params, freeze: int):
-    from dstrain.onebit import OneBitAdam
+def _dstrain_optimizer(params, freeze: int, kind: str = "onebit"):
+    from dstrain.onebit import OneBitAdam, ZeroOneAdam
 
     dist.init_process_group("gloo")
-    opt = OneBitAdam(params, lr=1e-2, freeze_step=freeze, deepspeed_compat=True, fused=False)
+    if kind == "zeroone":
+        opt = ZeroOneAdam(
+            params, lr=1e-2, var_freeze_step=freeze, deepspeed_compat=True, fused=False, **ZEROONE
+        )
+    else:
+        opt = OneBitAdam(params, lr=1e-2, freeze_step=freeze, deepspeed_compat=True, fused=False)
     return opt, opt.reduces_gradients
 
 
 def main() -> None:
     impl, steps, freeze = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    kind = sys.argv[4] if len(sys.argv) > 4 else "onebit"
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
@@ -103,16 +126,17 @@ def main() -> None:
     import io
 
     with contextlib.redirect_stdout(io.StringIO()):
-        opt, reduce_grads = build(model.parameters(), freeze)
+        opt, reduce_grads = build(model.parameters(), freeze, kind)
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(100 + rank)
     w = torch.randn(32, 4, generator=torch.Generator().manual_seed(7))
-    losses = []
+    losses, reduced = [], []
     for _ in range(steps):
         x = torch.randn(64, 32, generator=g)
         loss = (model(x) - x @ w).pow(2).mean()
         loss.backward()
-        if reduce_grads():
+        reduced.append(bool(reduce_grads()))
+        if reduced[-1]:
             for p in model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad.mul_(1 / world)
@@ -123,7 +147,10 @@ def main() -> None:
         dist.all_reduce(l_)
         losses.append(l_.item() / world)
     if rank == 0:
-        print(json.dumps({"impl": impl, "steps": steps, "freeze_step": freeze, "losses": losses}))
+        out = {"impl": impl, "steps": steps, "freeze_step": freeze, "losses": losses}
+        if kind == "zeroone":
+            out.update(optimizer="ZeroOneAdam", var_freeze_step=freeze, **ZEROONE, reduced=reduced)
+        print(json.dumps(out))
     dist.destroy_process_group()
 
 

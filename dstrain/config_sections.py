@@ -183,11 +183,34 @@ _OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
         "deepspeed_compat",
         "fused",
     ),
+    "zerooneadam": (
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "var_freeze_step",
+        "var_update_scaler",
+        "local_step_scaler",
+        "local_step_clipper",
+        "cuda_aware",
+        "comm_backend_name",
+        "max_grad_norm",
+        "amsgrad",
+        "eps_inside_sqrt",
+        "bias_correction",
+        "deepspeed_compat",
+        "fused",
+    ),
 }
-_OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "onebitadam": "OneBitAdam"}
+_OPTIMIZER_NAMES = {
+    "adam": "Adam",
+    "adamw": "AdamW",
+    "sgd": "SGD",
+    "onebitadam": "OneBitAdam",
+    "zerooneadam": "ZeroOneAdam",
+}
 _OPTIMIZER_UNIMPLEMENTED = (
     "OneBitLamb",
-    "ZeroOneAdam",
     "Lamb",
     "Lion",
     "Adagrad",
@@ -253,6 +276,9 @@ class OptimizerConfig:
                 check_bool("optimizer.params", flag, self.params[flag])
         if "freeze_step" in self.params:
             check_int("optimizer.params", "freeze_step", self.params["freeze_step"], min_value=1)
+        for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+            if name in self.params:
+                check_int("optimizer.params", name, self.params[name], min_value=1)
 
     @property
     def name(self) -> str:

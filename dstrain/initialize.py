@@ -44,6 +44,9 @@ __all__ = [
 ]
 
 
+_ONEBIT = ("OneBitAdam", "ZeroOneAdam")  # optimizers built by dstrain/onebit (room.NAMES; not imported eagerly)
+
+
 def init_distributed(backend: str | None = None) -> bool:
     """Create the default process group when launched by torchrun with WORLD_SIZE > 1.
 
@@ -95,7 +98,7 @@ def build_routes(
     Default: all-reduce / reduce-scatter over the data-parallel group. MoE routes expert groups over
     ``topology.edp``; 1-bit Adam replaces the reducer (dstrain/onebit).
     """
-    if config is not None and config.optimizer is not None and config.optimizer.name == "OneBitAdam":
+    if config is not None and config.optimizer is not None and config.optimizer.name in _ONEBIT:
         from dstrain.onebit.room import build_routes as onebit_routes
 
         return onebit_routes(groups, topology.dp)
@@ -131,7 +134,10 @@ def build_zero(
     if zc.stage == 3:
         from dstrain.zero.stage3 import Stage3Zero
 
-        return Stage3Zero(module, groups, config=zc, comm=topology.dp, dtype=dtype, routes=routes)
+        from dstrain.offload.build import build_param_store  # offload_param: shards on CPU/NVMe
+
+        store = build_param_store(zc, dtype, config.aio)
+        return Stage3Zero(module, groups, config=zc, comm=topology.dp, dtype=dtype, routes=routes, store=store)
     return DataParallelZero(groups, stage=zc.stage, config=zc, comm=topology.dp, dtype=dtype, routes=routes)
 
 
@@ -154,11 +160,12 @@ def build_stepper(zero: ZeroStrategy, config: DSConfig, client: ClientOptimizer 
             sub_group_size=zc.sub_group_size,
             pinned_budget=zc.offload_pinned_bytes,
             aio=config.aio,
+            zero=zero,  # stage 3 with parameters on NVMe: the master may live in its shard file
         )
-    if client is None and config.optimizer is not None and config.optimizer.name == "OneBitAdam":
+    if client is None and config.optimizer is not None and config.optimizer.name in _ONEBIT:
         from dstrain.onebit.room import build_stepper as onebit_stepper
 
-        return onebit_stepper(zero, config.optimizer.params, config.zero_optimization.stage)
+        return onebit_stepper(zero, config)
     if callable(client) and not isinstance(client, torch.optim.Optimizer):
         made = client(zero.param_groups())
         if isinstance(made, torch.optim.Optimizer):

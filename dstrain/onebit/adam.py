@@ -24,11 +24,21 @@ different error-feedback granularity, so the two differ numerically; use it for 
 The error-feedback buffers are optimizer state (``worker_error`` / ``server_error``, per rank): they
 are saved in ``state_dict()`` and restored bitwise. Loading a state whose step is before
 ``freeze_step`` returns to warm-up.
+
+ZeRO stage 1 (``partitions`` given, one `Partition` per param group): the parameters this optimizer
+steps are this rank's slice ``[lo, hi)`` of the group's flat buffer. Partitioned: the fp32 master
+weights, the variance ``v`` and, during warm-up, the momentum. Full size on every rank after the
+freeze: the momentum (``full_exp_avg``, all-gathered from the slices once, at the first frozen step),
+because the compressed all-reduce averages whole momenta, and the worker error buffer (as big as the
+momentum; the server error is 1/world of it). The local gradient is read from the group's full flat
+gradient (``Partition.flat_grad``). Every elementwise operation is the one stage 0 does on the same
+elements, so stage 1 equals stage 0 bitwise; ``fused=True`` only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +46,21 @@ import torch.distributed as dist
 
 from dstrain.onebit.compressed import CompressedAllReduce
 
-__all__ = ["OneBitAdam"]
+__all__ = ["OneBitAdam", "Partition"]
+
+# torch >= 2.10 renamed the tensor-in/tensor-out all-gather; keep older torch working
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """ZeRO stage 1: a param group's full flat gradient and this rank's range ``[lo, hi)`` of it (the
+    optimizer's parameters of that group are that range, in order)."""
+
+    flat_grad: torch.Tensor
+    """(padded,) every rank's own full local gradient after the freeze (the model's dtype)."""
+    lo: int
+    hi: int
 
 
 class OneBitAdam(torch.optim.Optimizer):
@@ -59,7 +83,10 @@ class OneBitAdam(torch.optim.Optimizer):
         deepspeed_compat: bool = False,
         fused: bool = True,
         group: dist.ProcessGroup | None = None,
+        partitions: list[Partition] | None = None,
     ) -> None:
+        if partitions is not None and not fused:
+            raise ValueError("fused must be True with ZeRO stage 1 partitions")
         if lr < 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not (isinstance(freeze_step, int) and freeze_step >= 1):
@@ -75,6 +102,9 @@ class OneBitAdam(torch.optim.Optimizer):
         self.deepspeed_compat = deepspeed_compat
         self.fused = fused
         self.backend = CompressedAllReduce(group)
+        self.partitions = partitions
+        if partitions is not None and len(partitions) != len(self.param_groups):
+            raise ValueError(f"{len(partitions)} partitions for {len(self.param_groups)} param groups")
         self.steps = 0
         """Calls to `step` (the DeepSpeed-compatible first call included)."""
 
@@ -109,11 +139,12 @@ class OneBitAdam(torch.optim.Optimizer):
                         )
             self.steps += 1
             return loss
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
+            partition = self.partitions[gi] if self.partitions is not None else None
             for p in params:
                 st = self.state[p]
                 if not st:
@@ -121,11 +152,15 @@ class OneBitAdam(torch.optim.Optimizer):
                     st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                     st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                 st["step"] += 1
+                if compress and partition is not None:
+                    continue  # stage 1 after the freeze: the full momentum takes the full gradient below
                 g = p.grad.float()
                 st["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
                 if not self.frozen:
                     st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            if compress:
+            if compress and partition is not None:
+                self._average_full_momentum(group, params, partition)
+            elif compress:
                 self._average_momentum(group, params)
             for p in params:
                 st = self.state[p]
@@ -161,6 +196,29 @@ class OneBitAdam(torch.optim.Optimizer):
             m = st["exp_avg"]
             m.copy_(self.backend.all_reduce(m, st["worker_error"], st["server_error"]))
 
+    def _average_full_momentum(
+        self, group: dict[str, Any], params: list[torch.Tensor], part: Partition
+    ) -> None:
+        # ZeRO stage 1: m (full) = beta1 m + (1 - beta1) g_local (full), averaged, then our slice kept
+        ms = [self.state[p]["exp_avg"] for p in params]
+        gs = self.state[group["params"][0]]
+        full = gs.get("full_exp_avg")
+        if full is None:  # first frozen step: gather the momentum slices of every rank, once
+            local = torch.cat([m.reshape(-1) for m in ms])  # (hi - lo,)
+            if local.numel() != part.hi - part.lo:
+                raise ValueError(f"parameters of {local.numel()} elements for a range of {part.hi - part.lo}")
+            full = torch.empty(part.flat_grad.numel(), dtype=torch.float32, device=local.device)
+            _all_gather(full, local, group=self.backend.group)
+            gs["full_exp_avg"] = full
+        beta1 = group["betas"][0]
+        full.mul_(beta1).add_(part.flat_grad.float(), alpha=1 - beta1)
+        errors = self._group_state(group, full.numel())
+        full.copy_(self.backend.all_reduce(full, errors["worker_error"], errors["server_error"]))
+        offset = part.lo
+        for m in ms:
+            m.copy_(full[offset : offset + m.numel()].view_as(m))
+            offset += m.numel()
+
     def _group_state(self, group: dict[str, Any], numel: int) -> dict[str, Any]:
         # fused error buffers belong to the group; kept in the state of its first parameter so that
         # torch's state_dict() saves and restores them with everything else
@@ -186,3 +244,4 @@ class OneBitAdam(torch.optim.Optimizer):
             for st in self.state.values():
                 st.pop("worker_error", None)
                 st.pop("server_error", None)
+                st.pop("full_exp_avg", None)  # sized for the old world; re-gathered from the slices

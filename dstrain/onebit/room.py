@@ -1,12 +1,19 @@
-"""1-bit Adam composed into dstrain: a gradient `Reducer` that stops reducing at the freeze, and a
-`Stepper` over `OneBitAdam` (the engine is not touched; `dstrain.initialize` calls `build_routes` and
-`build_stepper` here when the config's optimizer is ``OneBitAdam``).
+"""1-bit Adam and 0/1 Adam composed into dstrain: a gradient `Reducer` that reduces only when the
+optimizer asks, and a `Stepper` over `OneBitAdam` / `ZeroOneAdam` (the engine is not touched;
+`dstrain.initialize` calls `build_routes` and `build_stepper` here when the config's optimizer is one
+of `NAMES`).
 
-Warm-up: the reducer sums gradients over the data-parallel group like the default reducer (the loss
-was pre-scaled by 1/dp, so the sum is the mean). After ``freeze_step`` it sends nothing and undoes the
-pre-scale, so each rank's optimizer sees its own full-scale local gradient; `OneBitAdam` then averages
-the momentum with the compressed all-reduce. Composes with ZeRO stage 0 (parameters, gradients and
-optimizer state replicated), fp32 and bf16/fp16 (fp32 masters); other stages are refused at initialize.
+When the optimizer asks (1-bit Adam's warm-up, 0/1 Adam's variance steps) the reducer sums gradients
+over the data-parallel group like the default reducer (the loss was pre-scaled by 1/dp, so the sum is
+the mean). Otherwise it sends nothing and undoes the pre-scale, so each rank's optimizer sees its own
+full-scale local gradient and averages what it needs with the compressed all-reduce.
+
+What composes: ZeRO stage 0 for both (parameters, gradients and optimizer state replicated; fp32,
+bf16 and fp16 with fp32 masters, gradient clipping). ZeRO stage 1 for 1-bit Adam (see
+`dstrain.onebit.adam`: master weights and variance partitioned, momentum full after the freeze),
+fp32 and bf16, without gradient clipping and fp16 loss scaling: after the freeze the optimizer reads
+the whole local gradient, while the engine unscales and clips only this rank's slice. Everything
+else is refused at initialize with a `ConfigError` naming the field.
 """
 
 from __future__ import annotations
@@ -20,22 +27,61 @@ import torch
 
 from dstrain.dist.comm import Comm
 from dstrain.errors import ConfigError
-from dstrain.onebit.adam import OneBitAdam
+from dstrain.onebit.adam import OneBitAdam, Partition
 from dstrain.onebit.compressed import CompressedStatistics
+from dstrain.onebit.zeroone import ZeroOneAdam
 from dstrain.optim.stepper import StepperStatistics, TorchStepper
 from dstrain.zero.reduce import DefaultReducer, Handle, Route
 
-__all__ = ["OneBitReducer", "OneBitStepper", "OneBitStepperStatistics", "onebit_options"]
+__all__ = [
+    "NAMES",
+    "OneBitReducer",
+    "OneBitStepper",
+    "OneBitStepperStatistics",
+    "onebit_options",
+    "zeroone_options",
+]
+
+NAMES = ("OneBitAdam", "ZeroOneAdam")
+"""The config's ``optimizer.type`` names this room builds."""
 
 log = logging.getLogger("dstrain")
 
 _TRANSPORT_ONLY = ("cuda_aware", "comm_backend_name")
 _KEYS = ("lr", "betas", "eps", "weight_decay", "freeze_step", "bias_correction", "deepspeed_compat", "fused")
+_ZEROONE_KEYS = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "var_freeze_step",
+    "var_update_scaler",
+    "local_step_scaler",
+    "local_step_clipper",
+    "bias_correction",
+    "deepspeed_compat",
+    "fused",
+)
 
 
 def onebit_options(params: Mapping[str, Any]) -> dict[str, Any]:
     """OneBitAdam's keyword arguments from the config's ``optimizer.params`` (DeepSpeed's names and
     defaults; ``cuda_aware`` / ``comm_backend_name`` are accepted and logged as not needed)."""
+    return _options(params, _KEYS, "OneBitAdam")
+
+
+def zeroone_options(params: Mapping[str, Any]) -> dict[str, Any]:
+    """ZeroOneAdam's keyword arguments from the config's ``optimizer.params`` (DeepSpeed 0.16.5's names
+    and defaults). ``amsgrad`` and ``eps_inside_sqrt`` are accepted when false (DeepSpeed refused the
+    first and ignored the second); true raises `ConfigError`."""
+    out = dict(params)
+    for flag in ("amsgrad", "eps_inside_sqrt"):
+        if out.pop(flag, False):
+            raise ConfigError(f"optimizer.params.{flag}", "not supported by 0/1 Adam; use false")
+    return _options(out, _ZEROONE_KEYS, "ZeroOneAdam")
+
+
+def _options(params: Mapping[str, Any], keys: tuple[str, ...], name: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in params.items():
         if key in _TRANSPORT_ONLY:
@@ -44,7 +90,7 @@ def onebit_options(params: Mapping[str, Any]) -> dict[str, Any]:
                 key,
                 value,
             )
-        elif key in _KEYS:
+        elif key in keys:
             out[key] = tuple(value) if key == "betas" else value
         elif key == "max_grad_norm":
             if value:
@@ -52,7 +98,7 @@ def onebit_options(params: Mapping[str, Any]) -> dict[str, Any]:
         else:
             raise ConfigError(
                 f"optimizer.params.{key}",
-                f"not a OneBitAdam parameter; accepted: {', '.join(_KEYS + _TRANSPORT_ONLY)}",
+                f"not a {name} parameter; accepted: {', '.join(keys + _TRANSPORT_ONLY)}",
             )
     return out
 
@@ -61,7 +107,7 @@ class OneBitReducer:
     """Sums gradients during warm-up; after the freeze, sends nothing (1-bit Adam averages momentum)."""
 
     def __init__(self) -> None:
-        self.optimizer: OneBitAdam | None = None
+        self.optimizer: OneBitAdam | ZeroOneAdam | None = None
         self._default = DefaultReducer()
         self.skipped = 0
 
@@ -70,12 +116,10 @@ class OneBitReducer:
     ) -> Handle:
         if self.optimizer is None or self.optimizer.reduces_gradients():
             return self._default.reduce(flat, comm, out=out, async_op=async_op)
-        if out is not None:
-            raise ConfigError(
-                "zero_optimization.stage", "1-bit Adam needs each rank's full local gradient (stage 0)"
-            )
         self.skipped += 1
         flat.mul_(comm.world_size)  # undo the 1/dp loss pre-scale: the local gradient at full scale
+        if out is not None:  # stage 1 with a reduce-scatter: this rank's slice of its local gradient
+            out.copy_(flat.view(comm.world_size, -1)[comm.rank])
         return _Done()
 
 
@@ -90,27 +134,35 @@ class OneBitStepperStatistics(StepperStatistics):
 
     frozen: bool
     skipped_reductions: int
-    """Gradient reductions not sent because the variance was frozen."""
+    """Gradient reductions not sent (1-bit Adam after the freeze; 0/1 Adam off its variance steps)."""
     compressed: CompressedStatistics
+    local_steps: int = 0
+    """0/1 Adam: frozen-phase steps that sent nothing at all (skipped communication)."""
+    local_syncs: int = 0
+    """0/1 Adam: frozen-phase steps that averaged the momentum accumulator."""
 
 
 class OneBitStepper(TorchStepper):
-    """`Stepper` over `OneBitAdam` (a `TorchStepper` with 1-bit statistics); binds its `OneBitReducer`
-    to the optimizer, which tells it when the freeze begins."""
+    """`Stepper` over `OneBitAdam` or `ZeroOneAdam` (a `TorchStepper` with 1-bit statistics); binds its
+    `OneBitReducer` to the optimizer, which tells it when to reduce."""
 
-    def __init__(self, optimizer: OneBitAdam, reducer: OneBitReducer) -> None:
+    def __init__(self, optimizer: OneBitAdam | ZeroOneAdam, reducer: OneBitReducer) -> None:
         super().__init__(optimizer)
-        self.optimizer: OneBitAdam = optimizer
+        self.optimizer: OneBitAdam | ZeroOneAdam = optimizer
         self.reducer = reducer
         reducer.optimizer = optimizer
 
     def statistics(self) -> OneBitStepperStatistics:
+        opt = self.optimizer
+        zeroone = isinstance(opt, ZeroOneAdam)
         return OneBitStepperStatistics(
             steps=self._steps,
             prepares=self._prepares,
-            frozen=self.optimizer.frozen,
+            frozen=opt.frozen,
             skipped_reductions=self.reducer.skipped,
-            compressed=self.optimizer.backend.statistics(),
+            compressed=opt.backend.statistics(),
+            local_steps=opt.local_steps_skipped if zeroone else 0,
+            local_syncs=opt.local_syncs if zeroone else 0,
         )
 
 
@@ -120,20 +172,48 @@ def build_routes(groups: list[dict[str, Any]], dp: Comm) -> list[Route]:
     return [Route(reducer, dp) for _ in groups]
 
 
-def build_stepper(zero: Any, params: Mapping[str, Any], stage: int) -> OneBitStepper:
-    """The `OneBitStepper` over ZeRO's master param groups, bound to the `OneBitReducer` of its routes
-    (ZeRO stage 0 only)."""
-    if stage != 0:
+def build_stepper(zero: Any, config: Any) -> OneBitStepper:
+    """The `OneBitStepper` over ZeRO's master param groups, bound to the `OneBitReducer` of its routes.
+
+    ``config`` is the `DSConfig`. OneBitAdam: ZeRO stage 0, or 1 (fp32/bf16, no gradient clipping);
+    ZeroOneAdam: stage 0.
+    """
+    name = config.optimizer.name
+    stage = config.zero_optimization.stage
+    if stage not in (0, 1) or (stage == 1 and name != "OneBitAdam"):
         raise ConfigError(
             "zero_optimization.stage",
-            f"OneBitAdam composes with ZeRO stage 0 in this release (got stage {stage}): it needs every rank's "
-            "full local momentum; stage 1 is planned",
+            f"{name} composes with ZeRO stage {'0 or 1' if name == 'OneBitAdam' else '0'} (got {stage}): it "
+            "needs every rank's full local gradient and momentum",
         )
     routes = [g.route for g in getattr(zero, "groups", [])]
     reducers = {id(r.reducer) for r in routes}
     if len(reducers) != 1 or not isinstance(routes[0].reducer, OneBitReducer):
         raise ConfigError(
-            "optimizer.type", "OneBitAdam needs its own gradient routes (dstrain.onebit.room.build_routes)"
+            "optimizer.type", f"{name} needs its own gradient routes (dstrain.onebit.room.build_routes)"
         )
-    opt = OneBitAdam(zero.param_groups(), group=routes[0].comm.group, **onebit_options(params))
+    group = routes[0].comm.group
+    opt: OneBitAdam | ZeroOneAdam
+    if name == "ZeroOneAdam":
+        opt = ZeroOneAdam(zero.param_groups(), group=group, **zeroone_options(config.optimizer.params))
+        return OneBitStepper(opt, routes[0].reducer)
+    options = onebit_options(config.optimizer.params)
+    partitions = None
+    if stage == 1:
+        if config.precision == "fp16":
+            raise ConfigError(
+                "fp16.enabled", "OneBitAdam at ZeRO stage 1 runs in fp32 or bf16 (or use stage 0)"
+            )
+        if config.gradient_clipping > 0:
+            raise ConfigError(
+                "gradient_clipping", "OneBitAdam at ZeRO stage 1 does not clip gradients (use stage 0)"
+            )
+        if not options.get("fused", True):
+            raise ConfigError("optimizer.params.fused", "OneBitAdam at ZeRO stage 1 compresses fused buffers")
+        partitions = []
+        for g in zero.groups:
+            if g.flat_grad is None:
+                raise ConfigError("zero_optimization.stage", "OneBitAdam needs the full flat gradient")
+            partitions.append(Partition(g.flat_grad, *g.range))
+    opt = OneBitAdam(zero.param_groups(), group=group, partitions=partitions, **options)
     return OneBitStepper(opt, routes[0].reducer)

@@ -198,7 +198,7 @@ UNIMPLEMENTED = [
         {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}},
         "zero_optimization.offload_param.device",
     ),
-    ({"optimizer": {"type": "ZeroOneAdam"}}, "optimizer.type"),
+    ({"optimizer": {"type": "OneBitLamb"}}, "optimizer.type"),
     ({"optimizer": {"type": "lamb"}}, "optimizer.type"),
     ({"scheduler": {"type": "OneCycle"}}, "scheduler.type"),
     ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),

@@ -112,14 +112,14 @@ def test_checkpoint_resume_after_freeze_is_bitwise(runs) -> None:
             assert torch.equal(a, b)
 
 
-def test_stage_1_and_unknown_keys_are_refused() -> None:
+def test_stage_2_and_unknown_keys_are_refused() -> None:
     engine, _, _, _ = dstrain.initialize(
         model=make_model(), config=_config(world=1)
     )  # the valid config works
     assert isinstance(engine.optimizer, OneBitAdam)
     engine.close()
     cfg = _config(world=1)
-    cfg["zero_optimization"]["stage"] = 1
+    cfg["zero_optimization"]["stage"] = 2  # stage 1: tests/dstrain/test_onebit_stage1.py
     with pytest.raises(ConfigError, match="stage"):
         dstrain.initialize(model=make_model(), config=cfg)
     with pytest.raises(ConfigError, match="freeze_steps"):
