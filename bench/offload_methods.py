@@ -97,7 +97,7 @@ class Shape:
             return torch.randint(0, self.vocab, (self.micro_batch, self.seq + 1), generator=g)  # (B, T+1)
 
         def gpt_loss(engine: Any, b: Any) -> Any:
-            return engine(b[:, :-1], b[:, 1:])
+            return engine(b[:, :-1].contiguous(), b[:, 1:].contiguous())  # (B, T) each
 
         return model, make_gpt_batch, gpt_loss
 
@@ -168,7 +168,8 @@ def expected_bytes(method: Method, params: int, world: int = 2) -> tuple[dict[st
     fp32 everywhere. Each rank holds P / world of every tensor. dstrain keeps the fp32 master in the
     parameter shard it already holds (at fp32 it is the parameter) and swaps Adam's m and v: 8 bytes
     per element read and 8 written. Offloaded parameters (stage 3): each rank's shard read once for
-    the forward gathers and once for the backward gathers, written once after the step. DeepSpeed's
+    the forward gathers and once for the backward gathers (and once more as the master inside the
+    step when the optimizer is on NVMe too), written once after the step. DeepSpeed's
     optimizer swapper moves the fp32 master with m and v: 12 bytes read and 12 written per element.
     Sub-groups are padded to 4 KiB in dstrain's files (a few KiB per sub-group, below the rounding)."""
     shard = params / world
@@ -182,9 +183,13 @@ def expected_bytes(method: Method, params: int, world: int = 2) -> tuple[dict[st
             f"optimizer ({what}): 2 x {per} B x {shard:,.0f} x {world} ranks = {out['optimizer'] / 1e6:,.0f} MB"
         )
     if method.param == "nvme":
-        out["param"] = 3 * 4 * shard * world
+        # each rank's shard read for the forward gathers and again for the backward ones (the bounded
+        # pool cannot keep a large model's shards between them), written once after the step; with
+        # the optimizer on NVMe too the fp32 master is that shard, read once more inside the step
+        reads = 3 if method.optimizer == "nvme" else 2
+        out["param"] = (reads + 1) * 4 * shard * world
         parts.append(
-            f"param (read fwd + bwd, write once): 3 x 4 B x {shard:,.0f} x {world} ranks = "
-            f"{out['param'] / 1e6:,.0f} MB"
+            f"param ({reads} reads: fwd + bwd gathers{' + master in the step' if reads == 3 else ''}, 1 write): "
+            f"{reads + 1} x 4 B x {shard:,.0f} x {world} ranks = {out['param'] / 1e6:,.0f} MB"
         )
     return out, "; ".join(parts)

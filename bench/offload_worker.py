@@ -194,10 +194,12 @@ def worker(args: argparse.Namespace) -> None:
     times: list[float] = []
     losses: list[float] = []
     c0 = io0 = None
+    # the offloaded optimizer, the engine, and stage 3's shard store (parameter offload) report counters
+    sources = (optimizer, engine, getattr(getattr(engine, "zero", None), "store", None))
     for i, batch in enumerate(batches):
         if i == WARMUP:
             _reset_peak()  # peak RSS of the training phase, after the warm-up steps
-            c0, io0 = offload_counters(optimizer, engine), _proc_io()
+            c0, io0 = offload_counters(*sources), _proc_io()
         dist.barrier()
         t = time.perf_counter()
         loss = loss_of(engine, batch)
@@ -205,7 +207,7 @@ def worker(args: argparse.Namespace) -> None:
         engine.step()
         times.append(time.perf_counter() - t)
         losses.append(float(loss.item()))
-    c1, io1 = offload_counters(optimizer, engine), _proc_io()
+    c1, io1 = offload_counters(*sources), _proc_io()
     tail = times[WARMUP:] or times
     k = len(tail)
     result: dict[str, Any] = {
