@@ -19,8 +19,10 @@ import errno
 import functools
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -38,6 +40,7 @@ CHUNK_BYTES = 64 << 20
 #: Largest single memcpy of the staging copy (so that worker threads share big tensors).
 SEGMENT_BYTES = 32 << 20
 _ALIGN = 4096
+_T = TypeVar("_T")
 
 
 class Staging:
@@ -65,6 +68,35 @@ class Staging:
         # Views handed out keep the memory alive (frombuffer holds a reference) until they die.
         self._mem = None
         self._view = None
+
+
+_POOLS: dict[tuple[str, int], concurrent.futures.ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's ``name`` pool of ``threads`` workers, kept between saves: a fresh
+    ThreadPoolExecutor per save started and joined its threads on the event-loop thread, the
+    loop's longest stall of a background save (milliseconds; more under load)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get((name, threads))
+        if pool is None:
+            pool = _POOLS[name, threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=name)
+        return pool
+
+
+async def _off_loop(fn: Callable[[], _T]) -> _T:
+    """Run ``fn`` (checksums, reserving a file's blocks) on the one-thread ``dsio-ckpt-io`` pool.
+    Cancelled, it still waits for ``fn`` to end (a thread cannot be interrupted), so the caller's
+    clean-up never races it."""
+    fut = asyncio.get_running_loop().run_in_executor(_pool("dsio-ckpt-io", 1), fn)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the cancellation is what the caller sees
+        raise
 
 
 def _preallocate(path: str, size: int) -> None:
@@ -136,8 +168,8 @@ class FileWriter:
         each staged ~64 MiB; with 0 they run inline on the loop's thread.
         """
         t0 = time.perf_counter()
-        if self.preallocate:
-            _preallocate(self.path, self.file_size)
+        if self.preallocate:  # truncating an old file and reserving blocks: a worker thread's job
+            await _off_loop(functools.partial(_preallocate, self.path, self.file_size))
         assert self.staging is not None, "stage() needs a staging region; stream() does not"
         self._region = region = self.staging.get(self.file_size)
         self._file = self.handle.open(self.path, "w")
@@ -145,17 +177,16 @@ class FileWriter:
         self._flushed = ds  # the header goes last, once the checksums are known
         segments = self._segments(region)
         if self.copy_threads > 0:
-            with concurrent.futures.ThreadPoolExecutor(
-                self.copy_threads, thread_name_prefix="dsio-ckpt-stage"
-            ) as ex:
-                futs = [ex.submit(fn) for fn, _ in segments]
-                try:
-                    for fut, (_, staged) in zip(futs, segments):
-                        await asyncio.wrap_future(fut)
-                        self._staged_up_to(staged)
-                finally:
-                    for fut in futs:
-                        fut.cancel()
+            futs = [_pool("dsio-ckpt-stage", self.copy_threads).submit(fn) for fn, _ in segments]
+            try:
+                for fut, (_, staged) in zip(futs, segments):
+                    await asyncio.wrap_future(fut)
+                    self._staged_up_to(staged)
+            finally:
+                for fut in futs:
+                    fut.cancel()
+                # On failure or cancellation no copy may still write into the region once we return.
+                concurrent.futures.wait(futs)
         else:
             for fn, staged in segments:
                 fn()
@@ -225,8 +256,7 @@ class FileWriter:
             return {e.name: hex32(crc_of(srcs[e.name].data_ptr(), e.nbytes)) for e in self.entries}
 
         try:
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsio-ckpt-crc") as ex:
-                sums = await asyncio.get_running_loop().run_in_executor(ex, checksums)
+            sums = await _off_loop(checksums)
             header = encode_header(self.entries, self._meta_for(sums))
             assert len(header) == ds, "header length changed with its checksums"
             self._writes.append(
@@ -255,8 +285,7 @@ class FileWriter:
         def checksums() -> dict[str, str]:
             return {e.name: hex32(crc_of(base + e.begin, e.nbytes)) for e in entries}
 
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsio-ckpt-crc") as ex:
-            sums = await asyncio.get_running_loop().run_in_executor(ex, checksums)
+        sums = await _off_loop(checksums)
         header = encode_header(entries, self._meta_for(sums))
         assert len(header) == self.data_start, "header length changed with its checksums"
         region[: self.data_start].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
