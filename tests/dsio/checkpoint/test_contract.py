@@ -161,5 +161,7 @@ def test_no_fsync_on_the_event_loop_thread_and_the_loop_keeps_ticking(tmp_path, 
     print(
         f"longest loop stall during background saves (ms, machine under load): {[round(s * 1e3, 2) for s in stalls]}"
     )
-    # Target < 2 ms on an idle machine; this shared 2-core machine is loaded, so the bound is loose.
+    # A gross-regression guard only (100 ms). The 2 ms target is measured against an idle loop of the
+    # same run in tests/test_loop_stall.py (strict on a quiet machine, an explicit warning when relaxed),
+    # which also checks that no thread is started or joined on the loop during the save.
     assert min(stalls) < 0.100
