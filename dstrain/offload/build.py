@@ -10,9 +10,10 @@ import torch
 
 from dstrain.errors import ConfigError, NotImplementedConfigError
 from dstrain.offload.config import OffloadOptimizerConfig, check_nvme_path
-from dstrain.offload.optimizer import OffloadAdam
+from dstrain.offload.optimizer import CUT, OffloadAdam
+from dstrain.zero.flat import STEP_CHUNK
 
-__all__ = ["build_offload_optimizer", "io_config_from"]
+__all__ = ["build_offload_optimizer", "build_param_store", "io_config_from", "remaining_budget"]
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +80,14 @@ def build_offload_optimizer(
     sub_group_size: int = 1_000_000_000,
     pinned_budget: int = 1 << 30,
     aio: Any = None,
+    zero: Any = None,
 ) -> OffloadAdam:
     """An `OffloadAdam` over the ZeRO strategy's master ``param_groups``, as ``offload`` says.
 
     Checks ``nvme_path`` (exists, writable; O_DIRECT or a logged fallback) before anything is
-    allocated.
+    allocated. ``zero``: the strategy; where its parameter store holds the fp32 master (stage 3,
+    parameters and optimizer on NVMe), the optimizer reads and writes the master through it, and
+    the store's pinned bytes come out of ``pinned_budget``.
     """
     if not offload.enabled:
         raise ValueError("build_offload_optimizer needs offload_optimizer.device 'cpu' or 'nvme'")
@@ -93,13 +97,62 @@ def build_offload_optimizer(
         check_nvme_path(f"{_FIELD}.nvme_path", offload.nvme_path)
     if offload.pin_memory and offload.device == "cpu" and not torch.cuda.is_available():
         log.info("%s.pin_memory: no GPU here, page-locking host state would buy nothing; not pinned", _FIELD)
+    store = getattr(zero, "store", None)
+    master_store = store if getattr(store, "holds_master", False) else None
+    if master_store is not None:
+        chunk = min(int(sub_group_size), STEP_CHUNK)
+        if chunk % CUT:
+            raise ConfigError(
+                "zero_optimization.sub_group_size",
+                f"with parameters and optimizer state on NVMe the master is stepped in page-aligned "
+                f"pieces: use a multiple of {CUT} (got {sub_group_size})",
+            )
+        sub_group_size = min(int(sub_group_size), master_store.max_master_numel)
     return OffloadAdam(
         param_groups,
+        master_store=master_store,
         device=offload.device,
         sub_group_size=int(sub_group_size),  # JSON may say 1e9
         nvme_path=offload.nvme_path,
         buffer_count=int(offload.buffer_count),
-        pinned_budget=int(pinned_budget),
+        pinned_budget=remaining_budget(zero, int(pinned_budget)),
         io_config=io_config_from(aio) if offload.device == "nvme" else None,
         **settings,
     )
+
+
+def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> Any:
+    """The stage-3 `ShardStore` ``offload_param`` asks for (`OffloadedShards`), or None (resident).
+
+    Checks ``nvme_path`` first. The pinned budget is shared: the parameter pool takes half of
+    ``offload_pinned_bytes`` when optimizer state is swapped too, else all of it; the optimizer gets
+    what the parameter pool did not allocate (`remaining_budget`).
+    """
+    param = zero_config.offload_param
+    if not param.enabled:
+        return None
+    from dstrain.offload.param_store import OffloadedShards
+
+    if param.device == "nvme":
+        assert param.nvme_path is not None  # the config requires it
+        check_nvme_path("zero_optimization.offload_param.nvme_path", param.nvme_path)
+    both_nvme = param.device == "nvme" and zero_config.offload_optimizer.device == "nvme"
+    budget = zero_config.offload_pinned_bytes // 2 if both_nvme else zero_config.offload_pinned_bytes
+    return OffloadedShards(
+        param.device,
+        dtype=dtype,
+        nvme_path=param.nvme_path,
+        pinned_budget=budget,
+        buffer_count=int(param.buffer_count),
+        buffer_size=int(param.buffer_size),
+        pin_memory=param.pin_memory,
+        # fp32 with optimizer state on NVMe: the master IS the shard in the file (OffloadAdam swaps it)
+        holds_master=both_nvme and dtype == torch.float32,
+        io_config=io_config_from(aio) if param.device == "nvme" else None,
+    )
+
+
+def remaining_budget(zero: Any, budget: int) -> int:
+    """``budget`` less the pinned bytes the ZeRO strategy's parameter store allocated."""
+    store = getattr(zero, "store", None)
+    return budget - int(getattr(store, "pinned_bytes", 0) or 0)

@@ -154,11 +154,6 @@ def check_stage(stage: int, optimizer: OffloadOptimizerConfig, param: OffloadPar
             "zero_optimization.offload_param.device",
             f"parameter offload to {param.device!r} needs ZeRO stage 3 (stage is {stage})",
         )
-    if param.enabled:
-        raise NotImplementedConfigError(
-            "zero_optimization.offload_param.device",
-            f"parameter offload to {param.device!r} is not implemented yet (optimizer offload is)",
-        )
 
 
 def check_nvme_path(field: str, path: str) -> bool:

@@ -67,7 +67,7 @@ class OffloadOptimizerStatistics:
 
 
 class _SubGroup:
-    __slots__ = ("index", "group", "param", "start", "numel", "m", "v")
+    __slots__ = ("index", "group", "param", "start", "numel", "m", "v", "master_start")
 
     def __init__(self, index: int, group: int, param: torch.Tensor, start: int, numel: int) -> None:
         self.index = index
@@ -77,6 +77,13 @@ class _SubGroup:
         self.numel = numel
         self.m: torch.Tensor | None = None  # device="cpu": resident state
         self.v: torch.Tensor | None = None
+        self.master_start = param.storage_offset() + start  # element of its group's master
+
+    def grad_slice(self) -> torch.Tensor:
+        grad = self.param.grad
+        if grad is None:
+            raise RuntimeError("an offloaded master tensor has no gradient (the ZeRO strategy sets it)")
+        return grad.view(-1)[self.start : self.start + self.numel]
 
     def slices(self) -> tuple[torch.Tensor, torch.Tensor]:
         grad = self.param.grad
@@ -151,6 +158,7 @@ class OffloadAdam(torch.optim.Optimizer):
         buffer_count: int = 4,
         pinned_budget: int = 1 << 30,
         io_config: Any = None,
+        master_store: Any = None,
     ) -> None:
         if device not in ("cpu", "nvme"):
             raise ConfigError(
@@ -166,6 +174,10 @@ class OffloadAdam(torch.optim.Optimizer):
                 )
         self.device = device
         self.adamw = adamw
+        # stage 3, parameters and state on NVMe, fp32: the master views have no storage; each
+        # sub-group's master is read from (and written back to) the parameter shard file
+        self._master = master_store
+        self._in_step = False
         self._steps = [torch.zeros((), dtype=torch.float32) for _ in self.param_groups]
         per_elem = 2 * _F32  # m and v
         numels = [p.numel() for g in self.param_groups for p in g["params"]]
@@ -212,7 +224,7 @@ class OffloadAdam(torch.optim.Optimizer):
             for sg in self._subs:
                 sg.m = torch.zeros(sg.numel, dtype=torch.float32)
                 sg.v = torch.zeros(sg.numel, dtype=torch.float32)
-        self._ahead: deque[tuple[_SubGroup, concurrent.futures.Future[Lease]]] = deque()
+        self._ahead: deque[list[Any]] = deque()  # [sub-group, state lease future, master future]
         self._stall = self._step_s = 0.0
         self._hits = self._misses = 0
         self._count = 0
@@ -244,26 +256,35 @@ class OffloadAdam(torch.optim.Optimizer):
     def _top_up(self, order: list[_SubGroup], pos: int) -> None:
         """Keep reads submitted for the sub-groups after ``pos`` (as many as there are buffers)."""
         assert self._swapper is not None
-        queued = {sg.index for sg, _ in self._ahead}
+        queued = {entry[0].index for entry in self._ahead}
         nxt = pos + len(self._ahead)
         while len(self._ahead) < self._lookahead and nxt < len(order):
             sg = order[nxt]
             if sg.index not in queued:
-                self._ahead.append((sg, self._swapper.fetch(sg.index)))
+                self._ahead.append([sg, self._swapper.fetch(sg.index), None])
             nxt += 1
+        if self._master is not None and self._in_step:
+            # master reads only inside the step: during forward/backward the parameter pool
+            # belongs to the shard reads of the gathers
+            for entry in self._ahead:
+                if entry[2] is None:
+                    sg = entry[0]
+                    entry[2] = self._master.fetch_master(sg.group, sg.master_start, sg.numel)
 
-    def _take(self, sg: _SubGroup) -> Lease:
+    def _take(self, sg: _SubGroup) -> tuple[Lease, Any]:
+        """The sub-group's state lease, and its (master lease, master view) when the master is swapped."""
         if not self._ahead or self._ahead[0][0] is not sg:
             raise RuntimeError("offload read-ahead out of order")  # a bug, never user input
-        _, fut = self._ahead.popleft()
-        if fut.done():
+        _, fut, mfut = self._ahead.popleft()
+        futs = [f for f in (fut, mfut) if f is not None]
+        if all(f.done() for f in futs):
             self._hits += 1
         else:
             self._misses += 1
             t0 = time.perf_counter()
-            concurrent.futures.wait([fut])
+            concurrent.futures.wait(futs)
             self._stall += time.perf_counter() - t0
-        return fut.result()
+        return fut.result(), (mfut.result() if mfut is not None else None)
 
     # -- the Stepper surface ------------------------------------------------------------------
 
@@ -281,19 +302,24 @@ class OffloadAdam(torch.optim.Optimizer):
         for st in self._steps:
             st.add_(1)
         kernel = torch._fused_adamw_ if self.adamw else torch._fused_adam_
+        self._in_step = True
         if self._swapper is not None:
             self.prepare()
+            self._top_up(self._subs, 0)  # master reads of the sub-groups already read ahead
         for pos, sg in enumerate(self._subs):
             g = self.param_groups[sg.group]
-            lease = None
+            lease = master = None
             if self._swapper is not None:
-                lease = self._take(sg)
+                lease, master = self._take(sg)
                 self._top_up(self._subs, pos + 1)
                 m, v = self._views(lease, sg)
             else:
                 assert sg.m is not None and sg.v is not None
                 m, v = sg.m, sg.v
-            p, grad = sg.slices()
+            if master is not None:  # the fp32 master range as read from the parameter file
+                p, grad = master[1], sg.grad_slice()
+            else:
+                p, grad = sg.slices()
             beta1, beta2 = g["betas"]
             kernel(
                 [p],
@@ -310,9 +336,12 @@ class OffloadAdam(torch.optim.Optimizer):
                 amsgrad=False,
                 maximize=False,
             )
+            if master is not None:
+                self._master.store_master(master[0])  # written once per step
             if lease is not None:
                 assert self._swapper is not None
                 self._swapper.store(lease)
+        self._in_step = False
         self._count += 1
         if self._swapper is not None:
             self._top_up(self._subs, 0)  # next step's first reads: they run during forward/backward
@@ -327,8 +356,10 @@ class OffloadAdam(torch.optim.Optimizer):
         """Hand back read-ahead buffers unused (before state is replaced or read another way)."""
         assert self._swapper is not None
         while self._ahead:
-            _, fut = self._ahead.popleft()
+            _, fut, mfut = self._ahead.popleft()
             self._swapper.discard(fut.result())
+            if mfut is not None:
+                self._master.discard_master(mfut.result()[0])
         self._swapper.drain()
 
     def _state_of(self, sgs: list[_SubGroup]) -> list[tuple[torch.Tensor, torch.Tensor]]:

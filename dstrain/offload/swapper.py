@@ -156,6 +156,13 @@ class Swapper:
     def slot_bytes(self, key: Hashable) -> int:
         return self._slots[key][1]
 
+    def reserve_region(self, nbytes: int) -> int:
+        """Extend the file by a page-aligned region of ``nbytes`` (any size) for `fetch_range` /
+        `store_range`; returns its offset. Regions and slots are not mixed in one swapper."""
+        size = align_up(max(nbytes, 1))
+        self._end += size
+        return self._end - size
+
     # -- transfers (called from the training thread) -------------------------------------------
 
     def acquire(self, key: Hashable) -> concurrent.futures.Future[Lease]:
@@ -169,6 +176,46 @@ class Swapper:
     def store(self, lease: Lease) -> concurrent.futures.Future[None]:
         """Write the buffer to its slot, then return it to the pool. The lease is gone afterwards."""
         return self._submit(self._store(lease))
+
+    def fetch_range(self, offset: int, nbytes: int) -> concurrent.futures.Future[Lease]:
+        """A buffer holding the file's bytes ``[offset, offset + nbytes)`` (``offset`` page-aligned,
+        ``nbytes`` rounded up to pages, at most ``buffer_bytes``), after every overlapping write
+        still in flight."""
+        return self._submit(self._acquire(("range", offset, self._range_size(offset, nbytes)), read=True))
+
+    def store_range(self, lease: Lease, offset: int, nbytes: int) -> concurrent.futures.Future[None]:
+        """Write the buffer's first ``nbytes`` (rounded up to pages) at ``offset``, then return it to
+        the pool. Overlapping writes are kept in submission order."""
+        lease.key = ("range", offset, self._range_size(offset, nbytes))
+        return self._submit(self._store(lease))
+
+    def acquire_any(self) -> concurrent.futures.Future[Lease]:
+        """A buffer with no slot (to fill, then `store_range` or `discard`)."""
+        return self._submit(self._acquire(("range", 0, 0), read=False))
+
+    def _range_size(self, offset: int, nbytes: int) -> int:
+        size = align_up(max(nbytes, 1))
+        if offset % ALIGN or offset + size > self._end or size > self.buffer_bytes:
+            raise ValueError(
+                f"range [{offset}, +{nbytes}) is unaligned, outside the file ({self._end} bytes) "
+                f"or larger than a {self.buffer_bytes}-byte buffer"
+            )
+        return size
+
+    def _where(self, key: Hashable) -> tuple[int, int]:
+        if isinstance(key, tuple) and len(key) == 3 and key[0] == "range":
+            return key[1], key[2]
+        return self._slots[key]
+
+    async def _after_overlapping(self, key: Hashable, offset: int, size: int) -> None:
+        """Wait for writes in flight that overlap ``[offset, offset + size)`` (other than ``key``'s
+        own entry, which the caller handles)."""
+        for other, fut in list(self._writing.items()):
+            if other == key:
+                continue
+            lo, n = self._where(other)
+            if lo < offset + size and offset < lo + n:
+                await asyncio.shield(fut)
 
     def discard(self, lease: Lease) -> concurrent.futures.Future[None]:
         """Return the buffer to the pool without writing (its contents were not changed)."""
@@ -212,7 +259,7 @@ class Swapper:
         return self._file
 
     async def _acquire(self, key: Hashable, read: bool) -> Lease:
-        offset, size = self._slots[key]
+        offset, size = self._where(key)
         t0 = time.perf_counter()
         inner = await self._pool.acquire()
         t1 = time.perf_counter()
@@ -226,6 +273,7 @@ class Swapper:
             pending = self._writing.get(key)
             if pending is not None:
                 await asyncio.shield(pending)
+            await self._after_overlapping(key, offset, size)
             f = await self._open()
             await f.pread(inner.tensor[:size], offset)
         except BaseException:
@@ -238,7 +286,7 @@ class Swapper:
 
     async def _store(self, lease: Lease) -> None:
         key = lease.key
-        offset, size = self._slots[key]
+        offset, size = self._where(key)
         t0 = time.perf_counter()
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         previous = self._writing.get(key)
@@ -246,6 +294,7 @@ class Swapper:
         try:
             if previous is not None:
                 await asyncio.shield(previous)  # same slot: keep the writes in order
+            await self._after_overlapping(key, offset, size)
             f = await self._open()
             await f.pwrite(lease.tensor[:size], offset)
             self._writes += 1

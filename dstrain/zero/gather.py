@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from dstrain.config_sections import ZeroConfig
-from dstrain.zero.units import Unit
+from dstrain.zero.units import ShardStore, Unit
 
 __all__ = ["GatherScheduler"]
 
@@ -32,8 +32,10 @@ class GatherScheduler:
         module_units: dict[torch.nn.Module, list[Unit]],
         units: list[Unit],
         config: ZeroConfig,
+        store: ShardStore | None = None,
     ) -> None:
         self.root = root
+        self.store = store if store is not None else ShardStore()  # told the order shards are needed in
         self.units = units
         self.prefetch_numel = config.stage3_prefetch_bucket_size
         self.max_live = config.stage3_max_live_parameters
@@ -61,6 +63,8 @@ class GatherScheduler:
         self.deviated = False
         self.pos = 0
         self.following = self.trace is not None
+        if self.trace is not None:
+            self.store.upcoming(self.trace)
 
     def _pre_forward(self, needed: list[Unit]):
         def hook(module: torch.nn.Module, args: Any) -> None:
@@ -110,6 +114,8 @@ class GatherScheduler:
             self.deviated = True
 
     def _prefetch(self) -> None:
+        if self.following and self.trace is not None:
+            self.store.upcoming(self.trace[self.pos :])  # shard reads run further ahead than gathers
         if not self.following or self.trace is None or self.prefetch_numel == 0:
             return
         live = sum(u.numel for u in self.units if (u.gathered or u.handle is not None) and not u.persistent)

@@ -20,38 +20,47 @@ from dstrain.zero.base import ZeroStatistics, ZeroStrategy
 from dstrain.zero.flat import STEP_CHUNK, optimizer_views
 from dstrain.zero.gather import GatherScheduler
 from dstrain.zero.reduce import ReductionQueue, Route, default_routes
-from dstrain.zero.units import Unit
+from dstrain.zero.units import ShardStore, Unit
 
 __all__ = ["Stage3Zero"]
 
 
 class ShardGroup:
-    """A param group's units; their shards are views of one buffer that the optimizer steps."""
+    """A param group's units, their shards laid end to end (``offsets``), and the fp32 master the
+    optimizer steps. Where the shards live is the `ShardStore`'s business (resident by default: views
+    of one buffer that, at fp32, is the master itself)."""
 
     def __init__(
         self,
+        index: int,
         options: dict[str, Any],
         units: list[Unit],
         route: Route,
         dtype: torch.dtype,
         device: torch.device,
         chunk: int,
+        store: ShardStore,
     ) -> None:
+        self.index = index
         self.options = options
         self.units = units
         self.route = route
-        total = sum(u.layout.shard for u in units)
-        self.shards = torch.zeros(total, dtype=dtype, device=device)  # (sum of shards,)
+        self.dtype = dtype
+        self.device = device
+        self.total = sum(u.layout.shard for u in units)
         self.offsets: dict[int, int] = {}
         off = 0
         for u in units:
             self.offsets[u.index] = off
-            u.bind_shard(self.shards[off : off + u.layout.shard])
+            u.store = store
             off += u.layout.shard
         self.alias = dtype == torch.float32
-        self.master = self.shards if self.alias else self.shards.float()
-        self.master_grad = torch.zeros(total, dtype=torch.float32, device=device)
+        self.shards: torch.Tensor | None = None  # the resident store's buffer (else None)
+        self.master: torch.Tensor = torch.empty(0)
+        store.place(self)  # sets master (and shards where they stay resident)
+        self.master_grad = torch.zeros(self.total, dtype=torch.float32, device=device)
         self.views = optimizer_views(self.master, self.master_grad, chunk)
+        store.placed(self)
 
 
 class Stage3Zero(ZeroStrategy):
@@ -69,6 +78,7 @@ class Stage3Zero(ZeroStrategy):
         comm: Comm,
         dtype: torch.dtype,
         routes: list[Route] | None = None,
+        store: ShardStore | None = None,
     ) -> None:
         routes = routes if routes is not None else default_routes(groups, comm)
         if len(routes) != len(groups):
@@ -89,6 +99,7 @@ class Stage3Zero(ZeroStrategy):
                 if mine:
                     unit = Unit(len(units), mine, routes[gi].comm, dtype)
                     unit.persistent = unit.layout.total < config.stage3_param_persistence_threshold
+                    unit.release()  # only its shard stays: the model is never held twice
                     units.append(unit)
                     per_group[gi].append(unit)
                     for p in mine:
@@ -97,20 +108,24 @@ class Stage3Zero(ZeroStrategy):
             if needed:
                 module_units[sub] = needed
         self.units = units
+        self.store = store if store is not None else ShardStore()
+        self.store.expect(units)
         self.groups = [
             ShardGroup(
+                gi,
                 {k: v for k, v in g.items() if k != "params"},
                 per_group[gi],
                 routes[gi],
                 dtype,
                 self.device,
                 min(config.sub_group_size, STEP_CHUNK),
+                self.store,
             )
             for gi, g in enumerate(groups)
         ]
         for unit in units:
             unit.release()
-        self.scheduler = GatherScheduler(module, module_units, units, config)
+        self.scheduler = GatherScheduler(module, module_units, units, config, self.store)
         self._unit_group = {u.index: g for g in self.groups for u in g.units}
         # overlap: up to three units in flight, then finish down to one; else each finishes at once
         self._queue = ReductionQueue(limit=2, keep=1) if config.overlap_comm else ReductionQueue(limit=0)
@@ -176,8 +191,7 @@ class Stage3Zero(ZeroStrategy):
         if not stepped:
             return
         for g in self.groups:
-            if not g.alias:
-                g.shards.copy_(g.master.detach())
+            self.store.after_step(g)
         for unit in self.units:
             unit.regather()  # persistent units stay gathered: refresh them
 
@@ -190,7 +204,7 @@ class Stage3Zero(ZeroStrategy):
             "stage": 3,
             "world_size": self.comm.world_size,
             "numels": [[u.layout.total for u in g.units] for g in self.groups],
-            "master": [g.master.detach() for g in self.groups],
+            "master": [self.store.read_master(g) for g in self.groups],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -198,9 +212,7 @@ class Stage3Zero(ZeroStrategy):
             raise ValueError("checkpoint was saved from a model with different parameters")
         with torch.no_grad():
             for g, master in zip(self.groups, state["master"], strict=True):
-                g.master.copy_(master)
-                if not g.alias:
-                    g.shards.copy_(master)
+                self.store.load_master(g, master)
         for unit in self.units:
             unit.regather()
 
@@ -218,7 +230,7 @@ class Stage3Zero(ZeroStrategy):
             stage=3,
             world_size=self.comm.world_size,
             model_numel=sum(u.layout.total for u in self.units),
-            master_numel=sum(g.master.numel() for g in self.groups),
+            master_numel=sum(g.total for g in self.groups),
             resident_param_numel=sum(u.resident_numel() for u in self.units),
             peak_resident_param_numel=max(
                 self.scheduler.peak_resident, sum(u.resident_numel() for u in self.units)
@@ -232,3 +244,4 @@ class Stage3Zero(ZeroStrategy):
             h.remove()
         self._hooks.clear()
         self.scheduler.close()
+        self.store.close()

@@ -8,14 +8,78 @@ values in backward, and releasing really frees the memory.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dstrain.dist.comm import Comm
 from dstrain.zero.flat import FlatLayout
 
-__all__ = ["Unit"]
+if TYPE_CHECKING:
+    from dstrain.zero.stage3 import ShardGroup
+
+__all__ = ["ShardStore", "Unit"]
+
+
+class ShardStore:
+    """Where a stage-3 rank's shards live between uses. This default keeps them resident: every unit's
+    shard is a view of its group's one shard buffer, which (at fp32) is also the master the optimizer
+    steps. Parameter offload (`dstrain.offload.param_store`) replaces it with shards on CPU or NVMe."""
+
+    holds_master = False
+    """True when the fp32 master is not resident but read and written through this store by the
+    optimizer (offloaded Adam at fp32 with parameters on NVMe)."""
+
+    def expect(self, units: Sequence[Unit]) -> None:
+        """Every unit of the strategy, before the first `place` (to size buffers)."""
+        return None
+
+    def place(self, group: ShardGroup) -> None:
+        """Take ``group``'s units' initial shards (``unit.shard``) and set ``group.master``."""
+        total = sum(u.layout.shard for u in group.units)
+        group.shards = torch.zeros(total, dtype=group.dtype, device=group.device)  # (sum of shards,)
+        for u in group.units:
+            off = group.offsets[u.index]
+            u.bind_shard(group.shards[off : off + u.layout.shard])
+        group.master = group.shards if group.alias else group.shards.float()
+
+    def placed(self, group: ShardGroup) -> None:
+        """``group``'s optimizer views over its master exist now."""
+        return None
+
+    def input_for(self, unit: Unit) -> torch.Tensor:
+        """The tensor ``unit``'s all-gather sends (this rank's shard); valid until the gather is waited."""
+        return unit.shard
+
+    def shard_numel(self, unit: Unit) -> int:
+        """Elements of ``unit``'s shard held in the training device's memory."""
+        return unit.shard.numel()
+
+    def upcoming(self, order: Sequence[int]) -> None:
+        """Hint: units in the order they will be gathered next (from the recorded trace)."""
+        return None
+
+    def after_step(self, group: ShardGroup) -> None:
+        """The optimizer updated ``group.master``: make the shards match."""
+        if not group.alias:
+            group.shards.copy_(group.master.detach())
+
+    def read_master(self, group: ShardGroup) -> torch.Tensor:
+        """``group``'s fp32 master (for checkpoints)."""
+        return group.master.detach()
+
+    def load_master(self, group: ShardGroup, master: torch.Tensor) -> None:
+        """Replace ``group``'s master and shards with ``master``."""
+        group.master.copy_(master)
+        if not group.alias:
+            group.shards.copy_(master)
+
+    def statistics(self) -> Any:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 class Unit:
@@ -37,6 +101,7 @@ class Unit:
         self.persistent = False
         self.handle: Any = None  # pending asynchronous all-gather
         self.grads_ready = 0
+        self.store: ShardStore = ShardStore()
 
     @property
     def numel(self) -> int:
@@ -49,14 +114,14 @@ class Unit:
 
     def resident_numel(self) -> int:
         """Elements of parameter storage this unit holds now: shard plus the full buffer if allocated."""
-        return self.shard.numel() + self.full.untyped_storage().nbytes() // self.full.element_size()
+        return self.store.shard_numel(self) + self.full.untyped_storage().nbytes() // self.full.element_size()
 
     def start_gather(self) -> bool:
         """Allocate the full buffer and launch the all-gather asynchronously; False if nothing to do."""
         if self.gathered or self.handle is not None:
             return False
         self.full.untyped_storage().resize_(self._nbytes)
-        self.handle = self.comm.all_gather(self.full, self.shard, async_op=True)
+        self.handle = self.comm.all_gather(self.full, self.store.input_for(self), async_op=True)
         return True
 
     def finish_gather(self) -> None:
@@ -72,7 +137,7 @@ class Unit:
     def regather(self) -> None:
         """Refresh a gathered unit from the (updated) shards."""
         if self.gathered:
-            self.comm.all_gather(self.full, self.shard)
+            self.comm.all_gather(self.full, self.store.input_for(self))
 
     def release(self, force: bool = False) -> None:
         """Free the full buffer unless persistent (or pending: a gather in flight is finished first)."""

@@ -1,0 +1,414 @@
+"""`OffloadedShards`: stage-3 parameter shards on CPU or NVMe (ZeRO-Infinity ``offload_param``).
+
+A `dstrain.zero.units.ShardStore` that Stage3Zero is built with. Each param group's shards are laid
+end to end (the group's ``offsets``), as in the resident layout:
+
+- ``device="cpu"``: in a host buffer per group, apart from the training device's tensors. A gather
+  copies the unit's shard into its own slot of the gathered buffer (host -> device on a GPU).
+- ``device="nvme"``: in one file per rank, a page-aligned region per group, through one `Swapper`
+  (dsio handle on dsio's loop thread, bounded pinned pool). Reads run ahead in the order the
+  `GatherScheduler` recorded (`upcoming`); a gather copies the shard out of its buffer, which goes
+  back to the pool unwritten at once. Shards are written once per step, after the optimizer.
+
+The fp32 master: resident (a tensor of the group) unless `holds_master` (parameters and optimizer
+state both on NVMe, fp32): then the master *is* the shard in the file, and `OffloadAdam` reads and
+writes it sub-group by sub-group through `fetch_master` / `store_master`; no full-size master or
+shard copy stays in memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dstrain.errors import ConfigError
+from dstrain.offload.swapper import ALIGN, STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
+from dstrain.zero.units import ShardStore, Unit
+
+if TYPE_CHECKING:
+    from dstrain.zero.stage3 import ShardGroup
+
+__all__ = ["OffloadedShards", "ParamStoreStatistics"]
+
+log = logging.getLogger(__name__)
+
+_BUDGET = "zero_optimization.offload_pinned_bytes"
+
+
+@dataclass(frozen=True, slots=True)
+class ParamStoreStatistics:
+    """Swap and stall counters of one rank's offloaded parameter shards."""
+
+    device: str
+    holds_master: bool
+    shard_bytes: int
+    """Bytes of this rank's shards (all groups) in the store."""
+    stall_seconds: float
+    """Training-thread time spent waiting for a shard (or master range) not read yet."""
+    prefetch_hits: int
+    """Gathers whose shard was already read when the gather needed it."""
+    prefetch_misses: int
+    master_reads: int
+    master_writes: int
+    shard_writes: int
+    """Shard ranges written after steps (resident-master mode) and at initialization."""
+    pinned_budget: int
+    pinned_bytes: int
+    """Pinned bytes this store allocated (never above ``pinned_budget``)."""
+    swapper: SwapperStatistics | None
+
+
+class OffloadedShards(ShardStore):
+    """Shards of every stage-3 unit of this rank on ``device`` (``"cpu"`` or ``"nvme"``)."""
+
+    def __init__(
+        self,
+        device: str,
+        *,
+        dtype: torch.dtype,
+        nvme_path: str | None = None,
+        pinned_budget: int = 1 << 29,
+        buffer_count: int = 5,
+        buffer_size: int = 100_000_000,
+        pin_memory: bool = False,
+        holds_master: bool = False,
+        io_config: Any = None,
+    ) -> None:
+        if device not in ("cpu", "nvme"):
+            raise ConfigError(
+                "zero_optimization.offload_param.device", f"expected cpu or nvme, got {device!r}"
+            )
+        if holds_master and (device != "nvme" or dtype != torch.float32):
+            raise ValueError("the store holds the master only for fp32 shards on NVMe")
+        self.device = device
+        self.dtype = dtype
+        self.holds_master = holds_master
+        self._esize = torch.empty((), dtype=dtype).element_size()
+        self._nvme_path = nvme_path
+        self._budget = pinned_budget
+        self._count_hint = buffer_count
+        self._size_hint = buffer_size
+        self._pin = pin_memory and torch.cuda.is_available()
+        self._io_config = io_config
+        self._groups: dict[int, ShardGroup] = {}
+        self._host: dict[int, torch.Tensor] = {}  # device="cpu": (group total,) per group
+        self._base: dict[int, int] = {}  # device="nvme": the group's region offset in the file
+        self._pending_init: list[tuple[int, ShardGroup]] = []
+        self._swapper: Swapper | None = None
+        self._closed_stats: SwapperStatistics | None = None
+        self._queue: OrderedDict[int, concurrent.futures.Future[Lease]] = OrderedDict()
+        self._unit_group: dict[int, ShardGroup] = {}
+        self._stall = 0.0
+        self._hits = self._misses = 0
+        self._master_reads = self._master_writes = self._shard_writes = 0
+        self.buffer_bytes = 0
+
+    # -- layout -------------------------------------------------------------------------------
+
+    def place(self, group: ShardGroup) -> None:
+        """Move ``group``'s initial shards into the store; keep a resident fp32 master unless the
+        store holds it. Units' ``shard`` becomes empty (the store owns the values); no copy of the
+        whole group is staged on the way."""
+        self._groups[group.index] = group
+        for u in group.units:
+            self._unit_group[u.index] = group
+        pieces = [(group.offsets[u.index], u.shard) for u in group.units]
+
+        def fill(out: torch.Tensor, start: int) -> None:
+            """Elements ``[start, start + out.numel())`` of the group's shards into ``out``."""
+            for off, shard in pieces:
+                lo, hi = max(off, start), min(off + shard.numel(), start + out.numel())
+                if lo < hi:
+                    out[lo - start : hi - start].copy_(shard[lo - off : hi - off])
+
+        if self.holds_master:
+            # never touched (so never resident); storage-less once the views exist (`placed`)
+            group.master = torch.empty(group.total, dtype=torch.float32, device=group.device)
+        else:
+            group.master = torch.empty(group.total, dtype=torch.float32, device=group.device)
+            fill(group.master, 0)
+        if self.device == "cpu":
+            host = torch.empty(group.total, dtype=self.dtype, pin_memory=self._pin)
+            fill(host, 0)
+            self._host[group.index] = host
+        else:
+            if self._swapper is None:
+                raise RuntimeError("OffloadedShards.expect(units) must run before place()")
+            self._base[group.index] = self._swapper.reserve_region(group.total * self._esize)
+            self._write_group(group, fill)
+        for u in group.units:
+            u.shard = torch.empty(0, dtype=self.dtype, device=group.device)
+        pieces.clear()
+
+    def expect(self, units: Sequence[Unit]) -> None:
+        """Size the swap buffers for the largest shard of every unit and open the swap file."""
+        if self.device != "nvme" or self._swapper is not None:
+            return
+        assert self._nvme_path is not None
+        largest = max((u.layout.shard for u in units), default=1)
+        # a unit's shard spans its pages plus at most one partial page at each end
+        need = align_up(largest * self._esize) + 2 * ALIGN
+        room = self._budget - STAGING_BYTES
+        hint = align_up(min(self._size_hint * self._esize, max(room // max(self._count_hint, 1), need)))
+        size = max(need, hint)
+        if size > room:
+            raise ConfigError(
+                _BUDGET,
+                f"{self._budget} bytes cannot hold one parameter swap buffer of {size} bytes "
+                f"(the largest unit's shard plus alignment) and dsio's staging pool",
+            )
+        if size != align_up(self._size_hint * self._esize):
+            log.info(
+                "offload_param.buffer_size: %d -> %d bytes per buffer", self._size_hint * self._esize, size
+            )
+        count = max(1, min(self._count_hint, room // size))
+        if count < self._count_hint:
+            log.info(
+                "offload_param: %d swap buffers of %d bytes fit %s=%d", count, size, _BUDGET, self._budget
+            )
+        self.buffer_bytes = size
+        self._swapper = Swapper(
+            self._nvme_path, "param", buffer_bytes=size, buffer_count=count, io_config=self._io_config
+        )
+
+    # -- nvme helpers ---------------------------------------------------------------------------
+
+    def _span(self, group: ShardGroup, start: int, numel: int) -> tuple[int, int, int]:
+        """(file offset, bytes, byte offset inside the buffer) of elements ``[start, start+numel)``."""
+        lo = self._base[group.index] + start * self._esize
+        hi = self._base[group.index] + (start + numel) * self._esize
+        first = lo - lo % ALIGN
+        return first, align_up(hi) - first, lo - first
+
+    def placed(self, group: ShardGroup) -> None:
+        """The master's views exist: with `holds_master` its storage goes (its values are in the
+        file; the views keep shapes and offsets for the optimizer)."""
+        if self.holds_master:
+            group.master.untyped_storage().resize_(0)
+
+    def _write_group(
+        self, group: ShardGroup, fill: Callable[[torch.Tensor, int], None], wait: bool = True
+    ) -> None:
+        """Write a whole group's shards, one buffer at a time (page-aligned pieces); ``fill(out,
+        start)`` puts elements ``[start, start + out.numel())`` into ``out``. ``wait=False``: write
+        behind (later reads of those pages wait for the writes, on the loop thread)."""
+        assert self._swapper is not None
+        self._cancel_queue()  # read-ahead left over from the last pass must not hold the buffers
+        per = (self.buffer_bytes // ALIGN) * ALIGN // self._esize
+        futs = []
+        for start in range(0, group.total, per):
+            n = min(per, group.total - start)
+            off, nbytes, at = self._span(group, start, n)
+            lease = self._swapper.acquire_any().result()
+            lease.tensor[:nbytes].zero_()
+            fill(lease.view(self.dtype, at, n), start)
+            futs.append(self._swapper.store_range(lease, off, nbytes))
+            self._shard_writes += 1
+        if wait:
+            for f in futs:
+                f.result()
+
+    def _write_values(self, group: ShardGroup, values: torch.Tensor, wait: bool = True) -> None:
+        flat = values.reshape(-1)
+
+        def fill(out: torch.Tensor, start: int) -> None:
+            out.copy_(flat[start : start + out.numel()])
+
+        self._write_group(group, fill, wait)
+
+    def _read_unit(self, unit: Unit) -> concurrent.futures.Future[Lease]:
+        assert self._swapper is not None
+        group = self._unit_group[unit.index]
+        off, nbytes, _ = self._span(group, group.offsets[unit.index], unit.layout.shard)
+        return self._swapper.fetch_range(off, nbytes)
+
+    def _cancel_queue(self) -> None:
+        """Hand back read-ahead buffers unused (the order changed, or the optimizer needs the pool)."""
+        assert self._swapper is not None
+        while self._queue:
+            _, fut = self._queue.popitem(last=False)
+            self._swapper.discard(fut.result())
+
+    # -- the ShardStore surface -----------------------------------------------------------------
+
+    def upcoming(self, order: Sequence[int]) -> None:
+        """Start reading the next shards in ``order`` (as many as there are buffers)."""
+        sw = self._swapper
+        if sw is None or not order:
+            return
+        for index in order:
+            if len(self._queue) >= sw._buffers:
+                break
+            if index in self._queue:
+                continue
+            unit = self._unit_of(index)
+            if unit is None or (unit.persistent and unit.gathered):
+                continue
+            self._queue[index] = self._read_unit(unit)
+
+    def _unit_of(self, index: int) -> Unit | None:
+        group = self._unit_group.get(index)
+        if group is None:
+            return None
+        return next((u for u in group.units if u.index == index), None)
+
+    def input_for(self, unit: Unit) -> torch.Tensor:
+        """Copy ``unit``'s shard into its own slot of the gathered buffer and return that slot."""
+        group = self._unit_group[unit.index]
+        own = unit.full[unit.layout.lo : unit.layout.hi]
+        off = group.offsets[unit.index]
+        if self.device == "cpu":
+            own.copy_(self._host[group.index][off : off + unit.layout.shard])
+            return own
+        assert self._swapper is not None
+        if unit.index in self._queue:
+            # everything queued before it is out of order now: hand those buffers back first
+            while next(iter(self._queue)) != unit.index:
+                _, stale = self._queue.popitem(last=False)
+                self._swapper.discard(stale.result())
+            fut = self._queue.pop(unit.index)
+        else:
+            # not read ahead (first pass, off the recorded order, or beyond the read-ahead): make
+            # sure one buffer is free for it, giving up the furthest read-ahead first
+            while len(self._queue) >= self._swapper._buffers:
+                _, far = self._queue.popitem(last=True)
+                self._swapper.discard(far.result())
+            fut = self._read_unit(unit)
+        if fut.done():
+            self._hits += 1
+        else:
+            self._misses += 1
+            t0 = time.perf_counter()
+            concurrent.futures.wait([fut])
+            self._stall += time.perf_counter() - t0
+        lease = fut.result()
+        _, _, at = self._span(group, off, unit.layout.shard)
+        own.copy_(lease.view(self.dtype, at, unit.layout.shard))
+        self._swapper.discard(lease)  # unchanged: back to the pool without a write
+        return own
+
+    def shard_numel(self, unit: Unit) -> int:
+        return 0  # nothing of the shard stays in the training device's memory
+
+    def after_step(self, group: ShardGroup) -> None:
+        """Write the stepped master (cast to the shard dtype) once; nothing when the optimizer
+        wrote it already (`holds_master`)."""
+        if self.holds_master:
+            return
+        values = group.master.detach()
+        if self.device == "cpu":
+            self._host[group.index].copy_(values)
+        else:
+            self._write_values(group, values, wait=False)
+
+    def read_master(self, group: ShardGroup) -> torch.Tensor:
+        if not self.holds_master:
+            return group.master.detach()
+        out = torch.empty(group.total, dtype=torch.float32)
+        per = (self.buffer_bytes - ALIGN) // self._esize
+        for start in range(0, group.total, per):
+            n = min(per, group.total - start)
+            lease, view = self.fetch_master(group.index, start, n).result()
+            out[start : start + n].copy_(view)
+            assert self._swapper is not None
+            self._swapper.discard(lease).result()
+        return out
+
+    def load_master(self, group: ShardGroup, master: torch.Tensor) -> None:
+        if self.holds_master:
+            self._write_values(group, master)
+            return
+        group.master.copy_(master)
+        self.after_step(group)
+
+    # -- the master, for OffloadAdam (holds_master) ---------------------------------------------
+
+    @property
+    def max_master_numel(self) -> int:
+        """The most master elements one `fetch_master` can hold (a multiple of 1024)."""
+        return (self.buffer_bytes - ALIGN) // 4 // 1024 * 1024
+
+    def fetch_master(
+        self, group: int, start: int, numel: int
+    ) -> concurrent.futures.Future[tuple[Lease, torch.Tensor]]:
+        """A buffer with master elements ``[start, start + numel)`` of ``group`` and the fp32 view of
+        them (after any write of those pages in flight)."""
+        assert self._swapper is not None and self.holds_master
+        if self._queue:
+            self._cancel_queue()  # the step owns the pool now: read-ahead of shards restarts in forward
+        g = self._groups[group]
+        off, nbytes, at = self._span(g, start, numel)
+        inner = self._swapper.fetch_range(off, nbytes)
+        out: concurrent.futures.Future[tuple[Lease, torch.Tensor]] = concurrent.futures.Future()
+
+        def done(f: concurrent.futures.Future[Lease]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+                return
+            lease = f.result()
+            lease.key = (g.index, off, nbytes)
+            out.set_result((lease, lease.view(torch.float32, at, numel)))
+
+        inner.add_done_callback(done)
+        self._master_reads += 1
+        return out
+
+    def store_master(self, lease: Lease) -> concurrent.futures.Future[None]:
+        """Write a stepped master range back (once per step) and return its buffer."""
+        assert self._swapper is not None
+        _, off, nbytes = lease.key  # type: ignore[misc]
+        self._master_writes += 1
+        return self._swapper.store_range(lease, off, nbytes)
+
+    def discard_master(self, lease: Lease) -> concurrent.futures.Future[None]:
+        """Hand a master buffer back unwritten."""
+        assert self._swapper is not None
+        return self._swapper.discard(lease)
+
+    # -- introspection and lifetime -------------------------------------------------------------
+
+    @property
+    def pinned_bytes(self) -> int:
+        if self._swapper is not None:
+            return self._swapper.pinned_bytes
+        if self._closed_stats is not None:
+            return self._closed_stats.pinned_bytes
+        if self._pin:
+            return sum(h.numel() * h.element_size() for h in self._host.values())
+        return 0
+
+    def statistics(self) -> ParamStoreStatistics:
+        sw = self._swapper.statistics() if self._swapper is not None else self._closed_stats
+        return ParamStoreStatistics(
+            device=self.device,
+            holds_master=self.holds_master,
+            shard_bytes=sum(g.total for g in self._groups.values()) * self._esize,
+            stall_seconds=self._stall,
+            prefetch_hits=self._hits,
+            prefetch_misses=self._misses,
+            master_reads=self._master_reads,
+            master_writes=self._master_writes,
+            shard_writes=self._shard_writes,
+            pinned_budget=self._budget,
+            pinned_bytes=self.pinned_bytes,
+            swapper=sw,
+        )
+
+    def close(self) -> None:
+        """Hand back read-ahead buffers, finish writes, free the pool, delete the swap file."""
+        if self._swapper is not None:
+            try:
+                self._cancel_queue()
+            finally:
+                self._swapper.close()
+                self._closed_stats = self._swapper.statistics()
+                self._swapper = None
+        self._host.clear()
