@@ -100,13 +100,6 @@ def build_offload_optimizer(
     store = getattr(zero, "store", None)
     master_store = store if getattr(store, "holds_master", False) else None
     if master_store is not None:
-        chunk = min(int(sub_group_size), STEP_CHUNK)
-        if chunk % CUT:
-            raise ConfigError(
-                "zero_optimization.sub_group_size",
-                f"with parameters and optimizer state on NVMe the master is stepped in page-aligned "
-                f"pieces: use a multiple of {CUT} (got {sub_group_size})",
-            )
         sub_group_size = min(int(sub_group_size), master_store.max_master_numel)
     return OffloadAdam(
         param_groups,
@@ -137,6 +130,13 @@ def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> 
         assert param.nvme_path is not None  # the config requires it
         check_nvme_path("zero_optimization.offload_param.nvme_path", param.nvme_path)
     both_nvme = param.device == "nvme" and zero_config.offload_optimizer.device == "nvme"
+    holds_master = both_nvme and dtype == torch.float32
+    if holds_master and min(int(zero_config.sub_group_size), STEP_CHUNK) % CUT:
+        raise ConfigError(
+            "zero_optimization.sub_group_size",
+            f"with parameters and optimizer state on NVMe the master is stepped in page-aligned "
+            f"pieces: use a multiple of {CUT} (got {zero_config.sub_group_size})",
+        )
     budget = zero_config.offload_pinned_bytes // 2 if both_nvme else zero_config.offload_pinned_bytes
     return OffloadedShards(
         param.device,
@@ -147,7 +147,7 @@ def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> 
         buffer_size=int(param.buffer_size),
         pin_memory=param.pin_memory,
         # fp32 with optimizer state on NVMe: the master IS the shard in the file (OffloadAdam swaps it)
-        holds_master=both_nvme and dtype == torch.float32,
+        holds_master=holds_master,
         io_config=io_config_from(aio) if param.device == "nvme" else None,
     )
 

@@ -11,9 +11,10 @@ from dsio._registry import Sample, track, untrack
 __all__ = ["register_offload", "samples", "unregister_offload"]
 
 
-def samples(s: Any, rank: int) -> Iterator[Sample]:
-    """Samples of one `OffloadOptimizerStatistics` snapshot (``kind="optimizer"`` label)."""
-    base = {"rank": str(rank), "kind": "optimizer"}
+def samples(s: Any, rank: int, kind: str = "optimizer") -> Iterator[Sample]:
+    """Samples of one `OffloadOptimizerStatistics` (``kind="optimizer"``) or `ParamStoreStatistics`
+    (``kind="param"``) snapshot."""
+    base = {"rank": str(rank), "kind": kind}
 
     def counter(name: str, doc: str, value: float, **labels: str) -> Sample:
         return Sample(name, "counter", float(value), doc, {**base, **labels})
@@ -39,9 +40,11 @@ def samples(s: Any, rank: int) -> Iterator[Sample]:
     yield counter(
         "dstrain_offload_stall_seconds", "Training-thread waits for late swapped-in state", s.stall_seconds
     )
-    yield counter("dstrain_offload_prefetch", "Sub-groups found swapped in", s.prefetch_hits, result="hit")
-    yield counter("dstrain_offload_prefetch", "Sub-groups found swapped in", s.prefetch_misses, result="miss")
-    yield counter("dstrain_offload_step_seconds", "Time in the offloaded optimizer step", s.step_seconds)
+    doc = "Sub-groups (optimizer) or shards (param) found swapped in when needed"
+    yield counter("dstrain_offload_prefetch", doc, s.prefetch_hits, result="hit")
+    yield counter("dstrain_offload_prefetch", doc, s.prefetch_misses, result="miss")
+    if hasattr(s, "step_seconds"):
+        yield counter("dstrain_offload_step_seconds", "Time in the offloaded optimizer step", s.step_seconds)
 
 
 def _rank() -> int:
@@ -50,10 +53,11 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def register_offload(stepper: Any) -> None:
-    """Export ``stepper.statistics()`` as ``dstrain_offload_*`` while it lives (held weakly)."""
+def register_offload(stepper: Any, kind: str = "optimizer") -> None:
+    """Export ``stepper.statistics()`` (or a parameter store's, ``kind="param"``) as
+    ``dstrain_offload_*`` while it lives (held weakly)."""
     rank = _rank()
-    track(stepper, kind="offload", namespace="dstrain", describe=lambda snap: samples(snap, rank))
+    track(stepper, kind="offload", namespace="dstrain", describe=lambda snap: samples(snap, rank, kind))
 
 
 def unregister_offload(stepper: Any) -> None:

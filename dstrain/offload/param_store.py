@@ -109,6 +109,9 @@ class OffloadedShards(ShardStore):
         self._hits = self._misses = 0
         self._master_reads = self._master_writes = self._shard_writes = 0
         self.buffer_bytes = 0
+        from dstrain.offload.metrics import register_offload
+
+        register_offload(self, kind="param")  # dstrain_offload_*{kind="param"} at scrape time
 
     # -- layout -------------------------------------------------------------------------------
 
@@ -404,6 +407,9 @@ class OffloadedShards(ShardStore):
 
     def close(self) -> None:
         """Hand back read-ahead buffers, finish writes, free the pool, delete the swap file."""
+        from dstrain.offload.metrics import unregister_offload
+
+        unregister_offload(self)
         if self._swapper is not None:
             try:
                 self._cancel_queue()

@@ -1,0 +1,119 @@
+"""Parameter offload in one process (world size 1): refusals with the field named, metrics, and engine
+checkpoints of a param-offloaded run that resume bit-for-bit in any offload setting."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from _dstrain_helpers import engine_losses, make_model
+from _offload_helpers import final_params
+from _offload_param_helpers import param_config
+
+import dstrain
+from dstrain.errors import ConfigError
+
+
+def _close(engine: Any, optimizer: Any) -> None:
+    engine.close()
+    if hasattr(optimizer, "close"):
+        optimizer.close()
+
+
+def test_missing_nvme_path_is_refused_at_initialize(tmp_path) -> None:
+    cfg = param_config(str(tmp_path / "missing"), param="nvme")
+    with pytest.raises(ConfigError) as e:
+        dstrain.initialize(model=make_model(), config=cfg)
+    assert e.value.field == "zero_optimization.offload_param.nvme_path"
+
+
+def test_budget_below_one_shard_buffer_is_named(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))  # 4 MiB unit
+    cfg = param_config(str(tmp_path), param="nvme", budget=2 << 20)
+    with pytest.raises(ConfigError) as e:
+        dstrain.initialize(model=model, config=cfg)
+    assert e.value.field == "zero_optimization.offload_pinned_bytes"
+
+
+def test_unaligned_sub_group_with_master_in_file_is_named(tmp_path) -> None:
+    cfg = param_config(str(tmp_path), param="nvme", optimizer="nvme", sub_group=1000)
+    with pytest.raises(ConfigError) as e:
+        dstrain.initialize(model=make_model(), config=cfg)
+    assert e.value.field == "zero_optimization.sub_group_size"
+
+
+def test_param_metrics_on_dsio_exporter(tmp_path) -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from dsio import metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics.register(registry)
+    engine, opt, _, _ = dstrain.initialize(
+        model=make_model(), config=param_config(str(tmp_path), param="nvme", optimizer="nvme")
+    )
+    store = engine.zero.store
+    labels = {"rank": "0", "kind": "param"}
+
+    def value(name: str, **extra: str) -> float:
+        return registry.get_sample_value(name, {**labels, **extra}) or 0.0
+
+    def swap(direction: str) -> float:
+        return value("dstrain_offload_swap_bytes_total", direction=direction)
+
+    # stores of other tests closed (or collected) earlier stay in the process totals: compare deltas
+    st0, r0, w0 = store.statistics(), swap("read"), swap("write")
+    engine_losses(engine, 3)
+    store._swapper.drain()  # the last writes are behind
+    st = store.statistics()
+    assert swap("read") - r0 == st.swapper.read_bytes - st0.swapper.read_bytes > 0
+    assert swap("write") - w0 == st.swapper.written_bytes - st0.swapper.written_bytes > 0
+    assert value("dstrain_offload_prefetch_total", result="hit") >= st.prefetch_hits > 0
+    assert value("dstrain_offload_stall_seconds_total") >= st.stall_seconds
+    assert value("dstrain_offload_pinned_bytes") == st.pinned_bytes <= st.pinned_budget
+    # the optimizer's own series stay apart (kind="optimizer")
+    assert registry.get_sample_value(
+        "dstrain_offload_swap_bytes_total", {"rank": "0", "kind": "optimizer", "direction": "read"}
+    )
+    _close(engine, opt)
+    assert registry.get_sample_value("dstrain_offload_pinned_bytes", labels) is None  # gone with the store
+
+
+@pytest.mark.parametrize(
+    ("save", "load"),
+    [
+        (("nvme", "nvme"), ("nvme", "nvme")),
+        (("nvme", "nvme"), ("none", "none")),
+        (("cpu", "none"), ("nvme", "cpu")),
+    ],
+)
+def test_checkpoint_resumes_bitwise_across_settings(
+    tmp_path, save: tuple[str, str], load: tuple[str, str]
+) -> None:
+    """(param, optimizer) devices when saving and when loading; the resumed run equals an
+    uninterrupted run without offload, losses and weights bitwise."""
+    steps = 3
+    root = str(tmp_path)
+    ckpt = os.path.join(root, "ckpt")
+    engine, opt = dstrain.initialize(
+        model=make_model(), config=param_config(root, param=save[0], optimizer=save[1])
+    )[:2]
+    engine_losses(engine, steps)
+    engine.save_checkpoint(ckpt)
+    _close(engine, opt)
+    engine, opt = dstrain.initialize(
+        model=make_model(seed=7), config=param_config(root, param=load[0], optimizer=load[1])
+    )[:2]
+    engine.load_checkpoint(ckpt)
+    resumed = engine_losses(engine, steps, start=steps)
+    params = final_params(engine)
+    _close(engine, opt)
+    engine, opt = dstrain.initialize(model=make_model(), config=param_config(root))[:2]
+    whole = engine_losses(engine, 2 * steps)
+    ref = final_params(engine)
+    _close(engine, opt)
+    assert resumed == whole[steps:]
+    for a, b in zip(params, ref, strict=True):
+        assert torch.equal(a, b)
