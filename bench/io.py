@@ -290,7 +290,45 @@ def report(res: Results, meta: dict, args: argparse.Namespace) -> str:
                 if f32:
                     parts.append(f"{ours_file / f32:.2f}x fio QD32 (fio also keeps one file open)")
                 lines.append("- " + ", ".join(parts))
+    lines += loop_lines(res)
     return "\n".join(lines) + "\n"
+
+
+UVLOOP = "dsio io_uring (default config), uvloop"
+
+
+def uvloop_runner(cfg: dsio.IOConfig) -> DsioRunner | None:
+    """The default config on a uvloop event loop (None without uvloop)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return DsioRunner(uvloop.new_event_loop(), cfg)
+
+
+def loop_lines(res: Results) -> list[str]:
+    """asyncio vs uvloop for the 64 KiB op rate (issue 16): the same calls, reps interleaved."""
+    a, u = res.get("dsio io_uring (default config)", {}), res.get(UVLOOP, {})
+    rows = []
+    for case, name in (
+        ("ops_write_64K_path", "64K write, path per op"),
+        ("ops_read_64K_path", "64K read, path per op"),
+        ("ops_write_64K", "64K write, one open file"),
+        ("ops_read_64K", "64K read, one open file"),
+    ):
+        if a.get(case) and u.get(case):
+            ra, ru = summarize(a[case])[0], summarize(u[case])[0]
+            rows.append(f"| {name} | {fmt(a[case], 0)} | {fmt(u[case], 0)} | {ru / ra:.2f}x |")
+    if not rows:
+        return []
+    return [
+        "",
+        "### Event loop: asyncio vs uvloop, dsio default config, ops/s",
+        "",
+        "| case | asyncio | uvloop | uvloop / asyncio |",
+        "|---|---|---|---|",
+        *rows,
+    ]
 
 
 def plot(res: Results, png: str) -> None:
@@ -426,6 +464,11 @@ def main_io(args: argparse.Namespace, meta: dict) -> None:
     if use_fio:
         steps.append(("fio libaio 1M QD32", lambda o: fio_seq(seq_path, size, "libaio", o)))
         steps.append(("fio io_uring 1M QD32", lambda o: fio_seq(seq_path, size, "io_uring", o)))
+    uv = uvloop_runner(default)
+    if uv is None:
+        print(
+            "bench: asyncio vs uvloop skipped: uvloop is not importable (pip install uvloop)", file=sys.stderr
+        )
     for op_size in (64 << 10, 1 << 20):
         steps.append(
             (
@@ -435,6 +478,8 @@ def main_io(args: argparse.Namespace, meta: dict) -> None:
                 ].ops(ops_buf, s, args.ops, ops_path, o),
             )
         )
+        if uv is not None and op_size == 64 << 10:  # the same calls on uvloop's loop, interleaved
+            steps.append((UVLOOP, lambda o, s=op_size: uv.ops(ops_buf, s, args.ops, ops_path, o)))
         if use_ds:
             steps.append(("DeepSpeed aio_handle", lambda o, s=op_size: ds_ops(ops_path, s, args.ops, o)))
         if use_fio:
@@ -449,6 +494,9 @@ def main_io(args: argparse.Namespace, meta: dict) -> None:
                 bar.update()
     for r in runners.values():
         r.close()
+    if uv is not None:
+        uv.close()
+        uv.loop.close()
     for p in (seq_path, ops_path):
         unlink(p)
 
@@ -465,7 +513,16 @@ def main_io(args: argparse.Namespace, meta: dict) -> None:
                 DS_SCRIPT,
                 progress=lambda s: (tbar.set_postfix_str(s), tbar.update()),
             )
-        md += report_tuned(tuned, size)
+        main_defaults = {
+            (side, op): v
+            for side, m in (
+                ("dsio", "dsio io_uring, locked buffer"),
+                ("DeepSpeed", "DeepSpeed aio_handle, locked"),
+            )
+            for op, case in (("write", "write_new"), ("read", "read"))
+            if (v := med(res, m, case)) is not None
+        }
+        md += report_tuned(tuned, size, main_defaults)
         res["tuned"] = tuned  # type: ignore[assignment]
     kind = "io" + (f"-{args.label}" if args.label else "")
     out = result_path(kind)

@@ -1,0 +1,93 @@
+"""bench/io_tuned.py's tuned-vs-tuned sweep and bench/io.py's asyncio-vs-uvloop rows (issue 16).
+
+The sweep must contain each side's default configuration (so "tuned" is never below "default"
+measured the same way), every point must reach the handle it measures with its own settings,
+and the report must name the winner and show the default point beside the main table's run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import dsio  # noqa: E402
+from bench import io as bench_io  # noqa: E402
+from bench import io_tuned  # noqa: E402
+
+MIB = 1 << 20
+
+
+def test_the_sweep_contains_both_sides_defaults():
+    d = dsio.IOConfig()
+    assert (d.intra_op_parallelism, d.overlap_events, d.block_size, d.queue_depth) in io_tuned.SWEEP
+    assert io_tuned.DEEPSPEED_DEFAULT == (1, False, MIB, 128)  # aio_handle's defaults
+    assert io_tuned.DEEPSPEED_DEFAULT in io_tuned.SWEEP
+    assert len(set(io_tuned.SWEEP)) == len(io_tuned.SWEEP)
+
+
+def test_each_point_measures_a_handle_with_its_own_settings(tmp_path, monkeypatch):
+    """A point that never applied its settings would measure the same handle every time."""
+    seen: list[tuple[int, bool, int, int]] = []
+    real = dsio.AsyncIOHandle
+
+    def handle(cfg: dsio.IOConfig) -> dsio.AsyncIOHandle:
+        seen.append((cfg.intra_op_parallelism, cfg.overlap_events, cfg.block_size, cfg.queue_depth))
+        return real(cfg)
+
+    monkeypatch.setattr(io_tuned.dsio, "AsyncIOHandle", handle)
+    sweep = [io_tuned.DSIO_DEFAULT, (1, False, MIB, 32)]
+    data = io_tuned.run_tuned(str(tmp_path), 4 * MIB, 2, None, "", sweep=sweep)
+    assert seen == sweep
+    dsio_res = data["results"]["dsio"]
+    for op in ("write", "read"):
+        assert set(dsio_res[op]) == {io_tuned.label(*p) for p in sweep}
+        assert all(len(v) == 2 and all(x > 0 for x in v) for v in dsio_res[op].values())
+    assert data["defaults"]["dsio"] == io_tuned.label(*io_tuned.DSIO_DEFAULT)
+    assert not os.path.exists(tmp_path / "tuned.bin")
+
+
+def test_report_names_the_best_point_and_shows_the_default_beside_the_main_run():
+    default = io_tuned.label(*io_tuned.DSIO_DEFAULT)
+    other = io_tuned.label(1, False, MIB, 32)
+    data = {
+        "results": {
+            "dsio": {
+                "write": {default: [2.1, 2.2, 2.0], other: [1.8, 1.9, 1.7]},
+                "read": {default: [1.5], other: [1.9]},
+            },
+            "DeepSpeed": {
+                "write": {io_tuned.label(*io_tuned.DEEPSPEED_DEFAULT): [2.0]},
+                "read": {io_tuned.label(*io_tuned.DEEPSPEED_DEFAULT): [1.9]},
+            },
+        },
+        "cold": False,
+    }
+    md = io_tuned.report_tuned(data, 1 << 30, {("dsio", "write"): 2.12})
+    rows = {
+        tuple(c.strip() for c in line.split("|")[1:3]): line
+        for line in md.splitlines()
+        if line.startswith("| ")
+    }
+    assert default in rows["dsio", "write"] and "2.10 (2.00-2.20)" in rows["dsio", "write"]
+    assert rows["dsio", "write"].rstrip(" |").endswith("2.12")
+    assert other in rows["dsio", "read"]  # the best point wins, not the default
+    assert "tuned dsio / tuned DeepSpeed, write: 1.05x" in md and "WARM" in md
+
+
+@pytest.mark.parametrize("have_uvloop", [True, False])
+def test_asyncio_vs_uvloop_rows(have_uvloop):
+    res = {
+        "dsio io_uring (default config)": {"ops_write_64K_path": [1000.0, 1200.0], "ops_read_64K": [500.0]},
+    }
+    if have_uvloop:
+        res[bench_io.UVLOOP] = {"ops_write_64K_path": [1500.0, 1700.0], "ops_read_64K": [400.0]}
+    lines = bench_io.loop_lines(res)
+    if not have_uvloop:
+        assert lines == []
+        return
+    text = "\n".join(lines)
+    assert "| 64K write, path per op | 1,100 (1,000-1,200) | 1,600 (1,500-1,700) | 1.45x |" in text
+    assert "| 64K read, one open file | 500 (500-500) | 400 (400-400) | 0.80x |" in text
