@@ -52,7 +52,15 @@ def _worker(root: str) -> dict[str, Any]:
         "s1": _run(1, root),
         "s0_bf16": _run(0, None, bf16={"enabled": True}),
         "s1_bf16": _run(1, None, bf16={"enabled": True}),
+        "s1_native": _native_reduce_scatter_run(),
     }
+
+
+def _native_reduce_scatter_run() -> dict[str, Any]:
+    # gloo's own reduce-scatter (what NCCL uses at stage 1): the reducer fills `out` with this rank's
+    # slice of the local gradient after the freeze (last in the worker: the variable stays set)
+    os.environ["DSTRAIN_GLOO_NATIVE_COLLECTIVES"] = "1"
+    return _run(1, None)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +78,16 @@ def test_stage_1_equals_stage_0_bitwise(runs, suffix: str) -> None:
     st = runs[0]["s1" + suffix]["stats"]
     assert st.frozen and st.compressed.calls == 8 - FREEZE
     assert st.compressed.wire_bytes * 28 <= st.compressed.fp32_allreduce_bytes
+
+
+def test_stage_1_with_a_true_reduce_scatter_tracks_stage_0(runs) -> None:
+    """The reduce-scatter sums in another order than the all-reduce, so not bitwise: close, and the
+    gradient reduction really stopped at the freeze."""
+    for r in range(2):
+        native, s0 = runs[r]["s1_native"], runs[r]["s0"]
+        assert native["losses"][:FREEZE] == pytest.approx(s0["losses"][:FREEZE], rel=1e-6)
+        assert native["losses"] == pytest.approx(s0["losses"], rel=1e-3)
+        assert native["stats"].skipped_reductions == 8 - FREEZE
 
 
 def test_stage_1_partitions_variance_and_keeps_the_momentum_full(runs) -> None:
