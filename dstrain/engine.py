@@ -60,6 +60,9 @@ class EngineStatistics:
     """Time in `Engine.step` at accumulation boundaries: reduction, unscale, optimizer, gather."""
     last_step_seconds: float
     """Wall time between the last two optimizer steps."""
+    checkpoint_blocked_seconds: float = 0.0
+    """Time checkpoint saves held training: inside `Engine.save_checkpoint`, plus, for an
+    ``async_save``, the wait at the next step for staging still unfinished."""
     comm: CommStatistics
     zero: ZeroStatistics
 
@@ -100,6 +103,7 @@ class Engine:
         self._last_step_end: float | None = None
         self._last_step_seconds = 0.0
         self._pending_save: PendingSave | None = None
+        self._ckpt_blocked = 0.0
         self.runner: Any = None
         """What runs whole batches (`train_batch` / `eval_batch`): a `dstrain.pipe.PipelineRunner` that
         `initialize` attaches for a pipeline model; None otherwise (train with forward/backward/step)."""
@@ -146,6 +150,7 @@ class Engine:
             start = time.perf_counter()
             self.zero.reduce_gradients()
             overflow = self._unscale_and_clip()
+            self._staging_fence()  # an async save may still be reading what the step changes
             if overflow:
                 self.skipped_steps += 1
             else:
@@ -275,6 +280,7 @@ class Engine:
             backward_seconds=self._times["backward"],
             step_seconds=self._times["step"],
             last_step_seconds=self._last_step_seconds,
+            checkpoint_blocked_seconds=self._ckpt_blocked,
             comm=self.comm.statistics(),
             zero=self.zero.statistics(),
         )
@@ -329,12 +335,18 @@ class Engine:
         at `wait_checkpoint`, or at the next `save_checkpoint`, `load_checkpoint` or `close` (all
         collective: call them on every rank).
         """
+        t0 = time.perf_counter()
         self.wait_checkpoint()
         directory, step = self._where(Path(save_dir), tag, save_latest)
         validate_tag(
             str(directory / step_name(step)), self.topology.world, self.config.checkpoint.tag_validation
         )
         extra, full = self._module_states()
+        if async_save:  # buffers (e.g. BatchNorm statistics) change in forward: snapshot them now
+            copies = {k: v.detach().clone() for k, v in extra.items() if isinstance(v, torch.Tensor)}
+            extra = {**extra, **copies}
+            full = None if full is None else {k: copies.get(k, v) for k, v in full.items()}
+            client_state = _cloned(client_state or {})
         state = collect(
             self.checkpoint_parts(),
             {
@@ -345,10 +357,18 @@ class Engine:
             },
         )
         pending = self.store.save(directory, step, state, self.topology.world, background=async_save)
-        if async_save:
+        if async_save:  # staged while forward and backward run; the next step waits if unfinished
             self._pending_save = pending
+            self._ckpt_blocked += time.perf_counter() - t0
             return pending.path
-        return pending.wait()
+        path = pending.wait()
+        self._ckpt_blocked += time.perf_counter() - t0
+        return path
+
+    def _staging_fence(self) -> None:
+        """Before the optimizer changes parameters and state: wait for an async save's staging."""
+        if self._pending_save is not None:
+            self._ckpt_blocked += self._pending_save.wait_staged()
 
     def wait_checkpoint(self) -> Path | None:
         """Finish an asynchronous save (a collective); returns its file, or None when none was pending."""
@@ -409,3 +429,14 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` with its tensors cloned (an async save's client state, captured at the call)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cloned(v) for v in value)
+    return value

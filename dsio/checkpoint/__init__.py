@@ -8,6 +8,9 @@
     await task                            # durable and committed
     state = await ckpt.load()             # latest committed; ckpt.load(step=1200); ckpt.steps()
 
+A state may hold ``LazyTensor`` sources (e.g. ``FileRegions`` of swap files) where it holds tensors:
+they are stored as ordinary tensors but streamed through a few fixed windows, never all in memory.
+
 ``dsio.checkpoint.dcp`` holds ``DsioStorageWriter`` / ``DsioStorageReader`` for
 ``torch.distributed.checkpoint`` (imported on first use).
 """
@@ -23,6 +26,7 @@ from ..errors import (
 )
 from ._api import DEFAULT_IO, load, save
 from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError
+from ._lazy import FileRegions, LazyTensor
 from .checkpointer import Checkpointer, CheckpointStatistics, SaveResult
 
 __all__ = [
@@ -37,7 +41,9 @@ __all__ = [
     "ChecksumError",
     "DsioStorageReader",
     "DsioStorageWriter",
+    "FileRegions",
     "LatestNotUpdatedError",
+    "LazyTensor",
     "SaveResult",
     "UnsupportedStateError",
     "load",

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import CheckpointFormatError, UnsupportedStateError
 from ._format import dtype_name
+from ._lazy import LazyTensor
 
 __all__ = ["flatten", "unflatten"]
 
@@ -44,7 +45,7 @@ def _np() -> Any:
 class _Flattener:
     def __init__(self, allow_pickle: bool) -> None:
         self.allow_pickle = allow_pickle
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, torch.Tensor | LazyTensor] = {}
         self._seen: dict[tuple, str] = {}
 
     def _name(self, path: str) -> str:
@@ -78,9 +79,20 @@ class _Flattener:
             self._seen[key] = name
         return name
 
+    def lazy(self, t: LazyTensor, path: str) -> str:
+        key = ("lazy", id(t))  # the same source stored twice is written once
+        if key in self._seen:
+            return self._seen[key]
+        name = self._name(path)
+        self.tensors[name] = t
+        self._seen[key] = name
+        return name
+
     def node(self, v: Any, path: str, where: str) -> dict[str, Any]:
         if isinstance(v, torch.Tensor):
             return {"t": self.tensor(v, path, where)}
+        if isinstance(v, LazyTensor):  # stored as a plain tensor: it loads back as one
+            return {"t": self.lazy(v, path)}
         tv = type(v)
         if tv is float:
             return {"v": v} if math.isfinite(v) else {"f": repr(v)}
@@ -125,11 +137,14 @@ class _Flattener:
         )
 
 
-def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def flatten(
+    state: Any, *, allow_pickle: bool = False
+) -> tuple[dict[str, torch.Tensor | LazyTensor], dict[str, Any]]:
     """Split ``state`` into named tensors and a JSON-serialisable structure tree.
 
     A flat ``{str: tensor}`` dict keeps its keys as tensor names, so stock safetensors users see
-    the names they expect. Anything JSON cannot hold raises ``UnsupportedStateError`` naming
+    the names they expect. A `LazyTensor` is named like a tensor (its bytes are read when the file is
+    written). Anything JSON cannot hold raises ``UnsupportedStateError`` naming
     where it is, unless ``allow_pickle``.
     """
     f = _Flattener(allow_pickle)

@@ -26,12 +26,15 @@ from typing import TypeVar
 
 import torch
 
+from .._gather import wait_all
 from .._native import C as _C  # loaded on first use: import dsio.checkpoint works without the core
 from ..errors import IOFailedError
 from ..file import AsyncFile
 from ..handle import AsyncIOHandle
 from ._format import TensorEntry, encode_header, layout
 from ._integrity import ALGORITHM, CHECKSUMS_KEY, crc_of, hex32
+from ._lazy import LazyTensor
+from ._stream import STREAM_BUFFERS, STREAM_CHUNK_BYTES, write_streamed
 
 __all__ = ["CHUNK_BYTES", "FileWriter", "Staging"]
 
@@ -122,7 +125,7 @@ class FileWriter:
         self,
         handle: AsyncIOHandle,
         path: str,
-        tensors: dict[str, torch.Tensor],
+        tensors: dict[str, torch.Tensor | LazyTensor],
         metadata: dict[str, str],
         staging: Staging | None,
         *,
@@ -150,6 +153,11 @@ class FileWriter:
         self._flushed = 0
         self.stage_seconds = 0.0
         self.write_seconds = 0.0
+        self.streamed = any(isinstance(t, LazyTensor) for t in tensors.values())
+        """The state holds lazy sources: written through fixed windows, never staged whole."""
+        self.buffer_bytes = 0
+        """Host memory the streamed write used for its windows (0 for a staged write)."""
+        self._crcs: dict[str, int] | None = None
 
     @property
     def checksum_algorithm(self) -> str:
@@ -170,6 +178,10 @@ class FileWriter:
         t0 = time.perf_counter()
         if self.preallocate:  # truncating an old file and reserving blocks: a worker thread's job
             await _off_loop(functools.partial(_preallocate, self.path, self.file_size))
+        if self.streamed:
+            await self._write_data()
+            self.stage_seconds = time.perf_counter() - t0
+            return
         assert self.staging is not None, "stage() needs a staging region; stream() does not"
         self._region = region = self.staging.get(self.file_size)
         self._file = self.handle.open(self.path, "w")
@@ -195,6 +207,35 @@ class FileWriter:
         self.tensors = {}  # the caller's tensors are free from here on
         self.stage_seconds = time.perf_counter() - t0
 
+    async def _write_data(self) -> None:
+        """Streamed: the whole data section through fixed windows; the checksums on the way."""
+        self._file = self.handle.open(self.path, "w")
+        windows = min(STREAM_BUFFERS, max(1, -(-(self.file_size - self.data_start) // STREAM_CHUNK_BYTES)))
+        self.buffer_bytes = windows * STREAM_CHUNK_BYTES if self.file_size > self.data_start else 0
+        self._crcs = await write_streamed(
+            self.handle, self._file, self.entries, self.tensors, self.data_start, self.file_size
+        )
+        self.tensors = {}  # the caller's tensors and sources are free from here on
+
+    async def _finish_streamed(self, fsync: bool) -> int:
+        assert self._file is not None and self._crcs is not None
+        t0 = time.perf_counter()
+        sums = {e.name: hex32(self._crcs[e.name]) for e in self.entries}
+        header = encode_header(self.entries, self._meta_for(sums))
+        assert len(header) == self.data_start, "header length changed with its checksums"
+        self._writes.append(
+            asyncio.ensure_future(
+                self._file.pwrite(torch.frombuffer(bytearray(header), dtype=torch.uint8), 0)
+            )
+        )
+        await self._drain()
+        if fsync:
+            await self._file.fsync()
+        self._file.close()
+        self._file = None
+        self.write_seconds = time.perf_counter() - t0
+        return self.file_size
+
     def _staged_up_to(self, staged: int) -> bool:
         """Submit the staged bytes once ~CHUNK_BYTES accumulated; True if a write was submitted."""
         if staged - self._flushed < CHUNK_BYTES:
@@ -213,6 +254,7 @@ class FileWriter:
             if not e.nbytes:
                 continue
             src = self.tensors[e.name]
+            assert isinstance(src, torch.Tensor)
             if src.device.type == "cpu" and src.is_contiguous():
                 # Plain memcpy: torch's copy_ splits big copies over its OpenMP threads, which
                 # stalls whenever another process holds one of the cores.
@@ -240,11 +282,17 @@ class FileWriter:
         t0 = time.perf_counter()
         if self.preallocate:
             _preallocate(self.path, self.file_size)
+        if self.streamed:
+            await self._write_data()
+            size = await self._finish_streamed(fsync)
+            self.write_seconds = time.perf_counter() - t0
+            return size
         self._file = f = self.handle.open(self.path, "w")
         ds = self.data_start
         srcs: dict[str, torch.Tensor] = {}
         for e in self.entries:
             t = self.tensors[e.name]
+            assert isinstance(t, torch.Tensor)
             if t.device.type != "cpu" or not t.is_contiguous():
                 t = t.to("cpu").contiguous()
             srcs[e.name] = t
@@ -274,6 +322,8 @@ class FileWriter:
 
     async def finish(self, *, fsync: bool = True) -> int:
         """Write the rest and the header, fsync, close; return the file size."""
+        if self.streamed:
+            return await self._finish_streamed(fsync)
         assert self._file is not None and self._region is not None
         t0 = time.perf_counter()
         self._submit(self._flushed, self.file_size)
@@ -301,15 +351,9 @@ class FileWriter:
 
     async def _drain(self) -> None:
         writes, self._writes = self._writes, []
-        if not writes:
-            return
-        await asyncio.wait(writes)
-        errors = [w.exception() for w in writes if not w.cancelled()]  # retrieves every one
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
-        if any(w.cancelled() for w in writes):
-            raise asyncio.CancelledError()
+        # Every write to its end, then the first error in order (a write cancelled meanwhile:
+        # CancelledError); cancelling us cancels them and waits for them (dsio's one join).
+        await wait_all(writes)
 
     async def abort(self) -> None:
         """Wait out writes still in flight, close and remove the partial file."""

@@ -86,6 +86,8 @@ class CheckpointStatistics:
     bytes_read_total: int
     staging_buffer_bytes: int
     """Size of the pinned staging region kept between saves."""
+    last_stream_buffer_bytes: int = 0
+    """Window memory of the last save when it streamed lazy sources (0 when it was staged whole)."""
 
 
 class Checkpointer:
@@ -147,6 +149,8 @@ class Checkpointer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._save_lock: asyncio.Lock | None = None
         self._inflight: asyncio.Task[SaveResult] | None = None
+        self._staged: asyncio.Future[None] | None = None
+        self._bg_wait = 0.0
         self._cleanup: asyncio.Future[None] | None = None
         self._doomed: list[str] = []
         self._closed = False
@@ -199,6 +203,7 @@ class Checkpointer:
             load_seconds_total=tot["load"],
             bytes_read_total=tot["read"],
             staging_buffer_bytes=self._staging.nbytes,
+            last_stream_buffer_bytes=self._last.get("stream", 0),
         )
 
     # -- saving ----------------------------------------------------------------------------------
@@ -248,8 +253,16 @@ class Checkpointer:
             raise CheckpointCommitError(err, -1, f"rank 0 could not open {self.directory} for writing: {msg}")
         self._writer_ready = True
 
-    async def save(self, step: int, state: Any) -> asyncio.Task[SaveResult]:
+    async def save(
+        self, step: int, state: Any, *, background_staging: bool = False
+    ) -> asyncio.Task[SaveResult]:
         """Stage ``state`` for step ``step`` and return the task that makes it durable.
+
+        With ``background_staging`` the copy (or, for a state holding `LazyTensor` sources, the
+        streamed write) runs in the task too: ``save()`` returns once the file is laid out, and the
+        caller must leave ``state``'s tensors and sources unchanged until ``await wait_staged()``
+        returns (a training loop calls it right before its next optimizer step). Blocked time is
+        then ``save()``'s own plus what ``wait_staged()`` waited.
 
         Waits first for a save still in flight (and for a concurrent ``save()`` call on this
         Checkpointer to finish staging: two saves never share the staging region). Returns when
@@ -266,6 +279,8 @@ class Checkpointer:
         async with self._save_lock:
             await self._become_writer()
             await self._idle()
+            if background_staging:
+                return await self._stage_background(step, state, io, t0)
             return await self._stage(step, state, io, t0)
 
     async def _stage(self, step: int, state: Any, io: AsyncIOHandle, t0: float) -> asyncio.Task[SaveResult]:
@@ -300,10 +315,72 @@ class Checkpointer:
         stage_s = writer.stage_seconds
         blocked = time.perf_counter() - t0
         self._inflight = asyncio.ensure_future(self._complete(step, writer, tmpdir, t_wait, blocked, None))
-        self._last.update(wait=t_wait, stage=stage_s, blocked=blocked)
+        self._last.update(wait=t_wait, stage=stage_s, blocked=blocked, stream=writer.buffer_bytes)
+        self._staged = None
+        self._bg_wait = 0.0
         self._tot["blocked"] += blocked
         self._tot["stage"] += stage_s
         return self._inflight
+
+    async def _stage_background(
+        self, step: int, state: Any, io: AsyncIOHandle, t0: float
+    ) -> asyncio.Task[SaveResult]:
+        t_wait = time.perf_counter() - t0
+        tmpdir = os.path.join(self.directory, _commit.tmp_name(step))
+        try:
+            tensors, tree = flatten(state, allow_pickle=self.allow_pickle)
+            os.makedirs(tmpdir, exist_ok=True)
+            meta = file_metadata(tree, {"dsio.step": str(step), "dsio.rank": str(self.rank)})
+            writer = FileWriter(
+                io,
+                os.path.join(tmpdir, rank_file(self.rank)),
+                tensors,
+                meta,
+                self._staging,
+                preallocate=self.preallocate,
+                copy_threads=self.copy_threads,
+            )
+        except BaseException as e:  # nothing staged: tell the other ranks, then the caller
+            task = asyncio.ensure_future(self._complete(step, None, tmpdir, 0.0, 0.0, e))
+            task.add_done_callback(_retrieve)
+            self._inflight = task
+            await asyncio.wait([task])
+            raise
+        staged: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        blocked = time.perf_counter() - t0
+        self._bg_wait = 0.0
+
+        async def stage_then_complete() -> SaveResult:
+            try:
+                await writer.stage()
+            except BaseException as e:
+                await writer.abort()
+                staged.set_result(None)  # the state is free; the task reports the failure
+                return await self._complete(step, None, tmpdir, t_wait, blocked, e)
+            staged.set_result(None)
+            self._last.update(stage=writer.stage_seconds, stream=writer.buffer_bytes)
+            self._tot["stage"] += writer.stage_seconds
+            return await self._complete(step, writer, tmpdir, t_wait, blocked, None)
+
+        self._staged = staged
+        self._inflight = asyncio.ensure_future(stage_then_complete())
+        self._last.update(wait=t_wait, blocked=blocked)
+        self._tot["blocked"] += blocked
+        return self._inflight
+
+    async def wait_staged(self) -> float:
+        """Wait until the save in flight no longer reads the caller's state (its staging is done);
+        return the seconds waited (added to the save's blocked time). Never raises the save's error."""
+        fut = self._staged
+        if fut is None or fut.done():
+            return 0.0
+        t0 = time.perf_counter()
+        await asyncio.shield(fut)
+        waited = time.perf_counter() - t0
+        self._bg_wait += waited
+        self._last["blocked"] += waited
+        self._tot["blocked"] += waited
+        return waited
 
     async def _complete(
         self,
@@ -353,7 +430,11 @@ class Checkpointer:
         self._tot["write"] += write_s
         self._tot["bytes"] += nbytes
         return SaveResult(
-            step, os.path.join(self.directory, _commit.step_name(step)), nbytes, blocked, write_s
+            step,
+            os.path.join(self.directory, _commit.step_name(step)),
+            nbytes,
+            blocked + self._bg_wait,
+            write_s,
         )
 
     def _commit_or_discard(

@@ -9,7 +9,8 @@
      "client_state": {...}}
 
 Each part saves and restores itself (`Part`); the engine only lists its parts. A part whose state lives
-in files (an offloaded optimizer) can later contribute entries that are streamed from those files.
+in files (an offloaded optimizer) contributes, through ``checkpoint_state()``, entries that are lazy
+sources over those files (`dstrain.checkpoint.sources`): the store streams them, never all in RAM.
 """
 
 from __future__ import annotations
@@ -67,10 +68,17 @@ class CountersPart:
 
 
 def collect(parts: Mapping[str, Part | None], extra: Mapping[str, Any]) -> dict[str, Any]:
-    """The checkpoint dict: each part's state under its key (None for an absent part), plus ``extra``."""
+    """The checkpoint dict: each part's state under its key (None for an absent part), plus ``extra``.
+
+    A part with a ``checkpoint_state()`` method contributes that (its state with lazy sources) rather
+    than ``state_dict()``."""
     state: dict[str, Any] = {"format": FORMAT}
     for key, part in parts.items():
-        state[key] = part.state_dict() if part is not None else None
+        if part is None:
+            state[key] = None
+            continue
+        lazy = getattr(part, "checkpoint_state", None)
+        state[key] = lazy() if callable(lazy) else part.state_dict()
     for key, value in extra.items():
         if key in state:
             raise ValueError(f"checkpoint entry {key!r} given twice")

@@ -12,10 +12,12 @@ A checkpoint directory holds committed steps, as written by ``Checkpointer``::
 `TorchSaveStore`, which writes ``rank-NNNNN.pt`` files in the same layout. Loading picks the reader
 from the files found in the step directory, so a ``.pt`` checkpoint stays loadable once dsio is there.
 
-Every call is collective over the ranks of the world (each rank writes its own file). Saves return a
-`PendingSave` once the state is captured (copied into dsio's pinned staging region, or a CPU snapshot
-for torch.save): training may then change its tensors. `PendingSave.wait` blocks until the step is
-committed on every rank.
+Every call is collective over the ranks of the world (each rank writes its own file). A save returns
+a `PendingSave`. A synchronous save has committed by then. A background save returns at once: dsio
+stages (copies the tensors into its pinned region, streams lazy sources such as swap files) while
+training runs forward and backward; `PendingSave.wait_staged` blocks until the state is free to
+change (the engine calls it right before the next optimizer step), `PendingSave.wait` until the
+step is committed on every rank. (torch.save: a CPU snapshot is taken before returning.)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from dstrain.checkpoint.sources import materialize
 from dstrain.dist.comm import Comm
 from dstrain.errors import CheckpointNotFoundError, DstrainError
 
@@ -59,16 +62,33 @@ def step_name(step: int) -> str:
 
 
 class PendingSave:
-    """A save whose state is captured; `wait` (collective) returns this rank's committed file."""
+    """A save in flight: `wait_staged` (local) until its state may change, `wait` (collective) until
+    it is committed; `wait` returns this rank's committed file."""
 
-    def __init__(self, path: Path, finish: Callable[[], Path]) -> None:
+    def __init__(
+        self, path: Path, finish: Callable[[], Path], staged: Callable[[], float] | None = None
+    ) -> None:
         self.path = path
         """Where this rank's file will be once committed."""
         self._finish: Callable[[], Path] | None = finish
+        self._staged = staged
         self._result: Path | None = None
+        self.blocked_seconds = 0.0
+        """Time `wait_staged` blocked its caller."""
+
+    def wait_staged(self) -> float:
+        """Block until the save no longer reads the state (its tensors, its swap files); returns the
+        seconds waited (0 when staging was already done). Errors stay with `wait`."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return 0.0
+        waited = staged()
+        self.blocked_seconds += waited
+        return waited
 
     def wait(self) -> Path:
         """Block until the step is committed on every rank (raises the save's error, on every rank)."""
+        self.wait_staged()
         if self._finish is not None:
             finish, self._finish = self._finish, None
             self._result = finish()
@@ -185,7 +205,9 @@ class DsioStore:
         self, directory: Path, step: int, state: dict[str, Any], world: Comm, *, background: bool
     ) -> PendingSave:
         ckpt = self._checkpointer(directory)
-        task = self._run(ckpt.save(step, state))  # returns once staged: the state may change now
+        # background: returns once the file is laid out, staging runs on dsio's loop meanwhile;
+        # else: returns once staged (lazy sources streamed), and is committed below
+        task = self._run(ckpt.save(step, state, background_staging=background))
         expected = directory / step_name(step) / f"rank-{world.rank:05d}{self.suffix}"
 
         async def committed() -> Any:
@@ -195,7 +217,10 @@ class DsioStore:
             result = self._run(committed())
             return rank_file_in(Path(result.path), world.rank) or expected
 
-        pending = PendingSave(expected, finish)
+        def staged() -> float:
+            return float(self._run(ckpt.wait_staged()))
+
+        pending = PendingSave(expected, finish, staged if background else None)
         if not background:
             pending.wait()
         return pending
@@ -258,6 +283,7 @@ class TorchSaveStore:
         tmp_dir = directory / (step_name(step) + ".tmp")
         name = f"rank-{world.rank:05d}{self.suffix}"
         tmp_dir.mkdir(parents=True, exist_ok=True)
+        state = materialize(state)  # torch.save cannot stream lazy sources (swap files): read them
 
         def write(state: dict[str, Any]) -> None:
             with open(tmp_dir / name, "wb") as f:

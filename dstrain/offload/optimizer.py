@@ -67,7 +67,7 @@ class OffloadOptimizerStatistics:
 
 
 class _SubGroup:
-    __slots__ = ("index", "group", "param", "start", "numel", "m", "v", "master_start")
+    __slots__ = ("index", "group", "param", "start", "numel", "m", "v", "offset", "master_start")
 
     def __init__(self, index: int, group: int, param: torch.Tensor, start: int, numel: int) -> None:
         self.index = index
@@ -77,6 +77,7 @@ class _SubGroup:
         self.numel = numel
         self.m: torch.Tensor | None = None  # device="cpu": resident state
         self.v: torch.Tensor | None = None
+        self.offset = 0  # device="nvme": where its slot (m, then v) starts in the swap file
         self.master_start = param.storage_offset() + start  # element of its group's master
 
     def grad_slice(self) -> torch.Tensor:
@@ -218,13 +219,14 @@ class OffloadAdam(torch.optim.Optimizer):
                     f"{pinned_budget} bytes cannot hold the swap buffers plus dsio's staging pool",
                 )
             for sg in self._subs:
-                self._swapper.reserve(sg.index, 2 * align_up(sg.numel * _F32))  # m, then v
+                sg.offset = self._swapper.reserve(sg.index, 2 * align_up(sg.numel * _F32))  # m, then v
             self._initialize_files()
         else:
             for sg in self._subs:
                 sg.m = torch.zeros(sg.numel, dtype=torch.float32)
                 sg.v = torch.zeros(sg.numel, dtype=torch.float32)
         self._ahead: deque[list[Any]] = deque()  # [sub-group, state lease future, master future]
+        self._stores: list[concurrent.futures.Future[None]] = []  # the last step's writes
         self._stall = self._step_s = 0.0
         self._hits = self._misses = 0
         self._count = 0
@@ -306,6 +308,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._swapper is not None:
             self.prepare()
             self._top_up(self._subs, 0)  # master reads of the sub-groups already read ahead
+        self._stores = []
         for pos, sg in enumerate(self._subs):
             g = self.param_groups[sg.group]
             lease = master = None
@@ -337,10 +340,10 @@ class OffloadAdam(torch.optim.Optimizer):
                 maximize=False,
             )
             if master is not None:
-                self._master.store_master(master[0])  # written once per step
+                self._stores.append(self._master.store_master(master[0]))  # written once per step
             if lease is not None:
                 assert self._swapper is not None
-                self._swapper.store(lease)
+                self._stores.append(self._swapper.store(lease))
         self._in_step = False
         self._count += 1
         if self._swapper is not None:
@@ -394,6 +397,41 @@ class OffloadAdam(torch.optim.Optimizer):
                 )
                 entry["exp_avg"].view(-1)[sg.start : sg.start + sg.numel].copy_(m)
                 entry["exp_avg_sq"].view(-1)[sg.start : sg.start + sg.numel].copy_(v)
+        return {"state": state, "param_groups": self._groups_state(index)}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """`state_dict` for a checkpoint: with ``device="nvme"`` each ``exp_avg`` / ``exp_avg_sq``
+        is a lazy source over its slots of the swap file (``dstrain.checkpoint.SwapRegions``), read
+        piecewise by the checkpoint writer once this step's swap writes are done, never
+        materialized. The swap file must not change until the save's staging is done (the engine
+        waits for that before the next step)."""
+        if self._swapper is None or not self._count:
+            return self.state_dict()
+        from dstrain.checkpoint.sources import SwapRegions
+
+        path, after = self._swapper.path, list(self._stores)
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(params)}
+        pieces: dict[int, tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]] = {}
+        for sg in self._subs:  # sub-groups of a tensor are consecutive, in element order
+            m, v = pieces.setdefault(index[id(sg.param)], ([], []))
+            m.append((path, sg.offset, sg.numel * _F32))
+            v.append((path, sg.offset + align_up(sg.numel * _F32), sg.numel * _F32))
+        state: dict[int, dict[str, Any]] = {}
+        for sg in self._subs:
+            i = index[id(sg.param)]
+            if i not in state:
+                m, v = pieces[i]
+                shape = tuple(sg.param.shape)
+                state[i] = {
+                    "step": self._steps[sg.group].clone(),
+                    "exp_avg": SwapRegions(m, torch.float32, shape, after=after),
+                    "exp_avg_sq": SwapRegions(v, torch.float32, shape, after=after),
+                }
+        return {"state": state, "param_groups": self._groups_state(index)}
+
+    def _groups_state(self, index: dict[int, int]) -> list[dict[str, Any]]:
+        """``param_groups`` of torch's Adam state-dict format (``index``: id(param) -> position)."""
         groups = []
         for g in self.param_groups:
             # torch's own Adam(W) group keys too: loaded into a torch optimizer, it must keep
@@ -401,7 +439,7 @@ class OffloadAdam(torch.optim.Optimizer):
             packed = {**self._torch_keys(), **{k: v for k, v in g.items() if k != "params"}}
             packed["params"] = [index[id(p)] for p in g["params"]]
             groups.append(packed)
-        return {"state": state, "param_groups": groups}
+        return groups
 
     def _torch_keys(self) -> dict[str, Any]:
         return {

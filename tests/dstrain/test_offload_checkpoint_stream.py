@@ -1,0 +1,113 @@
+"""Saving an NVMe-offloaded run streams Adam's state from its swap file into the checkpoint: the
+process's peak resident memory grows by a small fraction of that state (the writer's windows), never
+by the state itself; an ``async_save`` is staged while the next forward and backward run, the step
+waits for it, and the checkpoint holds the state of the step it was taken at (resumes bitwise)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from _dstrain_helpers import engine_losses, make_model
+from _offload_helpers import offload_config
+
+pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
+
+import dstrain  # noqa: E402
+
+DIM = 1448  # ~16.9M parameters: Adam's m and v are ~135 MB
+
+
+def _rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                k, v = line.split(":")
+                out[k] = int(v.split()[0]) * 1024
+    return out["VmRSS"], out["VmHWM"]
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _engine(swap: str, device: str = "nvme", seed: int = 0) -> tuple[Any, Any]:
+    cfg = offload_config(1, device, swap, sub_group=1 << 21)
+    engine, opt, _, _ = dstrain.initialize(model=make_model(seed=seed, dim=DIM), config=cfg)
+    return engine, opt
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same float reductions in every engine of the test
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_save_streams_swapped_state_without_materializing_it(tmp_path, one_thread) -> None:
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    engine, opt = _engine(str(swap))
+    try:
+        state_bytes = 2 * 4 * sum(p.numel() for p in engine.module.parameters())
+        engine_losses(engine, 1)
+        engine.save_checkpoint(tmp_path / "ck")  # the first save creates the I/O handle and the lock
+        engine_losses(engine, 1, start=1)
+        if not _reset_peak():
+            pytest.skip("this kernel cannot reset VmHWM (/proc/self/clear_refs)")
+        before, _ = _rss()
+        path = engine.save_checkpoint(tmp_path / "ck")
+        _, peak = _rss()
+        growth = peak - before
+        # the writer's windows (3 x 8 MiB) and bookkeeping; materializing m and v would be >= 135 MB
+        assert growth < state_bytes / 4, (growth, state_bytes)
+        assert os.path.getsize(path) > state_bytes  # m and v (and the weights) are in the file
+        expected = opt.state_dict()  # materialized, from the swap file: what the checkpoint must hold
+    finally:
+        engine.close()
+    # the streamed file is an ordinary checkpoint: a run without offload loads it, same state
+    other, other_opt = _engine(str(swap), device="none", seed=3)
+    try:
+        other.load_checkpoint(tmp_path / "ck")
+        got = other_opt.state_dict()["state"]
+        for i, entry in expected["state"].items():
+            assert torch.equal(got[i]["exp_avg"].view(-1), entry["exp_avg"].view(-1))
+            assert torch.equal(got[i]["exp_avg_sq"].view(-1), entry["exp_avg_sq"].view(-1))
+    finally:
+        other.close()
+
+
+def test_async_save_is_staged_during_forward_backward_and_resumes_bitwise(tmp_path, one_thread) -> None:
+    """The step after an async save waits for its staging (the state is streamed from the swap file,
+    which that step rewrites); the checkpoint then resumes exactly where it was taken."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    engine, _ = _engine(str(swap))
+    try:
+        engine_losses(engine, 2)
+        engine.save_checkpoint(tmp_path / "ck", async_save=True)
+        assert engine._pending_save is not None  # returned before the save committed
+        after = engine_losses(engine, 2, start=2)  # the first of these steps waits for staging
+        blocked = engine.statistics().checkpoint_blocked_seconds
+        assert engine.wait_checkpoint() is not None
+    finally:
+        engine.close()
+    assert blocked > 0.0
+    resumed, _ = _engine(str(swap), seed=9)
+    try:
+        resumed.load_checkpoint(tmp_path / "ck")
+        assert resumed.global_steps == 2
+        assert engine_losses(resumed, 2, start=2) == after
+    finally:
+        resumed.close()
