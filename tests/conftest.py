@@ -112,7 +112,9 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 
 
 def run_loop(kind: str, coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run ``coro`` on a fresh loop of ``kind`` ("asyncio" or "uvloop")."""
+    """Run ``coro`` on a fresh loop of ``kind`` ("asyncio" or "uvloop"). For tests that need a loop of
+    their own (a loop's lifetime is part of what they check); everything else is ``async def`` and gets
+    both loops from pytest-asyncio (pytest_asyncio_loop_factories)."""
     if kind == "uvloop":
         import uvloop
 
@@ -120,18 +122,6 @@ def run_loop(kind: str, coro: Coroutine[Any, Any, Any]) -> Any:
             return r.run(coro)
     with asyncio.Runner() as r:
         return r.run(coro)
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def loop_kind(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture
-def run(loop_kind: str) -> Callable[[Coroutine[Any, Any, Any]], Any]:
-    """The old way (kept for tests not yet converted): ``run(main())`` on a fresh loop of each kind.
-    New tests are ``async def`` and get both loops from pytest-asyncio (pytest_asyncio_loop_factories)."""
-    return lambda coro: run_loop(loop_kind, coro)
 
 
 @pytest.fixture
