@@ -53,6 +53,9 @@ PYBIND11_MODULE(_C, m) {
       .def("submit", &Engine::submit, py::arg("op"), py::arg("fd"), py::arg("buf"), py::arg("nbytes"),
            py::arg("offset"), py::arg("tag"), py::arg("copy_dst") = 0,
            py::arg("copy_src") = 0)
+      .def("submit_staged", &Engine::submit_staged, py::arg("op"), py::arg("fd"), py::arg("user"),
+           py::arg("nbytes"), py::arg("offset"), py::arg("tag"), py::arg("slots"),
+           "A staged read/write as one request cycling through `slots` (staging buffers of >= block_size)")
       .def(
           "prefault", [](Engine& e, uintptr_t ptr, uint64_t nbytes) { return e.prefaulter.add(ptr, nbytes); },
           py::arg("ptr"), py::arg("nbytes"),
@@ -64,6 +67,7 @@ PYBIND11_MODULE(_C, m) {
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("eventfd", &Engine::eventfd)
+      .def_property_readonly("block_size", &Engine::block_size)
       .def_property_readonly("backend", &Engine::backend)
       .def_property_readonly("window_bytes", &Engine::window_bytes)
       .def("statistics", [](const Engine& e) {

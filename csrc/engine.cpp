@@ -94,6 +94,30 @@ void Engine::submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offs
   r->offset = offset;
   r->copy_dst = reinterpret_cast<char*>(copy_dst);
   r->copy_src = reinterpret_cast<char*>(copy_src);
+  enqueue(r);
+}
+
+void Engine::submit_staged(int op, int fd, uintptr_t user, uint64_t nbytes, int64_t offset, uint64_t tag,
+                           const std::vector<uintptr_t>& slots) {
+  if (op != static_cast<int>(Op::Read) && op != static_cast<int>(Op::Write))
+    throw std::invalid_argument("a staged transfer is a read (0) or a write (1)");
+  if (slots.empty()) throw std::invalid_argument("a staged transfer needs at least one staging slot");
+  if (user == 0 && nbytes != 0) throw std::invalid_argument("a staged transfer needs the caller's memory");
+  auto* r = new Request();
+  r->tag = tag;
+  r->op = static_cast<Op>(op);
+  r->fd = fd;
+  r->buf = nullptr;
+  r->nbytes = nbytes;
+  r->offset = offset;
+  (r->op == Op::Read ? r->copy_dst : r->copy_src) = reinterpret_cast<char*>(user);
+  r->ring = true;
+  r->stage_free.reserve(slots.size());
+  for (auto it = slots.rbegin(); it != slots.rend(); ++it) r->stage_free.push_back(reinterpret_cast<char*>(*it));
+  enqueue(r);
+}
+
+void Engine::enqueue(Request* r) {
   r->t_start_ns = now_ns();
   submitted_.fetch_add(1);
   {
@@ -106,6 +130,15 @@ void Engine::submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offs
     queue_.push_back(r);
   }
   qcv_.notify_one();
+}
+
+bool Engine::carvable() const {
+  if (queue_.empty()) return false;
+  const Request* r = queue_.front();
+  // A staged request with every slot in flight waits for one to come back (piece_done notifies),
+  // unless it is over (failed or fully carved: carve() then just retires it).
+  return !r->ring || !r->stage_free.empty() || r->cursor >= r->nbytes || r->err.load() != 0 ||
+         r->short_io.load();
 }
 
 // Takes the next piece off the head request. Requests that already failed, or
@@ -127,9 +160,18 @@ bool Engine::carve(Slot& s) {
       continue;
     }
     uint64_t len = std::min(block_size_, r->nbytes - r->cursor);
-    s = Slot{r, r->buf + r->cursor, len, r->offset + static_cast<int64_t>(r->cursor)};
+    char* mem;
+    if (r->ring) {
+      if (r->stage_free.empty()) return false;  // every slot in flight: wait for one
+      mem = r->stage_free.back();
+      r->stage_free.pop_back();
+    } else {
+      mem = r->buf + r->cursor;
+    }
+    s = Slot{r, mem, len, r->offset + static_cast<int64_t>(r->cursor)};
     s.start = s.buf;
     s.full = len;
+    s.pos = r->cursor;
     r->cursor += len;
     r->outstanding.fetch_add(1);
     if (r->cursor >= r->nbytes) {
@@ -154,7 +196,7 @@ void Engine::run(Worker& w) {
     {
       std::unique_lock<std::mutex> lk(qmu_);
       if (inflight == 0 && resubmit.empty()) {
-        qcv_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+        qcv_.wait(lk, [&] { return (stopping_ && queue_.empty()) || carvable(); });
         if (queue_.empty()) break;  // stopping and drained
       }
       bool may_take = overlap_events_ || inflight == 0;
@@ -166,23 +208,32 @@ void Engine::run(Worker& w) {
         ++inflight;
         pieces_.fetch_add(1, std::memory_order_relaxed);
       }
-      more = !queue_.empty();
+      more = carvable();
     }
     if (more) qcv_.notify_one();  // more work than this worker can hold: wake a sibling
+    rejected.clear();
+    auto flush = [&] {
+      int rc = be.submit(single_submit_, rejected);
+      for (uint32_t slot : rejected) done.push_back(Completion{slot, rc < 0 ? rc : -EIO});
+      rejected.clear();
+    };
     // Outside the queue lock: a staged write's piece is first copied into its staging buffer
-    // (here, GIL-free, in parallel across workers), then every new piece is prepared.
+    // (here, GIL-free, in parallel across workers), then every new piece is prepared. A copied
+    // piece is submitted at once, so the disk starts on the first piece instead of waiting for
+    // the copies of everything this worker just took (up to queue_depth pieces).
     for (uint32_t slot : taken) {
       Slot& s = w.slots[slot];
       Request* r = s.req;
       if (r->copy_src != nullptr && s.full != 0) {
         uint64_t t0 = now_ns();
-        std::memcpy(s.start, r->copy_src + (s.start - r->buf), s.full);
+        std::memcpy(s.start, r->copy_src + s.pos, s.full);
         copies_.fetch_add(1, std::memory_order_relaxed);
         copy_bytes_.fetch_add(s.full, std::memory_order_relaxed);
         copy_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
       }
       s.t_submit_ns = now_ns();
       be.prepare(slot, r->op, r->fd, s.buf, s.len, s.off);
+      if (r->copy_src != nullptr && s.full != 0) flush();
     }
     taken.clear();
     for (uint32_t slot : resubmit) {
@@ -191,9 +242,7 @@ void Engine::run(Worker& w) {
     }
     resubmit.clear();
     // 2. Submit.
-    rejected.clear();
-    int rc = be.submit(single_submit_, rejected);
-    for (uint32_t slot : rejected) done.push_back(Completion{slot, rc < 0 ? rc : -EIO});
+    flush();
     // 3. Reap: one completion is enough with overlap, all of them in lock-step mode.
     if (inflight > done.size()) {
       unsigned need = overlap_events_ ? (done.empty() ? 1u : 0u) : inflight - static_cast<unsigned>(done.size());
@@ -249,12 +298,20 @@ void Engine::piece_done(Request* r, int64_t res, const Slot& s) {
       // The whole piece is in the staging buffer: copy it out here, in this worker, GIL-free.
       // The request (and so the caller's lease and destination) is held until finish().
       uint64_t t0 = now_ns();
-      std::memcpy(r->copy_dst + (s.start - r->buf), s.start, s.full);
+      std::memcpy(r->copy_dst + s.pos, s.start, s.full);
       copies_.fetch_add(1, std::memory_order_relaxed);
       copy_bytes_.fetch_add(s.full, std::memory_order_relaxed);
       copy_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     }
     r->done.fetch_add(static_cast<uint64_t>(res), std::memory_order_relaxed);
+  }
+  if (r->ring) {
+    // The piece is done with its staging slot (copied out, or written): hand it to the next piece.
+    {
+      std::lock_guard<std::mutex> g(qmu_);
+      r->stage_free.push_back(s.start);
+    }
+    qcv_.notify_all();
   }
   if (r->outstanding.fetch_sub(1) == 1) finish(r);
 }

@@ -60,6 +60,13 @@ struct Request {
   // Writes only: each piece is copied from the same position under copy_src into buf by the
   // worker that carved it, just before it is submitted. 0: no copy.
   char* copy_src = nullptr;
+  // Staging ring (submit_staged): buf is unused; each piece takes a free staging slot of
+  // block_size bytes from here (guarded by the queue mutex), is read into it and copied out to
+  // copy_dst (reads), or copied in from copy_src and written from it (writes); the slot comes back
+  // when the piece is done, so one request streams any size through a few slots with no round
+  // trip to the caller per slot.
+  std::vector<char*> stage_free;
+  bool ring = false;
   uint64_t cursor = 0;                 // next byte to carve (guarded by the queue mutex)
   std::atomic<int64_t> outstanding{1};  // carved pieces not yet done, +1 until fully carved
   std::atomic<uint64_t> done{0};
@@ -85,6 +92,12 @@ class Engine {
   // is copied from the same position under copy_src into buf by its worker just before submission.
   void submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offset, uint64_t tag,
               uintptr_t copy_dst = 0, uintptr_t copy_src = 0);
+  // A staged transfer as one request: ``user`` is the caller's memory (the destination of a read,
+  // the source of a write), ``slots`` staging buffers of at least block_size bytes each (aligned
+  // for O_DIRECT), cycled by the workers piece by piece (see Request::stage_free). The caller keeps
+  // user memory and slots alive until the request completes.
+  void submit_staged(int op, int fd, uintptr_t user, uint64_t nbytes, int64_t offset, uint64_t tag,
+                     const std::vector<uintptr_t>& slots);
   std::vector<Result> reap();
   // Completes `tag` (result 0) through the eventfd once `stream` (a CUstream) reaches this point.
   // 0, -ENOSYS without a CUDA driver, or -CUresult.
@@ -99,6 +112,7 @@ class Engine {
   // Bytes the workers put in flight at once (block_size x queue_depth x workers): the part of a
   // direct read whose destination the submitting workers fault in themselves, before any I/O.
   uint64_t window_bytes() const { return block_size_ * queue_depth_ * parallelism_; }
+  uint64_t block_size() const { return block_size_; }
 
   OpStats stats[3];
   // Populates read destinations ahead of the I/O (Python queues ranges; see prefault.hpp).
@@ -116,8 +130,9 @@ class Engine {
     uint64_t len;
     int64_t off;
     uint64_t t_submit_ns = 0;
-    char* start = nullptr;  // where the piece began in the request's buf (buf moves on short transfers)
+    char* start = nullptr;  // where the piece began in memory (buf moves on short transfers)
     uint64_t full = 0;      // the piece's whole length
+    uint64_t pos = 0;       // the piece's byte position within its request
   };
   struct Worker {
     std::unique_ptr<Backend> backend;
@@ -127,6 +142,8 @@ class Engine {
   };
   void run(Worker& w);
   bool carve(Slot& s);  // queue mutex held
+  bool carvable() const;  // queue mutex held: a piece could be carved now
+  void enqueue(Request* r);
   void piece_done(Request* r, int64_t res, const Slot& s);
   void finish(Request* r);
 

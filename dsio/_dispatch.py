@@ -79,6 +79,7 @@ class Dispatcher:
         keep: Any = None,
         copy_dst: int = 0,
         copy_src: int = 0,
+        slots: list[int] | None = None,
     ) -> asyncio.Future:
         """Start one request. ``finalize(result)`` runs when the kernel is done, before the future
         resolves, whether or not anyone still awaits it; ``keep`` is held alive until then.
@@ -87,7 +88,9 @@ class Dispatcher:
         to the same position under ``copy_dst`` before the request completes (a staged read's
         pool -> tensor copy, off the event-loop thread); failed or short pieces are not copied.
         ``copy_src`` (writes only): each piece is first copied from the same position under
-        ``copy_src`` into ``ptr`` by the worker submitting it (a staged write's tensor -> pool copy)."""
+        ``copy_src`` into ``ptr`` by the worker submitting it (a staged write's tensor -> pool copy).
+        ``slots`` (reads and writes): a staged transfer as one request: ``ptr`` is the caller's
+        memory and every piece cycles through these staging buffers (``Engine.submit_staged``)."""
         if self.closed:
             raise ClosedError("the handle is closed")
         loop = self.loop()
@@ -95,7 +98,9 @@ class Dispatcher:
         tag = next(self._tags)
         self._entries[tag] = _Entry(fut, nbytes, path, offset, finalize, keep)
         try:
-            if copy_dst or copy_src:
+            if slots is not None:
+                self.engine.submit_staged(op, fd, ptr, nbytes, offset, tag, slots)
+            elif copy_dst or copy_src:
                 self.engine.submit(op, fd, ptr, nbytes, offset, tag, copy_dst, copy_src)
             else:
                 self.engine.submit(op, fd, ptr, nbytes, offset, tag)

@@ -74,6 +74,12 @@ def cancel_prefault(disp: Dispatcher, token: int) -> None:
 #: thread (a whole chunk at a time, GIL released, loop blocked) instead of in the engine's workers.
 LOOP_THREAD_COPY = False
 
+#: A staged transfer is one engine request cycling through the pool buffers it could take
+#: (``Engine.submit_staged``): the workers hand each block_size staging slot from a finished piece
+#: to the next one, so the event loop is out of the pipeline (one completion per transfer, not one
+#: round trip per pool buffer). Benchmarks' A/B switch: False restores one request per pool buffer.
+RING_STAGING = True
+
 
 class FileRef:
     """The fds of one open file, shared by the requests using it; closed when the last one is done.
@@ -216,6 +222,9 @@ async def transfer(
             if body_len and body_ptr % ALIGNMENT == 0:
                 submit(ref.fd, body_ptr, body_len, body_start, None)
                 counters.direct += body_len
+            elif body_len and RING_STAGING and not LOOP_THREAD_COPY and _ring_ok(disp, pool):
+                await _staged_ring(disp, pool, ref, op, body_ptr, body_len, body_start, keep, futs)
+                counters.staged += body_len
             elif body_len:
                 await _staged(submit, pool, op, ref.fd, body_ptr, body_len, body_start, failed)
                 counters.staged += body_len
@@ -287,6 +296,56 @@ async def _staged(
             _C.memcpy(lease.ptr, ptr + pos, size)
             submit(fd, lease.ptr, size, off + pos, _releaser(lease))
         pos += size
+
+
+def _ring_ok(disp: Dispatcher, pool: PinnedPool) -> bool:
+    """The pool's buffers hold whole pieces (a slot per block_size)."""
+    return pool.buffer_bytes >= int(disp.engine.block_size)
+
+
+async def _staged_ring(
+    disp: Dispatcher,
+    pool: PinnedPool,
+    ref: FileRef,
+    op: int,
+    ptr: int,
+    n: int,
+    off: int,
+    keep: object,
+    futs: list[asyncio.Future],
+) -> None:
+    """The staged body as one engine request: take one pool buffer (waiting if none is free) and
+    every other free one the transfer can use, cut them into block_size slots, and let the
+    workers stream the whole body through them (read into a slot, copy it out; or copy in,
+    write). The buffers come back when the request is done."""
+    bs = int(disp.engine.block_size)
+    leases = [await pool.acquire()]
+    try:
+        want = -(-n // pool.buffer_bytes)
+        while len(leases) < want:
+            more = pool.try_acquire()
+            if more is None:
+                break
+            leases.append(more)
+        per = pool.buffer_bytes // bs
+        slots = [lease.ptr + i * bs for lease in leases for i in range(per)][: -(-n // bs)]
+    except BaseException:
+        for lease in leases:
+            lease.release()
+        raise
+
+    def fin(_res: int) -> None:
+        for lease in leases:
+            lease.release()
+
+    ref.acquire()
+    done = _then_release(fin, ref)
+    try:
+        f = disp.submit(op, ref.fd, ptr, n, off, path=ref.path, finalize=done, keep=keep, slots=slots)
+    except BaseException:
+        done(-errno.ECANCELED)  # never reached the engine: give back the ref and the buffers now
+        raise
+    futs.append(f)
 
 
 def _releaser(lease: Lease) -> Callable[[int], None]:
