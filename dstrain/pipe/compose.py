@@ -19,6 +19,7 @@ from dstrain.pipe.config import PipelineConfig
 from dstrain.pipe.grads import StageGrads, TiedGroup
 from dstrain.pipe.module import PipelineModule
 from dstrain.pipe.runner import PipelineRunner
+from dstrain.pipe.transport import Transport
 
 __all__ = ["attach", "pipeline_stages", "tied_groups"]
 
@@ -99,24 +100,35 @@ def attach(
     if config.activation_checkpoint_interval:
         model.activation_checkpoint_interval = config.activation_checkpoint_interval
     layout = topology.layout
-    pp_group = topology.pp.group
-    if topology.world.backend == "nccl" and model.num_stages > 1:
-        # NCCL p2p ignores tags and needs CUDA tensors: the p2p messages (tagged headers, metadata) travel on
-        # a gloo group of the same ranks; payloads are staged through host memory (p2p.py)
-        groups = sorted({tuple(layout.group_of("pp", r)) for r in range(layout.world)})
-        mine = tuple(layout.group_of("pp", topology.world.rank))
-        for ranks in groups:  # collective: every rank creates every group in the same order
-            g = dist.new_group(list(ranks), backend="gloo")
-            if ranks == mine:
-                pp_group = g
     return PipelineRunner(
         module=model,
         engine=engine,
         micro_batches=engine.config.gradient_accumulation_steps,
         pp_ranks=layout.group_of("pp", topology.world.rank),
-        pp_group=pp_group,
+        pp_group=topology.pp.group,
         dp_size=layout.dp,
         reduce_tied=reduce_tied,
         p2p_timeout=config.p2p_timeout,
         channel_id=next(_CHANNELS) if channel_id is None else channel_id,
+        transport=transport_for(topology, model, config),
     )
+
+
+def transport_for(topology: Topology, model: PipelineModule, config: PipelineConfig) -> Transport:
+    """The pipeline's `Transport`, by the world's backend: NCCL sends the stage's CUDA tensors natively over
+    a group per direction; gloo sends host tensors with tags over the pipeline group. ``config.transport``
+    ``"ordered"`` runs NCCL's discipline on gloo (tests). Collective: every rank calls it."""
+    layout = topology.layout
+    mine = layout.group_of("pp", topology.world.rank)
+    every = sorted({tuple(layout.group_of("pp", r)) for r in range(layout.world)})
+    pp_ranks = [list(g) for g in every]
+    if topology.world.backend == "nccl":
+        device = next(model.parameters(), torch.empty(0)).device
+        if device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        if model.num_stages == 1:  # no p2p; the batch status is still reduced on the GPU
+            return Transport(forward=None, backward=None, device=device, tagged=False, poll=True)
+        return Transport.nccl(pp_ranks, mine, device)
+    if model.num_stages > 1 and config.transport == "ordered":
+        return Transport.gloo_ordered(pp_ranks, mine)
+    return Transport.gloo(topology.pp.group)

@@ -34,6 +34,10 @@ class PipelineConfig:
     """Accepted for DeepSpeed configs; activation checkpointing is always non-reentrant here."""
     p2p_timeout: float = 300.0
     """dstrain: seconds a stage waits for a neighbour's message before raising `P2PTimeoutError`."""
+    transport: str = "auto"
+    """dstrain: how p2p messages travel. ``"auto"``: by the backend (NCCL: CUDA tensors over a group per
+    direction, ordered; gloo: host tensors, tagged). ``"ordered"``: NCCL's discipline on gloo (untagged, a
+    group per direction, polled waits), to test it without GPUs."""
 
     _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ()
 
@@ -50,6 +54,8 @@ class PipelineConfig:
         check_bool("pipeline", "grad_partitioned", self.grad_partitioned)
         check_bool("pipeline", "use_reentrant", self.use_reentrant)
         check_float("pipeline", "p2p_timeout", self.p2p_timeout, min_value=0.0, strict_min=True)
+        if self.transport not in ("auto", "ordered"):
+            raise ConfigError("pipeline.transport", f"expected 'auto' or 'ordered', got {self.transport!r}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> PipelineConfig:

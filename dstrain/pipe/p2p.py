@@ -1,44 +1,49 @@
 """Point-to-point messages between pipeline neighbours: receives posted ahead, metadata when it changes.
 
 One `Sender` / `Receiver` pair per direction and kind (activations flow to the next stage, gradients to the
-previous one). A message is::
+previous one). A message is, in this order on the wire::
 
-    header   int64[8] on tag base+0: magic, kind (DATA/ABORT), micro-batch, metadata words (0: unchanged),
-             ack (messages received on the reverse channel), labels fingerprint, sequence number, 0
-    metadata int64[n] on tag base+1, only when the tensors' dtypes/shapes/requires_grad changed
-             (an ABORT carries its error text here as bytes)
-    payload  each tensor on tag base+2
+    header   int64[128]: magic, kind (DATA/ABORT), micro-batch, metadata words (0: unchanged), ack (messages
+             received on the reverse channel), labels fingerprint, sequence number, 0, then up to 120 words of
+             metadata inline (an ABORT carries its error text there as bytes)
+    fillers  zeros of the previous shapes, only when the receiver had posted them ahead (see below)
+    metadata int64[n], only when the metadata changed and did not fit in the header
+    payload  each tensor
 
 Receives are posted ahead: as soon as message ``k`` is consumed the header of ``k + 1`` is posted, and when
 the metadata was unchanged at ``k`` the payload of ``k + 1`` is posted too, with ``k``'s shapes (on gloo a
 send only moves once its receive is posted, so this is what lets transfers overlap compute). Both ends apply
 the same rule, so when shapes change right after a stable run the sender first fills the receiver's
 speculative buffers with zeros of the old shapes (one wasted transfer per change), then sends the real
-payload: variable sequence lengths work, and no receive is ever left dangling.
+payload: variable sequence lengths work, and no receive is ever left dangling. Because every receive the
+receiver posts is matched by the next send in order, the protocol needs no tags: the same code runs on gloo
+(tags keep the parts apart as well) and on NCCL (order alone), through a `dstrain.pipe.transport.Transport`.
 
 Every wait has a timeout (`P2PTimeoutError`). A failing rank sends ABORT in place of its next message on each
-outgoing channel; the receiver raises `PipelineAbortedError` naming the origin and its error, and forwards it.
-Sends are never waited on during a batch except when the peer acknowledged receiving them (so a failed peer
-never blocks its neighbours); the rest are waited on once the batch is known to have succeeded everywhere.
+outgoing channel (plus the fillers the receiver may have posted); the receiver raises `PipelineAbortedError`
+naming the origin and its error, and forwards it. Sends are never waited on during a batch except when the
+peer acknowledged receiving them (so a failed peer never blocks its neighbours); the rest are waited on once
+the batch is known to have succeeded everywhere.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from dstrain.pipe.errors import P2PTimeoutError, PipelineAbortedError, PipelineError, ShapeMismatchError
+from dstrain.pipe.errors import PipelineAbortedError, PipelineError, ShapeMismatchError
+from dstrain.pipe.transport import FORWARD, Transport
 
 __all__ = ["P2PStatistics", "Receiver", "Received", "Sender", "TensorMeta"]
 
 _MAGIC = 0x50495045  # "PIPE"
 _DATA, _ABORT = 1, 2
-_HEADER_WORDS = 8
+_FIXED = 8  # header words before the inline metadata
+_HEADER_WORDS = 128
+_INLINE = _HEADER_WORDS - _FIXED
 _DTYPES = (
     torch.float32,
     torch.float16,
@@ -107,21 +112,22 @@ class P2PStatistics:
     """Time blocked waiting (receiver: for messages; sender: for acknowledged or final sends)."""
 
 
-def _wait(work: Any, timeout: float, what: str) -> None:
-    start = time.monotonic()
-    try:
-        work.wait(timeout=timedelta(seconds=timeout))
-    except RuntimeError as e:
-        if time.monotonic() - start >= 0.9 * timeout:
-            raise P2PTimeoutError(f"{what}: nothing arrived in {timeout:g} s (p2p_timeout)") from e
-        raise PipelineAbortedError(f"{what}: the connection failed ({e})") from e
-
-
 class _Channel:
-    def __init__(self, *, peer: int, tag: int, group: Any, timeout: float, name: str) -> None:
+    def __init__(
+        self,
+        *,
+        peer: int,
+        tag: int,
+        group: Any = None,
+        timeout: float,
+        name: str,
+        transport: Transport | None = None,
+        direction: str = FORWARD,
+    ) -> None:
         self.peer = peer
         self.tag = tag
-        self.group = group
+        self.transport = transport if transport is not None else Transport.gloo(group)
+        self.direction = direction
         self.timeout = timeout
         self.name = name
         self._last: tuple[TensorMeta, ...] | None = None
@@ -131,49 +137,74 @@ class _Channel:
         self._stats.update(wasted_bytes=0)
         self._wait_seconds = 0.0
         self.device = torch.device("cpu")
-        """Where received tensors are delivered (the wire is the group's: host memory on gloo)."""
+        """Where received tensors are delivered (the wire is the transport's: host memory on gloo)."""
+
+    @property
+    def _wire(self) -> torch.device:
+        return self.transport.device
+
+    def _isend(self, t: torch.Tensor, offset: int) -> Any:
+        return self.transport.isend(t, self.peer, self.tag + offset, self.direction)
+
+    def _irecv(self, t: torch.Tensor, offset: int) -> Any:
+        return self.transport.irecv(t, self.peer, self.tag + offset, self.direction)
 
     def statistics(self) -> P2PStatistics:
         return P2PStatistics(**self._stats, wait_seconds=self._wait_seconds)
 
 
+def _header(kind: int, micro_batch: int, n_meta: int, ack: int, fingerprint: int, seq: int) -> list[int]:
+    return [_MAGIC, kind, micro_batch, n_meta, ack, fingerprint, seq, 0]
+
+
 class Sender(_Channel):
     """Sends messages to ``peer`` (a global rank); posts, never blocks until `release`/`drain`."""
 
-    def __init__(self, *, peer: int, tag: int, group: Any, timeout: float, name: str) -> None:
-        super().__init__(peer=peer, tag=tag, group=group, timeout=timeout, name=name)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self._pending: list[tuple[int, list[Any], list[torch.Tensor]]] = []
         self.aborted = False
 
-    def _isend(self, t: torch.Tensor, offset: int) -> Any:
-        return dist.isend(t, self.peer, group=self.group, tag=self.tag + offset)
+    def _post_header(self, words: list[int], inline: list[int], keep: list[Any], works: list[Any]) -> None:
+        header = torch.zeros(_HEADER_WORDS, dtype=torch.int64)
+        header[: len(words)] = torch.tensor(words, dtype=torch.int64)
+        if inline:
+            header[_FIXED : _FIXED + len(inline)] = torch.tensor(inline, dtype=torch.int64)
+        header = header.to(self._wire)
+        keep.append(header)
+        works.append(self._isend(header, 0))
+
+    def _post_fillers(self, keep: list[Any], works: list[Any]) -> None:
+        """Zeros of the last shapes, when the receiver posted those receives ahead (our last message was
+        unchanged): every receive it posted is matched, in order."""
+        if not (self._stable and self._last is not None):
+            return
+        for m in self._last:
+            dummy = torch.zeros(m.shape, dtype=m.dtype, device=self._wire)
+            keep.append(dummy)
+            works.append(self._isend(dummy, 2))
+            self._stats["wasted_bytes"] += dummy.numel() * dummy.element_size()
 
     def send(
         self, tensors: tuple[torch.Tensor, ...], *, micro_batch: int, ack: int, fingerprint: int = -1
     ) -> None:
         """Post message ``micro_batch`` (the tensors are detached, made contiguous and kept until released)."""
         metas = tuple(TensorMeta.of(t) for t in tensors)
-        payload = [t.detach().cpu().contiguous() for t in tensors]  # gloo's wire: host memory
+        payload = [t.detach().to(self._wire).contiguous() for t in tensors]
         changed = metas != self._last
         meta_words = encode_meta(metas) if changed else []
-        header = torch.tensor(
-            [_MAGIC, _DATA, micro_batch, len(meta_words), ack, fingerprint, self._seq, 0], dtype=torch.int64
-        )
-        keep = [header]
-        works = [self._isend(header, 0)]
+        inline = meta_words if len(meta_words) <= _INLINE else []
+        keep: list[Any] = []
+        works: list[Any] = []
+        words = _header(_DATA, micro_batch, len(meta_words), ack, fingerprint, self._seq)
+        self._post_header(words, inline, keep, works)
         if changed:
-            meta = torch.tensor(meta_words, dtype=torch.int64)
-            keep.append(meta)
-            works.append(self._isend(meta, 1))
             self._stats["metadata_messages"] += 1
-            if (
-                self._stable and self._last is not None
-            ):  # the receiver posted our last shapes ahead: fill them
-                for m in self._last:
-                    dummy = torch.zeros(m.shape, dtype=m.dtype)
-                    keep.append(dummy)
-                    works.append(self._isend(dummy, 2))
-                    self._stats["wasted_bytes"] += dummy.numel() * dummy.element_size()
+            self._post_fillers(keep, works)
+            if not inline:
+                meta = torch.tensor(meta_words, dtype=torch.int64, device=self._wire)
+                keep.append(meta)
+                works.append(self._isend(meta, 1))
         for t in payload:
             keep.append(t)
             works.append(self._isend(t, 2))
@@ -190,7 +221,7 @@ class Sender(_Channel):
         while self._pending and self._pending[0][0] < acked:
             _, works, _ = self._pending.pop(0)
             for w in works:
-                _wait(w, self.timeout, f"{self.name}: acknowledged send to rank {self.peer}")
+                self.transport.wait(w, self.timeout, f"{self.name}: acknowledged send to rank {self.peer}")
         self._wait_seconds += time.perf_counter() - start
 
     def drain(self) -> None:
@@ -203,14 +234,19 @@ class Sender(_Channel):
         return len(self._pending)
 
     def abort(self, reason: str) -> None:
-        """Post an ABORT carrying ``reason`` in place of the next message (once; never waited on)."""
+        """Post an ABORT carrying ``reason`` (its first 960 bytes) in place of the next message, and the
+        fillers of any receive posted ahead (once; never waited on)."""
         if self.aborted:
             return
         self.aborted = True
-        text = torch.tensor(list(reason.encode()[:4000]), dtype=torch.uint8)
-        header = torch.tensor([_MAGIC, _ABORT, -1, text.numel(), 0, -1, self._seq, 0], dtype=torch.int64)
-        works = [self._isend(header, 0), self._isend(text, 1)]
-        self._pending.append((self._seq, works, [header, text]))  # kept alive; never waited on
+        text = reason.encode()[: _INLINE * 8]
+        padded = text + b"\0" * (-len(text) % 8)
+        inline = torch.frombuffer(bytearray(padded), dtype=torch.int64).tolist() if padded else []
+        keep: list[Any] = []
+        works: list[Any] = []
+        self._post_header(_header(_ABORT, -1, len(text), 0, -1, self._seq), inline, keep, works)
+        self._post_fillers(keep, works)
+        self._pending.append((self._seq, works, keep))  # kept alive; never waited on
         self._seq += 1
 
     def forget(self) -> None:
@@ -231,23 +267,20 @@ class Received:
 class Receiver(_Channel):
     """Receives the messages of ``peer``; call `expect` with the number of messages of the batch first."""
 
-    def __init__(self, *, peer: int, tag: int, group: Any, timeout: float, name: str) -> None:
-        super().__init__(peer=peer, tag=tag, group=group, timeout=timeout, name=name)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self._remaining = 0
         self._header: tuple[torch.Tensor, Any] | None = None
         self._spec: list[tuple[torch.Tensor, Any]] | None = None
         self.received = 0
         """Messages fully received so far (what this side acknowledges to the peer)."""
 
-    def _irecv(self, t: torch.Tensor, offset: int) -> Any:
-        return dist.irecv(t, self.peer, group=self.group, tag=self.tag + offset)
-
     def _post_ahead(self) -> None:
-        header = torch.empty(_HEADER_WORDS, dtype=torch.int64)
+        header = torch.empty(_HEADER_WORDS, dtype=torch.int64, device=self._wire)
         self._header = (header, self._irecv(header, 0))
         self._spec = None
         if self._stable and self._last is not None:
-            bufs = [torch.empty(m.shape, dtype=m.dtype) for m in self._last]
+            bufs = [torch.empty(m.shape, dtype=m.dtype, device=self._wire) for m in self._last]
             self._spec = [(b, self._irecv(b, 2)) for b in bufs]
 
     def expect(self, messages: int) -> None:
@@ -261,7 +294,7 @@ class Receiver(_Channel):
     def _wait(self, work: Any, what: str) -> None:
         start = time.perf_counter()
         try:
-            _wait(work, self.timeout, f"{self.name}: {what} from rank {self.peer}")
+            self.transport.wait(work, self.timeout, f"{self.name}: {what} from rank {self.peer}")
         finally:
             self._wait_seconds += time.perf_counter() - start
 
@@ -272,26 +305,30 @@ class Receiver(_Channel):
         header_t, work = self._header
         self._header = None
         self._wait(work, f"header of micro-batch {micro_batch}")
-        magic, kind, mb, n_meta, ack, fingerprint, _, _ = header_t.tolist()
+        header = header_t.tolist()  # (128,) on the host
+        magic, kind, mb, n_meta, ack, fingerprint, _, _ = header[:_FIXED]
         if magic != _MAGIC:
-            raise PipelineError(f"{self.name}: corrupt header from rank {self.peer}: {header_t.tolist()}")
-        if kind == _ABORT:
-            text = torch.empty(n_meta, dtype=torch.uint8)
-            self._wait(self._irecv(text, 1), "abort reason")
-            raise PipelineAbortedError(bytes(text.tolist()).decode(errors="replace"))
+            raise PipelineError(f"{self.name}: corrupt header from rank {self.peer}: {header[:_FIXED]}")
+        spec, self._spec = self._spec, None
+        if kind == _ABORT:  # the sender also filled our speculative receives: they complete on their own
+            inline = torch.tensor(header[_FIXED:], dtype=torch.int64).numpy().tobytes()
+            raise PipelineAbortedError(inline[:n_meta].decode(errors="replace"))
         if mb != micro_batch:
             raise PipelineError(
                 f"{self.name}: expected micro-batch {micro_batch} from rank {self.peer}, got {mb} (schedules differ)"
             )
-        spec, self._spec = self._spec, None
         if n_meta:
-            words = torch.empty(n_meta, dtype=torch.int64)
-            self._wait(self._irecv(words, 1), "metadata")
-            metas = decode_meta(words.tolist())
-            self._stats["metadata_messages"] += 1
             for _, w in spec or []:  # zeros filling our speculative receives: discard
                 self._wait(w, "filler payload")
             spec = None
+            if n_meta <= _INLINE:
+                words = header[_FIXED : _FIXED + n_meta]
+            else:
+                buf = torch.empty(n_meta, dtype=torch.int64, device=self._wire)
+                self._wait(self._irecv(buf, 1), "metadata")
+                words = buf.tolist()
+            metas = decode_meta(words)
+            self._stats["metadata_messages"] += 1
         else:
             if self._last is None:
                 raise PipelineError(f"{self.name}: first message from rank {self.peer} carried no metadata")
@@ -300,7 +337,8 @@ class Receiver(_Channel):
             self._stats["speculative_hits"] += 1
             posted = spec
         else:
-            posted = [(b, self._irecv(b, 2)) for b in (torch.empty(m.shape, dtype=m.dtype) for m in metas)]
+            bufs = (torch.empty(m.shape, dtype=m.dtype, device=self._wire) for m in metas)
+            posted = [(b, self._irecv(b, 2)) for b in bufs]
         for _, w in posted:
             self._wait(w, f"payload of micro-batch {micro_batch}")
         tensors = []

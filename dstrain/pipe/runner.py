@@ -36,6 +36,7 @@ from dstrain.pipe.errors import (
 from dstrain.pipe.module import PipelineModule
 from dstrain.pipe.p2p import P2PStatistics, Receiver, Sender, TensorMeta, check_grads
 from dstrain.pipe.schedule import Instruction, Op, Schedule, eval_schedule, train_schedule
+from dstrain.pipe.transport import BACKWARD, FORWARD, Transport
 
 __all__ = ["PipelineRunner", "PipelineStatistics", "labels_fingerprint"]
 
@@ -150,6 +151,7 @@ class PipelineRunner:
         reduce_tied: Callable[[], None] | None = None,
         p2p_timeout: float = 300.0,
         channel_id: int = 0,
+        transport: Transport | None = None,
     ) -> None:
         self.module = module
         self.engine = engine
@@ -166,17 +168,26 @@ class PipelineRunner:
         prev = pp_ranks[self.stage - 1] if not self.first else None
         nxt = pp_ranks[self.stage + 1] if not self.last else None
 
-        def ch(cls: type, peer: int | None, tag: int, name: str) -> Any:
+        self.transport = transport if transport is not None else Transport.gloo(pp_group)
+
+        def ch(cls: type, peer: int | None, tag: int, direction: str, name: str) -> Any:
             if peer is None:
                 return None
-            return cls(peer=peer, tag=tag + 1000 * channel_id, group=pp_group, timeout=p2p_timeout, name=name)
+            return cls(
+                peer=peer,
+                tag=tag + 1000 * channel_id,
+                transport=self.transport,
+                direction=direction,
+                timeout=p2p_timeout,
+                name=name,
+            )
 
-        self.act_out: Sender | None = ch(Sender, nxt, _ACT, "activations out")
-        self.act_in: Receiver | None = ch(Receiver, prev, _ACT, "activations in")
-        self.grad_out: Sender | None = ch(Sender, prev, _GRAD, "gradients out")
-        self.grad_in: Receiver | None = ch(Receiver, nxt, _GRAD, "gradients in")
-        self.eval_out: Sender | None = ch(Sender, nxt, _EVAL, "eval activations out")
-        self.eval_in: Receiver | None = ch(Receiver, prev, _EVAL, "eval activations in")
+        self.act_out: Sender | None = ch(Sender, nxt, _ACT, FORWARD, "activations out")
+        self.act_in: Receiver | None = ch(Receiver, prev, _ACT, FORWARD, "activations in")
+        self.grad_out: Sender | None = ch(Sender, prev, _GRAD, BACKWARD, "gradients out")
+        self.grad_in: Receiver | None = ch(Receiver, nxt, _GRAD, BACKWARD, "gradients in")
+        self.eval_out: Sender | None = ch(Sender, nxt, _EVAL, FORWARD, "eval activations out")
+        self.eval_in: Receiver | None = ch(Receiver, prev, _EVAL, FORWARD, "eval activations in")
         device = next(module.parameters(), torch.empty(0)).device
         for c in (self.act_in, self.grad_in, self.eval_in):
             if c is not None:
@@ -287,13 +298,7 @@ class PipelineRunner:
             [float(sum(state.losses)) if self.last and error is None else 0.0, 1.0 if error else 0.0],
             dtype=torch.float64,
         )
-        if dist.is_initialized():
-            if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
-                on_gpu = status.to(torch.device("cuda", torch.cuda.current_device()))
-                dist.all_reduce(on_gpu)
-                status = on_gpu.cpu()
-            else:
-                dist.all_reduce(status)
+        status = self.transport.all_reduce_status(status)  # on the transport's device (NCCL: the GPU)
         if error is not None or status[1] > 0:
             self._broken = repr(error) if error is not None else "another rank failed"
             channels: list[Sender | Receiver | None] = [

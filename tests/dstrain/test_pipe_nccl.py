@@ -6,10 +6,15 @@ A small GPT (token + position embedding, pre-LN transformer blocks, LayerNorm, a
   1e-6: the same kernels on the same shapes, but each stage's GPU runs them in its own process, and cuBLAS /
   the fused attention may pick other algorithms for the reference's whole-model run; bitwise is recorded).
 - bf16: it trains (loss falls every step), tracks the fp32 curve within 2%, both stages report the same loss.
+- clipping: the global norm over both stages equals one GPU's ``clip_grad_norm_`` (relative 1e-5: float64 sum
+  of squares vs an fp32 norm of norms, on other kernels), the clipped weights within 1e-5.
+- tied embedding / LM head across the stages with the sequence length changing every micro-batch (metadata
+  sent per change, fillers for receives posted ahead): within 1e-5 of one GPU, the two copies bitwise equal.
+- a stage that raises mid-batch ends both ranks with a PipelineError within 60 s, no step taken.
 
-Needs the pipeline's p2p to run over NCCL worlds (tagged CPU headers: a gloo group of the pipeline's ranks,
-payloads staged through host memory, the batch status reduced on the GPU); without that every rank fails at
-the first ``irecv`` with "No backend type associated with device type cpu".
+The pipeline's p2p is native NCCL (`dstrain.pipe.transport.Transport.nccl`): the stage's CUDA tensors, no
+tags (order alone matches a message's parts), a process group per direction so receives posted ahead never
+hold back a send, waits polled up to ``p2p_timeout``, the batch status all-reduced on the GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch.nn.functional as F
 from _moe_workers import spawn_bounded
 from torch import nn
 
-from dstrain.pipe.module import LayerSpec, PipelineModule
+from dstrain.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 
 pytestmark = [
     pytest.mark.gpu,
@@ -73,6 +78,11 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.ln(x))  # (B, T, V)
+
+
+def _device() -> torch.device:
+    """This rank's GPU (the workers also run on CPU ranks, to check the test itself where no GPU is)."""
+    return torch.device("cuda", dist.get_rank()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def layers() -> list[Any]:
@@ -126,8 +136,7 @@ def reference(batches: list[Any], device: torch.device) -> dict[str, Any]:
 def _train(bf16: bool) -> dict[str, Any]:
     import dstrain
 
-    rank = dist.get_rank()
-    device = torch.device("cuda", rank)
+    device = _device()
     module = PipelineModule(
         layers(), num_stages=2, loss_fn=lm_loss, partition_method="uniform", seed_layers=True
     )
@@ -150,8 +159,158 @@ def _train(bf16: bool) -> dict[str, Any]:
     return out
 
 
+def _clipped() -> dict[str, Any]:
+    """fp32 with gradient clipping at 0.05 (every step clips): norm and weights against one GPU."""
+    import dstrain
+
+    device = _device()
+    module = PipelineModule(
+        layers(), num_stages=2, loss_fn=lm_loss, partition_method="uniform", seed_layers=True
+    )
+    engine, _, _, _ = dstrain.initialize(model=module, config={**config(False), "gradient_clipping": 0.05})
+    batches = data(GAS * 3, device)
+    it = iter(batches)
+    norms = []
+    for _ in range(3):
+        engine.train_batch(it)
+        norms.append(engine.statistics().last_grad_norm)
+    model = PipelineModule(layers(), num_stages=1, loss_fn=lm_loss, seed_layers=True, stage_id=0).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_norms = []
+    for s in range(3):
+        for m in range(GAS):
+            x, y = batches[s * GAS + m]
+            (lm_loss(model(x), y) * (1.0 / GAS)).backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+    ref, state = model.state_dict(), module.state_dict()
+    diff = max((state[k] - ref[k]).abs().max().item() for k in state)
+    transport = engine.runner.transport
+    engine.close()
+    return {"norms": norms, "ref_norms": ref_norms, "max_param_diff": diff, "wire": str(transport.device)}
+
+
+class AddPos(nn.Module):
+    """Position embedding added to the (tied) token embedding's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(SEQ, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pos(torch.arange(x.shape[1], device=x.device))  # (B, T, C)
+
+
+def _tied_lm_head(emb: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x @ emb.weight.t()  # (B, T, V)
+
+
+def tied_layers() -> list[Any]:
+    """Token embedding tied to the LM head (the last layer, on the other stage)."""
+    return [
+        TiedLayerSpec("emb", nn.Embedding, VOCAB, DIM),
+        LayerSpec(AddPos),
+        *[LayerSpec(Block) for _ in range(LAYERS)],
+        LayerSpec(nn.LayerNorm, DIM),
+        TiedLayerSpec("emb", nn.Embedding, VOCAB, DIM, forward_fn=_tied_lm_head),
+    ]
+
+
+def _tied() -> dict[str, Any]:
+    """Token embedding tied to the LM head on the other stage; sequence length 5..16, new every micro-batch."""
+    import dstrain
+
+    device = _device()
+    g = torch.Generator().manual_seed(4)
+    batches = []
+    for _ in range(GAS * 3):
+        idx = torch.randint(0, VOCAB, (MB, int(torch.randint(5, SEQ + 1, (), generator=g))), generator=g)
+        batches.append((idx.to(device), ((idx * 5 + 1) % VOCAB).to(device)))
+    module = PipelineModule(
+        tied_layers(), num_stages=2, loss_fn=lm_loss, partition_method="uniform", seed_layers=True
+    )
+    engine, _, _, _ = dstrain.initialize(model=module, config=config(False))
+    it = iter(batches)
+    losses = [float(engine.train_batch(it).item()) for _ in range(3)]
+    model = PipelineModule(tied_layers(), num_stages=1, loss_fn=lm_loss, seed_layers=True, stage_id=0).to(
+        device
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for s in range(3):
+        for m in range(GAS):
+            x, y = batches[s * GAS + m]
+            (lm_loss(model(x), y) * (1.0 / GAS)).backward()
+        opt.step()
+        opt.zero_grad()
+    ref, state = model.state_dict(), module.state_dict()
+    diff = max((state[k] - ref[k]).abs().max().item() for k in state)
+    w = module.tied_modules["emb"].weight.detach().clone()
+    got = [torch.zeros_like(w) for _ in range(2)]
+    dist.all_gather(got, w)
+    sent = engine.runner.statistics().send_activation
+    engine.close()
+    return {
+        "losses": losses,
+        "max_param_diff": diff,
+        "identical": torch.equal(got[0], got[1]),
+        "metadata_messages": sent.metadata_messages if sent is not None else None,
+    }
+
+
+class _Boom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("boom on the GPU stage")
+        return x
+
+
+def _raises() -> dict[str, Any]:
+    """Stage 1 raises in its second forward: both ranks raise a PipelineError promptly, no step."""
+    import time
+
+    import dstrain
+    from dstrain.pipe.errors import PipelineError
+
+    device = _device()
+    module = PipelineModule(
+        [*layers()[:-1], _Boom(), layers()[-1]],
+        num_stages=2,
+        loss_fn=lm_loss,
+        partition_method="uniform",
+        seed_layers=True,
+    )
+    engine, _, _, _ = dstrain.initialize(model=module, config=config(False))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    start = time.monotonic()
+    err = None
+    try:
+        engine.train_batch(iter(data(GAS, device)))
+    except Exception as e:
+        err = e
+    took = time.monotonic() - start
+    unchanged = all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    return {
+        "error": type(err).__name__,
+        "pipeline_error": isinstance(err, PipelineError),
+        "seconds": took,
+        "unchanged": unchanged,
+    }
+
+
 def _run() -> dict[str, Any]:
-    return {"fp32": _train(False), "bf16": _train(True)}
+    return {
+        "fp32": _train(False),
+        "bf16": _train(True),
+        "clip": _clipped(),
+        "tied": _tied(),
+        "raises": _raises(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +335,29 @@ def test_nccl_pp2_bf16_trains_and_stages_agree(nccl: list[dict[str, Any]]) -> No
     assert a["losses"][-1] < 0.95 * a["losses"][0], a["losses"]
     fp32 = nccl[0]["fp32"]["losses"]
     assert max(abs(x - y) for x, y in zip(a["losses"], fp32, strict=True)) <= 0.02 * fp32[0]  # bf16 rounding
+
+
+def test_nccl_pp2_clipping_over_stages(nccl: list[dict[str, Any]]) -> None:
+    for r in nccl:
+        c = r["clip"]
+        assert c["wire"].startswith("cuda")  # payloads travel as CUDA tensors (no host staging)
+        assert min(c["ref_norms"]) > 0.05
+        for got, want in zip(c["norms"], c["ref_norms"], strict=True):
+            assert abs(got - want) <= 1e-5 * want, c
+        assert c["max_param_diff"] <= 1e-5, c
+
+
+def test_nccl_pp2_tied_weights_and_variable_sequence_length(nccl: list[dict[str, Any]]) -> None:
+    for r in nccl:
+        t = r["tied"]
+        assert t["max_param_diff"] <= 1e-5, t
+        assert t["identical"]
+    assert nccl[0]["tied"]["losses"] == nccl[1]["tied"]["losses"]
+    assert nccl[0]["tied"]["metadata_messages"] > 6  # shapes changed, sent again
+
+
+def test_nccl_failing_stage_ends_both_ranks(nccl: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(nccl):
+        f = r["raises"]
+        assert f["pipeline_error"] and f["unchanged"] and f["seconds"] < 60, f
+        assert f["error"] == ("PipelineAbortedError", "PipelineError")[rank], f

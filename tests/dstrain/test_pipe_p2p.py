@@ -1,16 +1,22 @@
-"""Pipeline p2p on 2 real gloo processes: metadata per change, receives posted ahead, aborts and timeouts."""
+"""Pipeline p2p on 2 real gloo processes: metadata per change, receives posted ahead, aborts and timeouts.
+
+Each scenario runs twice: with gloo's tagged transport, and with NCCL's discipline on gloo (``ordered``: every
+part of every message on tag 0, a process group per direction, polled waits), where only the order of sends
+and receives matches them, as on NCCL."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from _dstrain_helpers import spawn
 
 from dstrain.pipe.errors import P2PTimeoutError, PipelineAbortedError
 from dstrain.pipe.p2p import Receiver, Sender, TensorMeta, decode_meta, encode_meta
+from dstrain.pipe.transport import Transport
 
 # (shape, dtype) of each message: a stable run, a change right after it (the speculative receive gets
 # filler), every-message changes (variable sequence length), a dtype change, a two-tensor message
@@ -25,6 +31,11 @@ SHAPES = [
     [((2, 4), torch.bfloat16)],
     [((2, 4), torch.bfloat16)],
     [((4,), torch.int64), ((2, 2, 2), torch.float16)],
+    # 30 tensors: metadata too long for the header (sent after it), unchanged, then changed after a stable run
+    # (fillers of 30 tensors, then the metadata, then the payload)
+    [((1, 2, 3), torch.float32)] * 30,
+    [((1, 2, 3), torch.float32)] * 30,
+    [((1, 2, 4), torch.float32)] * 30,
 ]
 
 
@@ -32,18 +43,19 @@ def _tensor(k: int, j: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch
     return (torch.arange(int(torch.Size(shape).numel())).reshape(shape) + 100 * k + 10 * j).to(dtype)
 
 
-def _scenarios() -> dict[str, Any]:
+def _scenarios(ordered: bool) -> dict[str, Any]:
     rank = dist.get_rank()
     out: dict[str, Any] = {}
+    t = Transport.gloo_ordered([[0, 1]], [0, 1]) if ordered else Transport.gloo(None)
     # 1. variable shapes and dtypes arrive exactly, in order
     if rank == 0:
-        s = Sender(peer=1, tag=10, group=None, timeout=30, name="t")
+        s = Sender(peer=1, tag=10, transport=t, timeout=30, name="t")
         for k, spec in enumerate(SHAPES):
             s.send(tuple(_tensor(k, j, sh, dt) for j, (sh, dt) in enumerate(spec)), micro_batch=k, ack=0)
         s.drain()
         out["send"] = s.statistics()
     else:
-        r = Receiver(peer=0, tag=10, group=None, timeout=30, name="t")
+        r = Receiver(peer=0, tag=10, transport=t, timeout=30, name="t")
         r.expect(len(SHAPES))
         ok = []
         for k, spec in enumerate(SHAPES):
@@ -57,11 +69,11 @@ def _scenarios() -> dict[str, Any]:
         out["recv"] = r.statistics()
     # 2. an ABORT arrives in place of the next message, with its reason
     if rank == 0:
-        s = Sender(peer=1, tag=20, group=None, timeout=30, name="a")
+        s = Sender(peer=1, tag=20, transport=t, timeout=30, name="a")
         s.send((torch.ones(3),), micro_batch=0, ack=0)
         s.abort("rank 0 (stage 0) failed: ValueError: boom")
     else:
-        r = Receiver(peer=0, tag=20, group=None, timeout=30, name="a")
+        r = Receiver(peer=0, tag=20, transport=t, timeout=30, name="a")
         r.expect(3)
         r.recv(0)
         start = time.monotonic()
@@ -76,7 +88,7 @@ def _scenarios() -> dict[str, Any]:
     if rank == 0:
         time.sleep(4.0)
     else:
-        r = Receiver(peer=0, tag=30, group=None, timeout=1.0, name="silent")
+        r = Receiver(peer=0, tag=30, transport=t, timeout=1.0, name="silent")
         r.expect(1)
         start = time.monotonic()
         try:
@@ -87,19 +99,20 @@ def _scenarios() -> dict[str, Any]:
     return out
 
 
-def test_p2p_two_processes() -> None:
+@pytest.mark.parametrize("ordered", [False, True], ids=["tagged", "ordered"])
+def test_p2p_two_processes(ordered: bool) -> None:
     start = time.monotonic()
-    r0, r1 = spawn(_scenarios, world=2)
+    r0, r1 = spawn(_scenarios, ordered, world=2)
     assert time.monotonic() - start < 90
     assert r1["ok"] == [True] * len(SHAPES)
     sent, got = r0["send"], r1["recv"]
-    # metadata only when it changed: messages 0, 4, 5, 6, 7, 9
-    assert sent.metadata_messages == got.metadata_messages == 6
+    # metadata only when it changed: messages 0, 4, 5, 6, 7, 9, 10, 12
+    assert sent.metadata_messages == got.metadata_messages == 8
     assert sent.messages == got.messages == len(SHAPES)
-    # after an unchanged message the next payload is posted ahead: 2, 3 (hits), 4 and 9 (changed: filled)
+    # after an unchanged message the next payload is posted ahead: 2, 3 (hits), 4, 9, 12 (changed: filled)
     assert got.speculative_hits == 2
-    # the fillers: (2, 3) float32 before message 4, (2, 4) bfloat16 before message 9
-    assert sent.wasted_bytes == 2 * 3 * 4 + 2 * 4 * 2
+    # the fillers: (2, 3) float32 before message 4, (2, 4) bfloat16 before 9, 30 x (1, 2, 3) float32 before 12
+    assert sent.wasted_bytes == 2 * 3 * 4 + 2 * 4 * 2 + 30 * 6 * 4
     payload = sum(
         int(torch.Size(sh).numel()) * torch.tensor([], dtype=dt).element_size()
         for spec in SHAPES
@@ -118,3 +131,34 @@ def test_meta_roundtrip() -> None:
         TensorMeta(torch.bool, (0, 5), False),
     )
     assert decode_meta(encode_meta(metas)) == metas
+
+
+class _Work:
+    """A stand-in for an NCCL work: completes after ``polls`` calls of ``is_completed`` (never if None)."""
+
+    def __init__(self, polls: int | None, fail: bool = False) -> None:
+        self.polls, self.fail, self.calls, self.waited = polls, fail, 0, False
+
+    def is_completed(self) -> bool:
+        self.calls += 1
+        return self.polls is not None and self.calls > self.polls
+
+    def wait(self) -> None:
+        if self.fail:
+            raise RuntimeError("NCCL communicator was aborted")
+        self.waited = True
+
+
+def test_polled_wait_enforces_the_timeout() -> None:
+    """NCCL's waits poll is_completed up to p2p_timeout (a CUDA wait alone would not bound the time), then
+    make the stream wait; a failed transfer is a PipelineAbortedError."""
+    t = Transport(forward=None, backward=None, device=torch.device("cpu"), tagged=False, poll=True)
+    done = _Work(polls=5)
+    t.wait(done, 5.0, "x")
+    assert done.waited and done.calls == 6
+    start = time.monotonic()
+    with pytest.raises(P2PTimeoutError):
+        t.wait(_Work(polls=None), 0.3, "x")
+    assert 0.3 <= time.monotonic() - start < 3
+    with pytest.raises(PipelineAbortedError):
+        t.wait(_Work(polls=0, fail=True), 5.0, "x")

@@ -177,7 +177,7 @@ class Boom(nn.Module):
         return x
 
 
-def _failure(case: str) -> dict[str, Any]:
+def _failure(case: str, transport: str = "auto") -> dict[str, Any]:
     """Run one failing batch; returns (exception class name, seconds until raised, weights unchanged)."""
     rank = dist.get_rank()
     layers = mlp_layers()
@@ -187,7 +187,7 @@ def _failure(case: str) -> dict[str, Any]:
         layers, num_stages=2, loss_fn=F.cross_entropy, partition_method="uniform", seed_layers=True
     )
     # a neighbour that missed the abort would wait this long and raise P2PTimeoutError instead
-    engine, runner = build_engine(module, config(4, pipeline={"p2p_timeout": 60}))
+    engine, runner = build_engine(module, config(4, pipeline={"p2p_timeout": 60, "transport": transport}))
     data = mlp_data(4)
     if case == "exhausted":
         data = data[:2]
@@ -319,6 +319,10 @@ def _scenarios(directory: str) -> dict[str, Any]:
     }
     for case in ("exhausted", "raises", "shapes", "labels"):
         out[case] = _failure(case)
+    # NCCL's discipline on gloo: untagged parts matched by order only, a process group per direction
+    out["ordered_mlp"] = _train("mlp", 4, 3, transport="ordered")
+    out["ordered_tied"] = _train("tied", 4, 3, transport="ordered")
+    out["ordered_raises"] = _failure("raises", transport="ordered")
     return out
 
 
@@ -468,3 +472,17 @@ def test_half_precision_equals_the_unpipelined_run(results: list[dict[str, Any]]
         assert got["losses"] == want["losses"], (got["losses"], want["losses"])
         for k, v in got["state"].items():
             assert torch.equal(v, want["state"][k]), k
+
+
+def test_ordered_transport_nccls_discipline_on_gloo(results: list[dict[str, Any]]) -> None:
+    """The transport NCCL uses (no tags: a message's parts and the fillers matched by order alone; one process
+    group per direction so receives posted ahead never hold back a send) trains bitwise like the tagged one
+    (variable sequence lengths and tied weights included), and a failing stage still ends every rank."""
+    for rank, r in enumerate(results):
+        assert r["ordered_mlp"]["bitwise"] and r["ordered_mlp"]["losses"] == r["mlp"]["losses"]
+        assert r["ordered_mlp"]["eval"] == r["mlp"]["eval"]
+        assert r["ordered_tied"]["losses"] == r["tied"]["losses"] and r["ordered_tied"]["tied_identical"]
+        f = r["ordered_raises"]
+        assert f["error"] == ("PipelineAbortedError", "PipelineError")[rank] and f["unchanged"], f
+        assert f["seconds"] < 60 and f["again"] == "PipelineError"
+    assert results[0]["ordered_tied"]["stats"].send_activation.metadata_messages > 6
