@@ -55,13 +55,15 @@ async def write_streamed(
     data_start: int,
     file_size: int,
     *,
+    executor: concurrent.futures.Executor,
     chunk_bytes: int = STREAM_CHUNK_BYTES,
     buffers: int = STREAM_BUFFERS,
 ) -> dict[str, int]:
     """Write ``[data_start, file_size)`` of ``f`` from ``sources``; return each entry's crc32c.
 
-    Returns once every window is written (not fsynced). On failure, waits for the writes in
-    flight and raises the first error.
+    Copies and checksums run on ``executor`` (a persistent pool: no thread is started or joined
+    on the event loop). Returns once every window is written (not fsynced). On failure, waits for
+    the writes in flight and raises the first error.
     """
     if chunk_bytes <= 0 or chunk_bytes % 4096:
         raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
@@ -81,7 +83,6 @@ async def write_streamed(
     }
     writes: list[asyncio.Future[int]] = []
     loop = asyncio.get_running_loop()
-    ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsio-ckpt-stream")
     first = 0
     try:
         pos = data_start
@@ -121,7 +122,7 @@ async def write_streamed(
                     crcs[e.name] = _crc_more(base + at, n, crcs[e.name])
                     at += n
 
-            await loop.run_in_executor(ex, fill)
+            await loop.run_in_executor(executor, fill)
             w = asyncio.ensure_future(f.pwrite(buf[: end - pos], pos))
             w.add_done_callback(functools.partial(_give_back, free, buf))
             writes.append(w)
@@ -129,7 +130,6 @@ async def write_streamed(
     finally:
         if writes:
             await asyncio.wait(writes)
-        ex.shutdown(wait=True)
         errors = [w.exception() for w in writes if not w.cancelled()]  # retrieves every one
     err = next((e for e in errors if e is not None), None)
     if err is not None:

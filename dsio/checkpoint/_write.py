@@ -84,7 +84,9 @@ def _pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
     with _POOLS_LOCK:
         pool = _POOLS.get((name, threads))
         if pool is None:
-            pool = _POOLS[name, threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=name)
+            pool = _POOLS[name, threads] = concurrent.futures.ThreadPoolExecutor(
+                threads, thread_name_prefix=name
+            )
         return pool
 
 
@@ -213,7 +215,13 @@ class FileWriter:
         windows = min(STREAM_BUFFERS, max(1, -(-(self.file_size - self.data_start) // STREAM_CHUNK_BYTES)))
         self.buffer_bytes = windows * STREAM_CHUNK_BYTES if self.file_size > self.data_start else 0
         self._crcs = await write_streamed(
-            self.handle, self._file, self.entries, self.tensors, self.data_start, self.file_size
+            self.handle,
+            self._file,
+            self.entries,
+            self.tensors,
+            self.data_start,
+            self.file_size,
+            executor=_pool("dsio-ckpt-stream", 1),
         )
         self.tensors = {}  # the caller's tensors and sources are free from here on
 
