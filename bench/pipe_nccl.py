@@ -13,6 +13,8 @@ peak CUDA memory per rank; for dstrain the measured bubble (1 - host-side comput
 stage; an upper bound on a GPU, where kernels run asynchronously)
 next to (S-1)/(M+S-1) and p2p payload bytes per step. DDP runs the whole model on both GPUs with M/2
 micro-batches each (the same global batch). DeepSpeed is not installed on the GPU machine: not compared here.
+The pipeline's messages use dstrain's native NCCL transport (`dstrain.pipe.transport`: the stages' CUDA tensors,
+one process group per direction); the result records it.
 """
 
 from __future__ import annotations
@@ -159,6 +161,15 @@ def _worker(a: argparse.Namespace) -> None:
         st = engine.runner.statistics()
         sent = sum(s.payload_bytes for s in (st.send_activation, st.send_grad) if s is not None)
         res["p2p_sent_bytes_per_step"] = sent / a.steps
+        t = engine.runner.transport  # native NCCL: CUDA tensors, a group per direction, untagged
+        res["transport"] = {
+            "wire": str(t.device),
+            "tagged": t.tagged,
+            "split_directions": t.forward is not t.backward,
+        }
+        res["p2p_recv_wait_seconds"] = sum(
+            s.wait_seconds for s in (st.recv_activation, st.recv_grad) if s is not None
+        )
         # per step: the runner's host-side time in forward/backward (kernels are asynchronous, so on a GPU this
         # undercounts compute whenever the host runs ahead: the bubble below is an upper bound)
         res["compute_seconds"] = compute
@@ -213,6 +224,7 @@ def _summarise(
             s["bubble_measured"] = statistics.median(bubbles)
             s["bubble_ideal"] = 1 / (gas + 1)
             s["p2p_sent_bytes_per_step"] = [r["p2p_sent_bytes_per_step"] for r in reps[0]]
+            s["transport"] = reps[0][0].get("transport")
         out[method] = s
     if "dstrain-pp2" in runs and "ddp" in runs:
         ours, theirs = out["dstrain-pp2"]["per_rep_step_ms"], out["ddp"]["per_rep_step_ms"]
