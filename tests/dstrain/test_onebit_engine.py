@@ -12,10 +12,15 @@ import torch.distributed as dist
 
 import dstrain
 from dstrain.errors import ConfigError
-from dstrain.onebit import OneBitAdam
+from dstrain.onebit import OneBitAdam, ZeroOneAdam
 from tests.dstrain._dstrain_helpers import base_config, engine_losses, global_batch, make_model, spawn
 
 FREEZE = 3
+
+
+# 0/1 Adam: variance steps 1, 2 and 4 (step 3 averages its gradient compressed), frozen after 4,
+# then local intervals 1, 1, 2, 2: steps 5, 6, 8 synchronise, step 7 sends nothing
+ZEROONE = {"var_freeze_step": 3, "var_update_scaler": 1, "local_step_scaler": 2, "local_step_clipper": 2}
 
 
 def _config(world: int = 2, **params: Any) -> dict[str, Any]:
@@ -23,15 +28,26 @@ def _config(world: int = 2, **params: Any) -> dict[str, Any]:
     return base_config(0, world=world, optimizer=opt)
 
 
-def _reference(steps: int) -> list[float]:
+def _zeroone_config(**params: Any) -> dict[str, Any]:
+    opt = {"type": "ZeroOneAdam", "params": {"lr": 1e-2, **ZEROONE, **params}}
+    return base_config(0, world=2, optimizer=opt)
+
+
+def _onebit(params: list[torch.Tensor]) -> OneBitAdam:
+    return OneBitAdam(params, lr=1e-2, freeze_step=FREEZE)
+
+
+def _zeroone(params: list[torch.Tensor]) -> ZeroOneAdam:
+    return ZeroOneAdam(params, lr=1e-2, **ZEROONE)
+
+
+def _reference(steps: int, make_opt: Any = _onebit) -> list[float]:
     """The same training written by hand: per-rank micro-batches, gradients averaged while the optimizer
     asks for it, OneBitAdam over the parameters in module order (the engine's flat layout)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
     params = list(model.parameters())  # tied weights appear once, as in the engine's flat buffer
-    opt = OneBitAdam(
-        [torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))], lr=1e-2, freeze_step=FREEZE
-    )
+    opt = make_opt([torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))])
     flat = opt.param_groups[0]["params"][0]
     losses = []
     for step in range(steps):
@@ -83,6 +99,30 @@ def _worker(root: str) -> dict[str, Any]:
         "params": params,
         "resumed_params": resumed_params,
         "reference": _reference(8),
+        "zeroone": _zeroone_run(root),
+    }
+
+
+def _zeroone_run(root: str) -> dict[str, Any]:
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=_zeroone_config(comm_backend_name="nccl"))
+    first = engine_losses(engine, 5)
+    engine.save_checkpoint(os.path.join(root, "zo"))
+    rest = engine_losses(engine, 3, start=5)
+    st = engine.stepper.statistics()
+    params = [p.detach().clone() for p in engine.module.parameters()]
+    engine.close()
+    resumed, _, _, _ = dstrain.initialize(model=make_model(seed=7), config=_zeroone_config())
+    resumed.load_checkpoint(os.path.join(root, "zo"))
+    again = engine_losses(resumed, 3, start=5)
+    resumed_params = [p.detach().clone() for p in resumed.module.parameters()]
+    resumed.close()
+    return {
+        "losses": first + rest,
+        "again": again,
+        "stats": st,
+        "params": params,
+        "resumed_params": resumed_params,
+        "reference": _reference(8, _zeroone),
     }
 
 
@@ -110,6 +150,45 @@ def test_checkpoint_resume_after_freeze_is_bitwise(runs) -> None:
         assert runs[r]["again"] == runs[r]["losses"][5:]
         for a, b in zip(runs[r]["params"], runs[r]["resumed_params"], strict=True):
             assert torch.equal(a, b)
+
+
+def test_zeroone_engine_equals_hand_written_loop_and_resumes_bitwise(runs) -> None:
+    for r in range(2):
+        zo = runs[r]["zeroone"]
+        assert zo["losses"] == zo["reference"]
+        assert zo["again"] == zo["losses"][5:]
+        for a, b in zip(zo["params"], zo["resumed_params"], strict=True):
+            assert torch.equal(a, b)
+    st = runs[0]["zeroone"]["stats"]
+    assert st.frozen and st.steps == 8
+    assert st.skipped_reductions == 8 - 3  # reduced on variance steps 1, 2, 4 only
+    assert (st.local_syncs, st.local_steps) == (3, 1)
+    assert st.compressed.calls == 1 + 3  # step 3's gradient, three synchronisations
+    assert st.compressed.wire_bytes * 28 <= st.compressed.fp32_allreduce_bytes
+
+
+def test_zeroone_config_refusals() -> None:
+    for key, value, field in (
+        ("amsgrad", True, "optimizer.params.amsgrad"),
+        ("eps_inside_sqrt", True, "optimizer.params.eps_inside_sqrt"),
+        ("local_step_clipper", 0, "optimizer.params"),
+        ("freeze_step", 3, "optimizer.params"),
+    ):
+        cfg = _zeroone_config(**{key: value})
+        cfg["train_batch_size"] = 4
+        with pytest.raises(ConfigError) as info:
+            dstrain.initialize(model=make_model(), config=cfg)
+        assert info.value.field.startswith(field), (key, info.value.field)
+    cfg = _zeroone_config(amsgrad=False, cuda_aware=False)
+    cfg["train_batch_size"] = 4
+    cfg["zero_optimization"]["stage"] = 1
+    with pytest.raises(ConfigError) as info:
+        dstrain.initialize(model=make_model(), config=cfg)
+    assert info.value.field == "zero_optimization.stage"
+    cfg["zero_optimization"]["stage"] = 0
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=cfg)
+    assert isinstance(engine.optimizer, ZeroOneAdam)
+    engine.close()
 
 
 def test_stage_2_and_unknown_keys_are_refused() -> None:
