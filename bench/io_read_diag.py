@@ -40,8 +40,10 @@ CASES = (
     "dsio locked",
     "dsio touched",
     "dsio touched, loop copy",
+    "dsio touched, per-buffer",
     "dsio fresh",
     "dsio fresh, loop copy",
+    "dsio fresh, per-buffer",
     "dsio fresh, prefault off",
     "dsio fresh aligned",
     "dsio fresh aligned, prefault off",
@@ -86,6 +88,9 @@ def measure(case: str, loop, h, ds, path: str, size: int, locked, touched, dev: 
     transfer.PREFAULT_MIN_BYTES = 1 << 62 if case.endswith("prefault off") else PREFAULT_DEFAULT
     # The A/B of the native staging copy: "loop copy" copies pool -> tensor on the loop thread.
     transfer.LOOP_THREAD_COPY = case.endswith("loop copy")
+    # The A/B of ring staging: "per-buffer" is one engine request per pool buffer (the loop
+    # hands each buffer back) instead of one request cycling block_size slots in the workers.
+    transfer.RING_STAGING = not case.endswith("per-buffer")
     if case.startswith("dsio fresh aligned"):
         dest = torch.frombuffer(native().AlignedBuffer(size, False), dtype=torch.uint8)
     elif case.startswith("dsio fresh"):
