@@ -1,8 +1,9 @@
-"""The Grafana dashboard queries only what dsio exports.
+"""The Grafana dashboard queries only what dsio (and dstrain's offload, on dsio's exporter) exports.
 
 A real Prometheus (Debian's ``prometheus`` package, obtained by scripts/install_prometheus.sh
 when missing, with or without root) runs on loopback with a temporary config and data directory, scrapes a live dsio
-process under load every second, and every PromQL expression of every dashboard panel must
+process under load every second (I/O, a pool, checkpoints, and a dstrain engine training with its
+optimizer state offloaded to NVMe), and every PromQL expression of every dashboard panel must
 return data through Prometheus's HTTP API.
 """
 
@@ -70,7 +71,21 @@ def test_dashboard_structure():
     names = {v["name"] for v in dash["templating"]["list"]}
     assert names == {"datasource", "instance"}
     titles = " ".join(p["title"].lower() for p in dash["panels"])
-    for topic in ("throughput", "iops", "latency", "in flight", "pool", "error", "checkpoint", "blocked"):
+    for topic in (
+        "throughput",
+        "iops",
+        "latency",
+        "in flight",
+        "pool",
+        "error",
+        "checkpoint",
+        "blocked",
+        "offload",
+        "swap",
+        "stall",
+        "prefetch",
+        "pinned",
+    ):
         assert topic in titles, f"no panel about {topic}"
     for p in dash["panels"]:
         g = p["gridPos"]
@@ -112,7 +127,7 @@ def test_provisioning_points_at_the_dashboard_and_datasource():
 
 # -- the live test ----------------------------------------------------------------------------------
 LOAD = r"""
-import asyncio, os, sys, time
+import asyncio, os, sys, threading, time
 import torch
 import dsio, dsio.metrics
 from dsio.checkpoint import Checkpointer
@@ -159,9 +174,37 @@ async def ckpt_load(ck, stop):
             await ck.wait()
             await ck.load()
 
+def train_load(d, stop, ready):
+    # a dstrain engine with Adam's state in swap files: dstrain_offload_*{kind="optimizer"}
+    import dstrain
+    swap = os.path.join(d, "swap")
+    os.makedirs(swap, exist_ok=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    zero = {"stage": 1, "sub_group_size": 16384,
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap, "buffer_count": 2}}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 4,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}, "zero_optimization": zero,
+           "steps_per_print": 10**9}
+    engine, _, _, _ = dstrain.initialize(model=model, config=cfg)
+    x = torch.randn(4, 256)
+    while not stop.is_set():
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        ready.set()
+        time.sleep(0.02)
+    engine.close()
+
 async def main():
     srv = dsio.metrics.serve(port=0)
     stop = asyncio.Event()
+    train_stop, trained = threading.Event(), threading.Event()
+    trainer = threading.Thread(target=train_load, args=(d, train_stop, trained), daemon=True)
+    trainer.start()
+    while not trained.is_set():  # its metrics exist before the port is announced
+        if not trainer.is_alive():
+            raise RuntimeError("the offload training thread died")
+        await asyncio.sleep(0.1)
     async with dsio.AsyncIOHandle(queue_depth=16) as h, Checkpointer(os.path.join(d, "ckpt"), keep_last=2) as ck:
         with dsio.PinnedPool(2 * 4096, 4096) as pool:
             for obj in (h, ck, pool):
@@ -173,6 +216,8 @@ async def main():
             await asyncio.sleep(seconds)  # bounded: the test kills it sooner
             stop.set()
             await asyncio.gather(*tasks)
+    train_stop.set()
+    trainer.join()
     srv.close()
 
 asyncio.run(main())
@@ -236,7 +281,7 @@ def _wait(pred: Any, timeout: float, what: str, procs: list[tuple[subprocess.Pop
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_every_dashboard_query_returns_data_from_a_live_process(tmp_path):
     exe = _prometheus_binary()
     data = tmp_path / "data"
@@ -252,7 +297,7 @@ def test_every_dashboard_query_returns_data_from_a_live_process(tmp_path):
             LOAD,
             str(port_file),
             str(data),
-            "180",
+            "300",
         ],  # outlives the test; killed at the end
         stdout=load_log,
         stderr=subprocess.STDOUT,
@@ -261,7 +306,8 @@ def test_every_dashboard_query_returns_data_from_a_live_process(tmp_path):
     )
     prom: subprocess.Popen[str] | None = None
     try:
-        _wait(port_file.exists, 60, "the dsio load process to serve metrics", [(load, load_log_path)])
+        # (starting a dstrain engine with NVMe offload takes a few seconds, ~50 s on a loaded 2-core machine)
+        _wait(port_file.exists, 150, "the dsio load process to serve metrics", [(load, load_log_path)])
         target = f"127.0.0.1:{int(port_file.read_text())}"
         cfg = tmp_path / "prometheus.yml"
         cfg.write_text(
@@ -308,7 +354,7 @@ def test_every_dashboard_query_returns_data_from_a_live_process(tmp_path):
         names = set(_get(f"{api}/label/__name__/values")["data"])
         dash = _dashboard()
         exprs = _targets(dash)
-        used = {m for _, e in exprs for m in re.findall(r"\b(dsio_[a-z0-9_]+)", e)}
+        used = {m for _, e in exprs for m in re.findall(r"\b((?:dsio|dstrain)_[a-z0-9_]+)", e)}
         missing = sorted(used - names)
         assert not missing, f"the dashboard queries metrics dsio does not export: {missing}"
 
@@ -341,6 +387,9 @@ def test_every_dashboard_query_returns_data_from_a_live_process(tmp_path):
         assert scalar(f"sum(rate(dsio_requests_total{{op='read'}}[{RATE_INTERVAL}]))") > 100
         assert scalar(f"sum(increase(dsio_request_errors_total{{op='read'}}[{RATE_INTERVAL}]))") > 0
         assert scalar(f"sum(increase(dsio_checkpoint_saves_total[{RATE_INTERVAL}]))") > 0
+        for direction in ("read", "write"):  # the offloaded optimizer swaps every step
+            rate = f"rate(dstrain_offload_swap_bytes_total{{kind='optimizer', direction='{direction}'}}[{RATE_INTERVAL}])"
+            assert scalar(f"sum({rate})") > 0
         p99 = scalar(
             f"histogram_quantile(0.99, sum by (le) (rate(dsio_request_latency_seconds_bucket{{op='read'}}[{RATE_INTERVAL}])))"
         )
