@@ -1,5 +1,7 @@
 # Two entry points work on a fresh Linux machine (see README "Set-up" for the exact prerequisites):
-#   make demo   - set everything up, then write and read a few GiB of tensors and print GB/s
+#   make demo   - set everything up, then train a small GPT with ZeRO-3 + NVMe offload on 2 ranks, with async
+#                 checkpoints, a SIGKILLed rank, a bitwise-checked resume and live Prometheus metrics (~3-4 min)
+#   make demo-io - write and read a few GiB of tensors and print GB/s
 #   make test   - set everything up, then run the whole test suite
 # Prerequisites on a bare Debian/Ubuntu: apt-get install make g++ python3-dev python3-venv (Python 3.11+).
 # No root is needed for anything below.
@@ -16,7 +18,7 @@ PROMETHEUS_DIR ?= $(CURDIR)/.cache/prometheus
 export DSIO_PROMETHEUS_DIR := $(PROMETHEUS_DIR)
 BUILD_DEPS := scikit-build-core pybind11 cmake ninja
 
-.PHONY: all setup demo test lint bench bench-io bench-checkpoint bench-metrics readme-numbers prometheus gpu-check clean
+.PHONY: all setup demo demo-io test lint bench bench-io bench-checkpoint bench-metrics readme-numbers prometheus gpu-check clean
 
 all: setup
 
@@ -39,7 +41,14 @@ $(VENV)/.stamp-build: $(VENV)/.stamp-deps $(wildcard csrc/*) CMakeLists.txt $(sh
 
 setup: $(VENV)/.stamp-build
 
+# DEMO_OUT: where the table, JSON and PNG go (stem), e.g. make demo DEMO_OUT=bench/results/demo-2026-11-30;
+# DEVICE=cuda runs it on GPUs (NCCL); DEMO_ARGS passes more options (python demo/train_demo.py --help).
+DEMO_WORK ?= build/demo-run
+DEMO_OUT  ?= $(DEMO_WORK)/demo
 demo: setup
+	$(BIN)/python demo/train_demo.py --work $(DEMO_WORK) --out $(DEMO_OUT) $(DEMO_ARGS)
+
+demo-io: setup
 	$(BIN)/python examples/demo.py
 
 # The Grafana test scrapes a live dsio process with a real Prometheus (Debian's package: apt-get install as
@@ -52,8 +61,8 @@ test: setup prometheus
 	PATH="$(PROMETHEUS_DIR)/bin:$$PATH" $(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check dsio dstrain tests bench examples scripts/readme_numbers.py
-	$(BIN)/ruff format --check dsio dstrain tests bench examples scripts/readme_numbers.py
+	$(BIN)/ruff check dsio dstrain tests bench examples demo scripts/readme_numbers.py
+	$(BIN)/ruff format --check dsio dstrain tests bench examples demo scripts/readme_numbers.py
 	$(BIN)/mypy
 
 bench: bench-io bench-checkpoint bench-metrics
