@@ -6,7 +6,9 @@
     loss = engine.train_batch(data_iter)          # 1F1B over gradient_accumulation_steps micro-batches
 
 Rooms: `module` (layers, partitioning), `schedule` (1F1B as a pure instruction list), `p2p` (messages between
-neighbours), `runner` (train_batch / eval_batch from the engine's parts), `compose` (what `initialize` calls),
+neighbours), `transport` (how they travel: gloo host tensors with tags, or native NCCL CUDA tensors ordered over a
+group per direction), `runner` (train_batch / eval_batch from the engine's parts), `grads` (tied gradients summed
+over stages, the global-norm sets of the whole pipeline for clipping), `compose` (what `initialize` calls),
 `config` (the ``"pipeline"`` section), `errors`.
 """
 
