@@ -199,9 +199,11 @@ async def transfer(
     ) -> None:
         ref.acquire()
         fin = ref.done if finalize is None else _then_release(finalize, ref)
-        cp = {"copy_dst": stage_of} if op == READ else {"copy_src": stage_of}
+        dst, src = (stage_of, 0) if op == READ else (0, stage_of)
         try:
-            f = disp.submit(op, fd, p, n, off, path=ref.path, finalize=fin, keep=keep, **cp)
+            f = disp.submit(
+                op, fd, p, n, off, path=ref.path, finalize=fin, keep=keep, copy_dst=dst, copy_src=src
+            )
         except BaseException:
             fin(-errno.ECANCELED)  # never reached the engine: give back the ref and any lease now
             raise
