@@ -95,6 +95,8 @@ def summarize(runs: list[dict[str, Any]], probes: list[dict[str, Any]]) -> dict[
                     _rank_sum(r["ranks"], "disk_written_bytes_per_step") for r in ok
                 ),
             }
+        if "swap_file_bytes_total" in r0:
+            row["swap_file_bytes_total"] = r0["swap_file_bytes_total"]
         if disk and METHODS[method].swaps:
             rd, wr = _io_bytes(row)
             row["io_floor_s"] = rd / (disk["read_gbps"][0] * 1e9) + wr / (disk["write_gbps"][0] * 1e9)
@@ -185,6 +187,14 @@ def render(meta: dict[str, Any], summary: dict[str, Any]) -> str:
                 f"{expected} | {floor} | {_fmt(row.get('stall_fraction'), '.2f')} | "
                 f"{'' if hit is None else f'{hit:.0%}'} |"
             )
+        for m, row in rows.items():
+            d = row.get("disk_bytes_per_step")
+            if METHODS[m].impl == "deepspeed" and METHODS[m].swaps and d and d["read"] + d["written"] == 0:
+                lines += [
+                    "",
+                    f"{m}: its processes moved 0 bytes through the disk in the timed steps (swap files at the end: "
+                    f"{row.get('swap_file_bytes_total', 0):,} bytes); its I/O floor uses the formula.",
+                ]
         formulas = [f"- {m}: {row['formula']}" for m, row in rows.items() if row.get("formula")]
         if formulas:
             lines += [

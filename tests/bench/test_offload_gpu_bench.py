@@ -1,0 +1,80 @@
+"""bench/offload_gpu.py: the CPU dry run of the H200 script's code path, its fail-fast checks, and (``-m gpu``)
+the same tiny run on CUDA so the real run cannot break on the device for a silly reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.offload_gpu import GpuBenchError, check_nvme_path, parse_args  # noqa: E402
+
+SCRIPT = str(ROOT / "bench" / "offload_gpu.py")
+
+
+def _tiny(tmp_path: Path, device: str) -> dict[str, object]:
+    stem = tmp_path / "gpu"
+    swap = tmp_path / "swap"
+    cmd = [sys.executable, SCRIPT, "--device", device, "--tiny", "--nvme-path", str(swap), "--out", str(stem)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    saved = json.loads(stem.with_suffix(".json").read_text())
+    r = saved["result"]
+    assert r["timed_steps"] == 2 and r["tokens_per_s"] > 0 and not r["stopped"]
+    shard = 2 * r["params"]  # bf16 parameters, world 1
+    moved = r["swap_bytes"]
+    # Adam's m and v (fp32) read and written once per timed step
+    assert moved["optimizer_read_bytes"] >= 2 * 8 * r["params"]
+    assert moved["optimizer_written_bytes"] >= 2 * 8 * r["params"]
+    # the parameter shards: read for the gathers, written once per step
+    assert moved["param_read_bytes"] >= 2 * shard and moved["param_written_bytes"] >= 2 * shard
+    assert r["swap_read_gbps"] > 0 and r["swap_write_gbps"] > 0
+    probes = saved["meta"]["probes"]
+    assert set(probes) == {"before training", "after training"}
+    assert all(p["read_gbps"] > 0 and p["write_gbps"] > 0 for p in probes.values())
+    md = stem.with_suffix(".md").read_text()
+    assert "tokens/s" in md and "before training" in md
+    assert not any(swap.iterdir())  # swap files and the probe file removed
+    return r
+
+
+def test_cpu_dry_run(tmp_path: Path) -> None:
+    _tiny(tmp_path, "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_cuda_missing_fails_fast(tmp_path: Path) -> None:
+    cmd = [sys.executable, SCRIPT, "--nvme-path", str(tmp_path), "--out", str(tmp_path / "x")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2
+    assert "torch.cuda.is_available() is False" in out.stderr and "--device cpu --tiny" in out.stderr
+    assert not (tmp_path / "x.json").exists() and not list(tmp_path.iterdir())  # nothing built or written
+
+
+def test_refuses_bad_arguments_and_memory_folders(tmp_path: Path) -> None:
+    with pytest.raises(GpuBenchError):
+        parse_args(["--steps", "0"])
+    with pytest.raises(GpuBenchError):
+        parse_args(["--steps", "3", "--warmup", "3"])
+    assert check_nvme_path(str(tmp_path / "new")) and (tmp_path / "new").is_dir()
+    shm = "/dev/shm"
+    fs = subprocess.run(["stat", "-f", "-c", "%T", shm], capture_output=True, text=True).stdout.strip()
+    if fs != "tmpfs" or not os.access(shm, os.W_OK):
+        pytest.skip(f"{shm} is not a writable tmpfs here ({fs!r})")
+    with pytest.raises(GpuBenchError):
+        check_nvme_path(shm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tiny_run(tmp_path: Path) -> None:
+    r = _tiny(tmp_path, "cuda")
+    assert r["gpu_peak_gib"] > 0
