@@ -108,3 +108,72 @@ def _resume_and_reference(root: str, swap: str) -> tuple[tuple[list[float], int]
     whole = engine_losses(engine, resumed_at + 3)
     engine.close()
     return (resumed, resumed_at), whole
+
+
+POINT_CHILD = textwrap.dedent(
+    """
+    import asyncio, os, sys, time
+    sys.path.insert(0, {helpers!r})
+    from _dstrain_helpers import engine_losses, make_model
+    from _offload_helpers import offload_config
+    import dstrain
+    import dsio.checkpoint._commit as commit
+    from dstrain.checkpoint.sources import SwapRegions
+
+    root, swap, point = {root!r}, {swap!r}, {point!r}
+    engine, opt, _, _ = dstrain.initialize(model=make_model(), config=offload_config(2, "nvme", swap))
+    engine_losses(engine, 3)
+    engine.save_checkpoint(root)  # step 3: committed
+    engine_losses(engine, 1, start=3)
+
+    def announce():
+        print("AT " + point, flush=True)
+        time.sleep(120)  # killed here
+
+    if point == "streaming":  # some of the swapped state is in the new file, the rest is not
+        read = SwapRegions.read_into
+
+        async def read_then_stop(self, io, offset, out):
+            await read(self, io, offset, out)
+            announce()
+
+        SwapRegions.read_into = read_then_stop
+    elif point == "before_commit":  # every rank's file is written and fsynced, the step not renamed
+        commit.commit = lambda *a: announce()
+    engine.save_checkpoint(root)  # step 4: killed inside
+    print("SAVED", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("point", ["streaming", "before_commit"])
+def test_kill9_at_points_of_a_streamed_save_resumes_bitwise(tmp_path, point: str) -> None:
+    """SIGKILL at a chosen point of a save whose Adam state streams from the NVMe swap file: the
+    directory holds the partial step, and a new process resumes from step 3 exactly as an
+    uninterrupted run. (Kills at every point of the commit protocol itself: tests/dsio/checkpoint.)"""
+    root, swap = tmp_path / "ckpt", tmp_path / "swap"
+    swap.mkdir()
+    helpers = os.path.dirname(os.path.abspath(__file__))
+    code = POINT_CHILD.format(helpers=helpers, root=str(root), swap=str(swap), point=point)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        assert line.strip() == f"AT {point}", line
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == -signal.SIGKILL
+    assert (root / "step-000000004.tmp").is_dir() and not (root / "step-000000004").exists()
+    assert (root / "latest").read_text().strip() == "step-000000003"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        (resumed, resumed_at), whole = _resume_and_reference(str(root), str(swap))
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed_at == 3
+    assert resumed == whole[3:]
