@@ -50,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tiny", action="store_true", help="a 0.2M-parameter GPT, 3 steps, 16 MiB probe (dry run)"
     )
     p.add_argument("--nvme-path", default=None, help="swap folder on the disk under test (default /var/tmp)")
+    p.add_argument(
+        "--offload",
+        default="both",
+        choices=("both", "param", "optimizer"),
+        help="what goes to NVMe: parameters and optimizer state (default), or one of them",
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2, help="steps before the timed ones")
     p.add_argument("--layers", type=int, default=20)
@@ -167,7 +173,7 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
     model = build_model(args).to(device)
     params = sum(p.numel() for p in model.parameters())
     build_s = time.perf_counter() - t0
-    cfg = {
+    cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
@@ -176,12 +182,15 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": args.sub_group,
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True},
-            "offload_param": {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True},
             "offload_pinned_bytes": int(args.pinned_gib * 2**30),
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 2, "overlap_events": True},
     }
+    nvme = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True}
+    if args.offload in ("both", "optimizer"):
+        cfg["zero_optimization"]["offload_optimizer"] = dict(nvme)
+    if args.offload in ("both", "param"):
+        cfg["zero_optimization"]["offload_param"] = dict(nvme)
     dstrain = _import_dstrain()
     t0 = time.perf_counter()
     engine, optimizer, _, _ = dstrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -248,6 +257,9 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
     return out
 
 
+_WHAT = {"both": "parameters and optimizer state", "param": "parameters", "optimizer": "optimizer state"}
+
+
 def _bytes(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
 
@@ -264,7 +276,7 @@ def render(meta: dict[str, Any], result: dict[str, Any]) -> str:
     lines += [
         f"dstrain ZeRO-3, bf16, world {result['world']} on {meta['device']}: GPT of bench/train.py, "
         f"{result['params'] / 1e6:,.1f}M parameters ({a['layers']} layers, d={a['dim']}, {a['heads']} heads, vocab "
-        f"{a['vocab']}, seq {a['seq']}), micro batch {a['batch']}; parameters and optimizer state on NVMe "
+        f"{a['vocab']}, seq {a['seq']}), micro batch {a['batch']}; {_WHAT[a['offload']]} on NVMe "
         f"({meta['nvme_path']}, {meta['fs']}), pinned budget {a['pinned_gib']:g} GiB per rank.",
         "",
         "| tokens/s | step s (median) | timed steps | swap read GB/s | swap write GB/s | swapped per step | stall s/step | "
