@@ -49,7 +49,7 @@ class Phase:
         return [e for e in self.events if e["event"] == event and (rank is None or e["rank"] == rank)]
 
 
-def scrape(url: str, timeout: float = 2.0) -> dict[str, float]:
+def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
     """One scrape of a /metrics URL: {sample name{labels}: value} (rank label dropped)."""
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -152,8 +152,8 @@ def summarize(
     }
 
 
-def table(r: dict[str, Any]) -> str:
-    """The Markdown report of one demo run."""
+def table(r: dict[str, Any], *, heading: bool = True) -> str:
+    """The Markdown report of one demo run (``heading=False``: without its title line, as README shows it)."""
     ref, ck = r["reference"], r["reference"]["checkpoints"]
     rss = r["phases"]["reference"]["peak_rss_mib"]
     save_gbps = " / ".join(f"{x['save_gbps']:.2f}" for x in ck["per_rank"])
@@ -179,9 +179,8 @@ def table(r: dict[str, Any]) -> str:
         ("peak RSS per rank, MiB (rank 0 / 1)", " / ".join(f"{x:,.0f}" if x else "-" for x in rss)),
     ]
     lines = [
-        f"# dsio/dstrain demo, {r['date']} on {r['host']} ({r['device']}, {r['dtype']})",
-        "",
-        f"Byte-level GPT, {r['params'] / 1e6:.1f}M parameters ({r['shape']}), ZeRO-3 on {r['world_size']} ranks, "
+        *([f"# dsio/dstrain demo, {r['date']} on {r['host']} ({r['device']}, {r['dtype']})", ""] if heading else []),
+        f"Byte-level GPT, {r['params'] / 1e6:.1f}M parameters ({', '.join(f'{k} {v}' for k, v in r['shape'].items())}), ZeRO-3 on {r['world_size']} ranks, "
         f"micro-batch {r['micro_batch']}, {r['steps']} steps. Offloaded: {'; '.join(r['offloads'])}.",
         "",
         "| uninterrupted run | value |",

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import DemoRunError, Phase, run_phase  # noqa: E402
 from model import GPTShape  # noqa: E402
 
+MARKER = ".dsio-demo"  # a --work folder holding this file is the demo's own, wiped at the start of each run
 FULL = {
     "shape": GPTShape(dim=512, layers=6, heads=8, seq=64),
     "micro": 4,
@@ -62,7 +63,8 @@ def build_config(
     swap_opt, swap_param = work / "nvme" / "optimizer", work / "nvme" / "param"
     zero: dict[str, Any] = {
         "stage": 3,
-        "sub_group_size": 2_000_000,  # optimizer state streamed in sub-groups of 2M elements per rank
+        "sub_group_size": 1
+        << 21,  # optimizer state streamed in sub-groups of 2Mi elements (a multiple of 1024)
         "offload_optimizer": {"device": "nvme", "nvme_path": str(swap_opt), "buffer_count": 4},
         "offload_param": {"device": "nvme", "nvme_path": str(swap_param)},
         "offload_pinned_bytes": 96 << 20,  # dstrain's one pinned-memory budget for every swap buffer
@@ -150,8 +152,15 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.time()
     work = Path(args.work).resolve()
+    if work.exists() and any(work.iterdir()) and not (work / MARKER).exists():
+        print(
+            f"demo: --work {work} is not empty and was not made by the demo: refusing to wipe it",
+            file=sys.stderr,
+        )
+        return 2
     shutil.rmtree(work, ignore_errors=True)
     (work / "records").mkdir(parents=True)
+    (work / MARKER).write_text("made by demo/train_demo.py: wiped at the start of every run\n")
     out = Path(args.out) if args.out else work / "demo"
     out.parent.mkdir(parents=True, exist_ok=True)
     log = work / "torchrun.log"

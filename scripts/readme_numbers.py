@@ -300,6 +300,21 @@ def render_train(src: dict[str, Any], source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_demo(src: dict[str, Any], source: str) -> str:
+    """``make demo``'s result (demo/train_demo.py --out): its own table (demo/report.py), one source of truth."""
+    for keys in (
+        ("reference", "checkpoints", "per_rank"),
+        ("verdict", "bitwise_equal"),
+        ("phases",),
+        ("date",),
+    ):
+        _get(src, *keys)
+    sys.path.insert(0, str(ROOT / "demo"))
+    from report import table  # demo/report.py
+
+    return f"`{source}` ({src['date']}, host {src.get('host', '?')}): " + table(src, heading=False)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str], str]] = {
     "io-seq": render_io_seq,
     "io-ops": render_io_ops,
@@ -308,6 +323,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any], str], str]] = {
     "gpu": render_gpu,
     "gpu-ratios": render_gpu_ratios,
     "train": render_train,
+    "demo": render_demo,
 }
 
 

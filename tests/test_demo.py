@@ -83,6 +83,12 @@ def test_cuda_without_cuda_is_a_clear_exit_2(capsys: pytest.CaptureFixture[str],
     assert not (tmp_path / "w").exists()  # refused before touching anything
 
 
+def test_a_work_folder_not_made_by_the_demo_is_never_wiped(tmp_path: Path) -> None:
+    (tmp_path / "precious.txt").write_text("keep me")
+    assert train_demo.main(["--tiny", "--work", str(tmp_path)]) == 2
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
 def test_bad_schedule_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         train_demo.main(["--tiny", "--ckpt-every", "5", "--kill-after", "3", "--work", str(tmp_path)])
@@ -134,6 +140,25 @@ def test_report_table_from_a_result(tmp_path: Path) -> None:
     assert ref["checkpoints"]["blocked_ms_median"] == pytest.approx(20.0)  # the slower rank's block
     table = report.table(r)
     assert "MISMATCH" in table and "bitwise equal" not in table
+
+    # README's `<!-- numbers:demo source=... -->` block renders the same table from the JSON (scripts/readme_numbers.py)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import readme_numbers as rn
+
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench/results/demo-x.json").write_text(json.dumps(r))
+    body = rn.render("demo", "bench/results/demo-x.json", root=tmp_path)
+    assert (
+        "`bench/results/demo-x.json`" in body
+        and report.table(json.loads(json.dumps(r)), heading=False) in body
+    )
+    assert not rn.unsourced_figures(
+        "<!-- numbers:demo source=bench/results/demo-x.json -->\n" + body + "<!-- /numbers -->"
+    )
+    del r["verdict"]
+    (tmp_path / "bench/results/demo-y.json").write_text(json.dumps(r))
+    with pytest.raises(rn.NumbersError):
+        rn.render("demo", "bench/results/demo-y.json", root=tmp_path)
 
 
 def test_tiny_demo_end_to_end(tmp_path: Path) -> None:
