@@ -1,13 +1,18 @@
-"""1-bit Adam benchmark: dstrain OneBitAdam vs Adam (ZeRO stage 0), same GPT-like model, 2 ranks.
+"""1-bit Adam and 0/1 Adam benchmark: dstrain OneBitAdam and ZeroOneAdam vs Adam (ZeRO stage 0), same
+GPT-like model, 2 ranks.
 
-Per method and rep (fresh torchrun processes, methods interleaved rep by rep): median step time after
-the freeze, bytes this rank put on the wire per step (gradient all-reduce for Adam, the compressed
-momentum all-reduce for 1-bit Adam, from the comm statistics), and the time spent in that
-communication. The modelled step at a stated link speed replaces the measured communication time by
-bytes / link (e.g. 10 GbE between nodes, 1.25 GB/s), where compression is meant to win.
+Per method and rep (fresh torchrun processes, methods interleaved rep by rep), over the timed steps
+after the warm-up: mean step time, bytes this rank put on the wire per step (the gradient all-reduce
+from the engine's comm statistics, plus the compressed all-reduce's own counters), and the time spent
+in that communication. Means, not medians, because 0/1 Adam's steps differ: after its variance
+freeze it synchronises only every ``--local-interval`` steps (``local_step_scaler=1``,
+``local_step_clipper=--local-interval``: the interval doubles each frozen step up to that, untimed),
+and the mean over a whole number of intervals is its cost per step. The modelled step at a stated link
+speed replaces the measured communication time by bytes / link (e.g. 10 GbE between nodes,
+1.25 GB/s), where compression is meant to win.
 
-    python bench/onebit.py                                  # gloo on this machine
-    python bench/onebit.py --device cuda --backend nccl     # two GPUs
+    python bench/onebit.py --layers 2 --dim 256 --vocab 8000          # gloo on this machine (CPU)
+    python bench/onebit.py --device cuda --backend nccl               # two GPUs
 """
 
 from __future__ import annotations
@@ -28,7 +33,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-METHODS = ("adam", "onebit")
+METHODS = ("adam", "onebit", "zeroone")
+
+
+def warmup_steps(method: str, freeze: int, local_interval: int) -> int:
+    """Untimed steps: 1-bit Adam's freeze_step; 0/1 Adam's var_freeze_step, the step that freezes,
+    and the frozen steps until the local interval has doubled up to ``local_interval``."""
+    if method == "zeroone":
+        return freeze + 1 + max(local_interval - 1, 0).bit_length()
+    return freeze
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -47,9 +60,20 @@ def worker(args: argparse.Namespace) -> None:
     model = build_model(args).to(device)
     nparam = sum(p.numel() for p in model.parameters())
     if args.method == "adam":
-        opt = {"type": "Adam", "params": {"lr": 1e-4}}
-    else:
+        opt: dict[str, Any] = {"type": "Adam", "params": {"lr": 1e-4}}
+    elif args.method == "onebit":
         opt = {"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": args.freeze}}
+    else:
+        opt = {
+            "type": "ZeroOneAdam",
+            "params": {
+                "lr": 1e-4,
+                "var_freeze_step": args.freeze,
+                "local_step_scaler": 1,
+                "local_step_clipper": args.local_interval,
+            },
+        }
+    warm = warmup_steps(args.method, args.freeze, args.local_interval)
     cfg = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
@@ -64,7 +88,7 @@ def worker(args: argparse.Namespace) -> None:
         backend.time_collectives = True  # exact collective time on CUDA (synchronizes around them)
     g = torch.Generator().manual_seed(1 + rank)
     times, bytes_, comms = [], [], []
-    for step in range(args.freeze + args.steps):
+    for step in range(warm + args.steps):
         x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
         c0 = engine.comm.statistics()
         s0 = backend.statistics().wire_bytes if backend is not None else 0
@@ -79,24 +103,28 @@ def worker(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t
         c1 = engine.comm.statistics()
-        if step >= args.freeze:
+        if step >= warm:
             times.append(dt)
-            grad_bytes = c1.all_reduce_bytes - c0.all_reduce_bytes
+            # a ring all-reduce sends 2 (w-1)/w of its input; the compressed all-reduce counts its own
+            grad_bytes = int(2 * (world - 1) / world * (c1.all_reduce_bytes - c0.all_reduce_bytes))
+            comm_s = c1.wait_seconds - w0
             if backend is not None:
-                bytes_.append(backend.statistics().wire_bytes - s0)
-                comms.append(backend.statistics().collective_seconds - t_c0)
-            else:  # a ring all-reduce sends 2 (w-1)/w of its input
-                bytes_.append(int(2 * (world - 1) / world * grad_bytes))
-                comms.append(c1.wait_seconds - w0)
+                grad_bytes += backend.statistics().wire_bytes - s0
+                comm_s += backend.statistics().collective_seconds - t_c0
+            bytes_.append(grad_bytes)
+            comms.append(comm_s)
     engine.close()
     if rank == 0:
         Path(args.out).write_text(
             json.dumps(
                 {
-                    "step_s": statistics.median(times),
-                    "wire_bytes": statistics.median(bytes_),
-                    "comm_s": statistics.median(comms),
+                    "step_s": statistics.fmean(times),
+                    "wire_bytes": statistics.fmean(bytes_),
+                    "comm_s": statistics.fmean(comms),
                     "params": nparam,
+                    "warmup_steps": warm,
+                    "step_times": times,
+                    "step_wire_bytes": bytes_,
                 }
             )
         )
@@ -106,8 +134,13 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=4, help="timed steps after the freeze")
-    p.add_argument("--freeze", type=int, default=2, help="1-bit Adam's freeze_step (warm-up steps, untimed)")
+    p.add_argument(
+        "--steps", type=int, default=8, help="timed steps after the warm-up (a multiple of --local-interval)"
+    )
+    p.add_argument(
+        "--freeze", type=int, default=2, help="1-bit Adam's freeze_step, 0/1 Adam's var_freeze_step (untimed)"
+    )
+    p.add_argument("--local-interval", type=int, default=4, help="0/1 Adam's local_step_clipper (H)")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -129,8 +162,24 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
     passthrough = [
         f"--{k}={getattr(args, k.replace('-', '_'))}"
-        for k in ("steps", "freeze", "layers", "dim", "heads", "vocab", "seq", "batch", "device", "backend")
+        for k in (
+            "steps",
+            "freeze",
+            "local-interval",
+            "layers",
+            "dim",
+            "heads",
+            "vocab",
+            "seq",
+            "batch",
+            "device",
+            "backend",
+        )
     ]
+    if args.steps % args.local_interval:
+        p.error(
+            "--steps must be a multiple of --local-interval (0/1 Adam's cost per step is over whole intervals)"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             for m in METHODS:  # interleaved rep by rep
@@ -176,13 +225,17 @@ def main() -> None:
         "raw": results,
     }
     base.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    a, o = rows["adam"], rows["onebit"]
+    a = rows["adam"]
+    load = os.getloadavg()
     lines = [
-        f"# 1-bit Adam vs Adam, {stamp:%Y-%m-%d %H:%M} UTC ({dev})",
+        f"# 1-bit Adam and 0/1 Adam vs Adam, {stamp:%Y-%m-%d %H:%M} UTC ({dev})",
         "",
         f"GPT-like model, {data['params'] / 1e6:.1f}M parameters, {args.layers} layers, d={args.dim}, seq {args.seq}, "
         f"micro batch {args.batch}, 2 ranks, ZeRO stage 0; {args.reps} interleaved reps in fresh processes, "
-        f"{args.steps} timed steps after a warm-up of {args.freeze} (1-bit Adam's freeze_step). Medians (min-max).",
+        f"{args.steps} timed steps after the warm-up (1-bit Adam: freeze_step {args.freeze}; 0/1 Adam: "
+        f"var_freeze_step {args.freeze}, then local intervals doubling to {args.local_interval}). Per rep the mean "
+        f"over the timed steps; across reps the median (min-max). Load average at the end: "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min) on {os.cpu_count()} CPUs.",
         "",
         f"| method | step, s | comm in step, s | wire bytes/step/rank | modelled step at {args.link_gbps:g} Gbit/s, s |",
         "| --- | --- | --- | --- | --- |",
@@ -192,13 +245,18 @@ def main() -> None:
             f"| {m} | {r['step_s']:.3f} ({r['step_min']:.3f}-{r['step_max']:.3f}) | {r['comm_s']:.3f} | "
             f"{r['wire_bytes']:,.0f} | {r['modelled_step_s']:.3f} |"
         )
+    lines.append("")
+    for m in ("onebit", "zeroone"):
+        o = rows[m]
+        lines += [
+            f"- {m}: wire bytes per step / Adam's = 1/{a['wire_bytes'] / max(o['wire_bytes'], 1):.1f} (target <= 1/28); "
+            f"measured step {o['step_s'] / a['step_s']:.2f}x Adam's; modelled at {args.link_gbps:g} Gbit/s "
+            f"{o['modelled_step_s'] / a['modelled_step_s']:.2f}x",
+        ]
     lines += [
-        "",
-        f"- wire bytes after the freeze: 1-bit / Adam = 1/{a['wire_bytes'] / max(o['wire_bytes'], 1):.1f} (target <= 1/28)",
-        f"- measured step: 1-bit / Adam = {o['step_s'] / a['step_s']:.2f}x; modelled at {args.link_gbps:g} Gbit/s: "
-        f"{o['modelled_step_s'] / a['modelled_step_s']:.2f}x",
         "- comm in step: time inside the collectives (Adam: the gradient all-reduce waits; 1-bit: the all-to-all and "
-        "all-gathers of the compressed momentum). modelled step = measured step - comm + wire bytes / link speed: "
+        "all-gathers of the compressed momentum; 0/1 Adam: those of its synchronisation steps, none on local steps). "
+        "modelled step = measured step - comm + wire bytes / link speed: "
         "compute and the compression arithmetic (packing, scales, error feedback) stay as measured. Adam's all-reduce "
         "is modelled as fully exposed; dstrain overlaps bucketed reductions with backward, so the model favours 1-bit "
         "Adam where compute can hide the transfer.",

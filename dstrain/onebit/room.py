@@ -154,15 +154,15 @@ class OneBitStepper(TorchStepper):
 
     def statistics(self) -> OneBitStepperStatistics:
         opt = self.optimizer
-        zeroone = isinstance(opt, ZeroOneAdam)
+        local = (opt.local_steps_skipped, opt.local_syncs) if isinstance(opt, ZeroOneAdam) else (0, 0)
         return OneBitStepperStatistics(
             steps=self._steps,
             prepares=self._prepares,
             frozen=opt.frozen,
             skipped_reductions=self.reducer.skipped,
             compressed=opt.backend.statistics(),
-            local_steps=opt.local_steps_skipped if zeroone else 0,
-            local_syncs=opt.local_syncs if zeroone else 0,
+            local_steps=local[0],
+            local_syncs=local[1],
         )
 
 

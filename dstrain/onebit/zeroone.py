@@ -67,6 +67,13 @@ def _check_int(name: str, value: object, low: int) -> int:
     return value
 
 
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """The fp32 gradient of a parameter the step selected for having one."""
+    if p.grad is None:
+        raise RuntimeError("a parameter without a gradient was selected")  # unreachable
+    return p.grad.float()
+
+
 class ZeroOneAdam(torch.optim.Optimizer):
     """0/1 Adam over ``params`` (every rank holds all of them), averaging over ``group``."""
 
@@ -183,7 +190,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
         self, group: dict[str, Any], params: list[torch.Tensor], t: int, var_step: bool
     ) -> None:
         beta1, beta2 = group["betas"]
-        grads = [p.grad.float() for p in params]
+        grads = [_grad(p) for p in params]
         if not var_step and self.backend.world > 1:
             # this step's gradients were not reduced: average them here, 1 bit per element
             grads = self._compressed(group, params, grads)
@@ -203,7 +210,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
         self._lrs[gi] += lr
         for p in params:
             st = self._state(p)
-            st["exp_avg"].mul_(beta1).add_(p.grad.float(), alpha=1 - beta1)
+            st["exp_avg"].mul_(beta1).add_(_grad(p), alpha=1 - beta1)
             update = self._update(p, st, group, c1, c2)
             p.add_(-lr * update)
             st["momentum_accumulator"].add_(-lr * update)
