@@ -111,3 +111,37 @@ def test_async_save_is_staged_during_forward_backward_and_resumes_bitwise(tmp_pa
         assert engine_losses(resumed, 2, start=2) == after
     finally:
         resumed.close()
+
+
+def test_torch_save_store_materializes_swapped_state(tmp_path, one_thread) -> None:
+    """Without dsio's writer (torch.save fallback) the lazy sources are read into tensors: the file
+    holds the same Adam state, and it loads into a run without offload."""
+    from dstrain.checkpoint import TorchSaveStore
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    cfg = offload_config(2, "nvme", str(swap))
+    engine, opt, _, _ = dstrain.initialize(model=make_model(), config=cfg)
+    try:
+        engine.store.close()
+        engine.store = TorchSaveStore()
+        engine_losses(engine, 2)
+        path = engine.save_checkpoint(tmp_path / "ck")
+        assert path.suffix == ".pt"
+        expected = opt.state_dict()["state"]
+    finally:
+        engine.close()
+    other, other_opt, _, _ = dstrain.initialize(
+        model=make_model(seed=4), config=offload_config(2, "none", str(swap))
+    )
+    try:
+        other.store.close()
+        other.store = TorchSaveStore()
+        other.load_checkpoint(tmp_path / "ck")
+        got = other_opt.state_dict()["state"]
+        assert expected and set(got) == set(expected)
+        for i, entry in expected.items():
+            assert torch.equal(got[i]["exp_avg"].view(-1), entry["exp_avg"].view(-1))
+            assert torch.equal(got[i]["exp_avg_sq"].view(-1), entry["exp_avg_sq"].view(-1))
+    finally:
+        other.close()
