@@ -1,0 +1,234 @@
+"""How long an engine checkpoint blocks training: synchronous save vs async save, staged at the call
+(the Checkpointer's old behaviour: the pinned memcpy holds the caller) vs staged in the background
+while the next forward and backward run (the engine waits only if staging is unfinished at the next
+optimizer step).
+
+    .venv/bin/python bench/ckpt_blocked.py                      # 3 reps, offload none and nvme, ~4 min
+    .venv/bin/python bench/ckpt_blocked.py --reps 1 --dim 512   # smoke run
+
+One process (world size 1), ZeRO stage 1, an MLP of ``layers`` x Linear(dim, dim) trained with Adam;
+the checkpoint holds the weights plus Adam's m and v. Per rep, every method runs once (interleaved):
+
+- ``sync``: ``engine.save_checkpoint(d)``; blocked = its wall time (the reference).
+- ``async, staged at call``: ``save_checkpoint(d, async_save=True)`` through a store whose save stages
+  before returning (dsio's ``Checkpointer.save`` without ``background_staging``).
+- ``async, staged in background``: ``save_checkpoint(d, async_save=True)`` as the engine does it now.
+
+For async saves, blocked = ``EngineStatistics.checkpoint_blocked_seconds`` accumulated over the call
+and the ``steps_after`` steps that follow (the fence before the next optimizer step); the commit wait
+(``wait_checkpoint`` after those steps) is reported apart, as is the mean time of the steps that ran
+during the save vs the steps before it. Results: bench/results/ckpt-blocked-<date>[-label].{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench._common import RESULTS, fmt, fs_of, machine, scratch_dir  # noqa: E402
+
+METHODS = ("sync", "async, staged at call", "async, staged in background")
+
+
+def _model(dim: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(dim, dim), torch.nn.GELU()]
+    return torch.nn.Sequential(*mods)
+
+
+def _config(offload: str, swap: str) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": 1}
+    if offload != "none":
+        zero["offload_optimizer"] = {"device": offload, "nvme_path": swap, "buffer_count": 4}
+        zero["sub_group_size"] = 1 << 22
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+        "zero_optimization": zero,
+        "steps_per_print": 1_000_000,
+    }
+
+
+class _StageAtCall:
+    """The store as it was: ``save`` returns once dsio staged the state (the memcpy blocks the caller)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.suffix = inner.suffix
+
+    def save(self, directory: Path, step: int, state: dict[str, Any], world: Any, *, background: bool) -> Any:
+        from dstrain.checkpoint.store import PendingSave, rank_file_in, step_name
+
+        ckpt = self.inner._checkpointer(directory)
+        task = self.inner._run(ckpt.save(step, state))  # background_staging=False: staged here
+        expected = directory / step_name(step) / f"rank-{world.rank:05d}{self.suffix}"
+
+        async def committed() -> Any:
+            return await task
+
+        def finish() -> Path:
+            return rank_file_in(Path(self.inner._run(committed()).path), world.rank) or expected
+
+        pending = PendingSave(expected, finish)
+        if not background:
+            pending.wait()
+        return pending
+
+    def load(self, *a: Any, **k: Any) -> Any:
+        return self.inner.load(*a, **k)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _train(engine: Any, x: torch.Tensor, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_config(args: argparse.Namespace, offload: str, root: str) -> dict[str, Any]:
+    import dstrain
+    from dstrain.checkpoint.store import DsioStore
+
+    swap = os.path.join(root, f"swap-{offload}")
+    os.makedirs(swap, exist_ok=True)
+    engine, _, _, _ = dstrain.initialize(model=_model(args.dim, args.layers), config=_config(offload, swap))
+    store = engine.store
+    assert isinstance(store, DsioStore), "this bench needs dsio's native core"
+    store.keep_last = 1  # one directory per method, kept open across reps (as in a run); old steps go
+    x = torch.randn(args.batch, args.dim)
+    _train(engine, x, 2)  # warm-up
+    # rep 0 is not measured: it creates each directory's Checkpointer (handle, lock, staging region)
+    rows: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+    for rep in range(args.reps + 1):
+        for method in METHODS:
+            d = os.path.join(root, f"ck-{offload}-{METHODS.index(method)}")
+            before = _train(engine, x, args.steps_before)
+            engine.store = _StageAtCall(store) if method == "async, staged at call" else store
+            b0 = engine.statistics().checkpoint_blocked_seconds
+            t0 = time.perf_counter()
+            engine.save_checkpoint(d, async_save=method != "sync")
+            call = time.perf_counter() - t0
+            during = _train(engine, x, args.steps_after) if method != "sync" else []
+            blocked = engine.statistics().checkpoint_blocked_seconds - b0
+            t1 = time.perf_counter()
+            engine.wait_checkpoint()
+            commit_wait = time.perf_counter() - t1
+            engine.store = store
+            if rep > 0:
+                rows[method].append(
+                    {
+                        "blocked_s": blocked if method != "sync" else call,
+                        "call_s": call,
+                        "commit_wait_s": commit_wait,
+                        "step_before_s": statistics.mean(before),
+                        "step_during_s": statistics.mean(during) if during else float("nan"),
+                    }
+                )
+    nbytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    engine.close()
+    shutil.rmtree(swap, ignore_errors=True)
+    sync = [r["blocked_s"] for r in rows["sync"]]
+    ratios = {
+        m: [r["blocked_s"] / s for r, s in zip(rows[m], sync, strict=True)] for m in METHODS if m != "sync"
+    }
+    return {
+        "offload": offload,
+        "param_bytes": nbytes,
+        "state_bytes": 3 * nbytes,
+        "rows": rows,
+        "ratios": ratios,
+    }
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace, info: dict[str, str], label: str) -> str:
+    lines = [
+        f"# Checkpoint: time training is blocked per save ({info['date']}{', ' + label if label else ''})",
+        "",
+        f"Machine: {info['cpu']}, {info['memory']}, kernel {info['kernel']}; scratch {args.where} ({fs_of(args.where)}); "
+        f"load average at start {args.load_start}. One process, ZeRO stage 1, MLP {args.layers} x Linear({args.dim}, "
+        f"{args.dim}), batch {args.batch}, Adam; {args.reps} reps after one unmeasured, methods interleaved rep by rep; "
+        "median (min-max), seconds. Async blocked = time inside save_checkpoint + the wait at the next optimizer step "
+        f"for unfinished staging ({args.steps_after} steps run after each async save); ratio = async blocked / the "
+        "same rep's synchronous save.",
+        "",
+        "| offload | state | method | blocked (s) | blocked / sync save | commit wait after the steps (s) "
+        "| step before (s) | step during the save (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        for m in METHODS:
+            rows = r["rows"][m]
+            ratio = fmt([100 * x for x in r["ratios"][m]], 1) + " %" if m != "sync" else "100 %"
+            lines.append(
+                f"| {r['offload']} | {r['state_bytes'] / 2**20:.0f} MiB | {m} | {fmt([x['blocked_s'] for x in rows], 3)} "
+                f"| {ratio} | {fmt([x['commit_wait_s'] for x in rows], 3)} | {fmt([x['step_before_s'] for x in rows], 3)} "
+                f"| {fmt([x['step_during_s'] for x in rows], 3) if m != 'sync' else '-'} |"
+            )
+    lines += ["", "Target (issue 11): async save blocks training <= 5% of a synchronous save's time."]
+    for r in results:
+        med = statistics.median(r["ratios"]["async, staged in background"])
+        lines.append(
+            f"- offload {r['offload']}: {100 * med:.1f}% ({'met' if med <= 0.05 else 'MISSED'}); "
+            f"staged at call (the old behaviour): {100 * statistics.median(r['ratios']['async, staged at call']):.1f}%"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps-before", type=int, default=2)
+    ap.add_argument("--steps-after", type=int, default=3)
+    ap.add_argument("--offload", default="none,nvme")
+    ap.add_argument("--label", default="", help="suffix of the result files, e.g. under-load")
+    args = ap.parse_args()
+    args.where = scratch_dir()
+    args.load_start = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    os.makedirs(args.where, exist_ok=True)
+    root = os.path.join(args.where, f"ckpt-blocked-{os.getpid()}")
+    os.makedirs(root)
+    info = machine()
+    try:
+        results = [run_config(args, o, root) for o in args.offload.split(",")]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    day = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    stem = os.path.join(RESULTS, f"ckpt-blocked-{day}{'-' + args.label if args.label else ''}")
+    os.makedirs(RESULTS, exist_ok=True)
+    text = report(results, args, info, args.label)
+    with open(stem + ".json", "w") as f:
+        json.dump({"machine": info, "args": vars(args), "results": results}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    print(text)
+    print(f"wrote {stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()
