@@ -307,6 +307,7 @@ class PipelineRunner:
             for channel in channels:
                 if channel is not None:
                     channel.forget()
+            self.transport.abort()  # NCCL: unmatched sends/receives must not outlive the failed batch
             if error is not None:
                 if isinstance(error, PipelineError) or not isinstance(error, Exception):
                     raise error

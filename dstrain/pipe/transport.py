@@ -55,6 +55,9 @@ class Transport:
     """True: waits poll ``is_completed`` up to the timeout (NCCL); False: ``wait(timeout=)`` (gloo)."""
     status_group: Any = None
     """Group of the end-of-batch status all-reduce (the world); reduced on ``device``."""
+    abort_on_failure: bool = False
+    """True (NCCL): after a failed batch `abort` tears down the direction groups, whose streams may hold
+    sends or receives that will never be matched (NCCL would wait for them at process exit)."""
 
     # -- construction -------------------------------------------------------------------------------
 
@@ -71,7 +74,7 @@ class Transport:
         in the same order); ``mine`` is this rank's. The neighbour pairs' communicators are created here.
         """
         fwd, bwd = _direction_groups(pp_ranks, mine, backend="nccl")
-        t = cls(forward=fwd, backward=bwd, device=device, tagged=False, poll=True)
+        t = cls(forward=fwd, backward=bwd, device=device, tagged=False, poll=True, abort_on_failure=True)
         t.connect(mine)
         return t
 
@@ -134,6 +137,20 @@ class Transport:
             work.wait()  # NCCL: the current stream waits for the transfer; gloo: raises a failure
         except RuntimeError as e:
             raise PipelineAbortedError(f"{what}: the connection failed ({e})") from e
+
+    def abort(self) -> None:
+        """After a failed batch (known on every rank): abort this transport's own direction groups (NCCL),
+        so messages left unmatched by the failure never block the process; a no-op elsewhere. The pipeline
+        is unusable afterwards (it already refuses further batches)."""
+        if not self.abort_on_failure:
+            return
+        from torch.distributed import distributed_c10d as c10d
+
+        for group in {id(g): g for g in (self.forward, self.backward) if g is not None}.values():
+            try:
+                c10d._abort_process_group(group)  # also forgets the group, so exit does not flush it
+            except Exception:  # noqa: BLE001 - an older torch: abort the backend only
+                group.abort()
 
     def all_reduce_status(self, status: torch.Tensor) -> torch.Tensor:
         """Sum the (CPU) batch status over the world, on this transport's device."""

@@ -103,7 +103,7 @@ def _scenarios(ordered: bool) -> dict[str, Any]:
 def test_p2p_two_processes(ordered: bool) -> None:
     start = time.monotonic()
     r0, r1 = spawn(_scenarios, ordered, world=2)
-    assert time.monotonic() - start < 90
+    assert time.monotonic() - start < 240  # never a hang (loose: 2 cores shared with other jobs)
     assert r1["ok"] == [True] * len(SHAPES)
     sent, got = r0["send"], r1["recv"]
     # metadata only when it changed: messages 0, 4, 5, 6, 7, 9, 10, 12
