@@ -331,7 +331,7 @@ def results() -> list[dict[str, Any]]:
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as directory:
         res = spawn(_scenarios, directory, world=2)
-    assert time.monotonic() - start < 300  # never a hang
+    assert time.monotonic() - start < 600  # never a hang (loose: 2 cores shared with other jobs)
     return res
 
 
