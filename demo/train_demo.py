@@ -149,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        print(
+            f"demo: DEVICE=cuda runs 2 ranks with NCCL, one GPU each; this machine has {torch.cuda.device_count()}",
+            file=sys.stderr,
+        )
+        return 2
 
     t_start = time.time()
     work = Path(args.work).resolve()

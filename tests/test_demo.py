@@ -188,3 +188,18 @@ def test_tiny_demo_end_to_end(tmp_path: Path) -> None:
     assert all(p["metrics_urls"] for p in r["phases"].values())
     assert "serves Prometheus metrics at http://" in proc.stdout
     assert "| tokens/s" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.gpu
+def test_tiny_demo_on_cuda(tmp_path: Path) -> None:
+    """DEVICE=cuda: the same tiny demo on 2 GPUs (NCCL); on the lead's 2x H200 machine."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices (2 NCCL ranks, one GPU each)")
+    out = tmp_path / "result"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "demo" / "train_demo.py"), "--tiny", "--no-plot", "--device", "cuda",
+         "--work", str(tmp_path / "work"), "--out", str(out)],  # fmt: skip
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(out.with_suffix(".json").read_text())["verdict"]["bitwise_equal"]
