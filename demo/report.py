@@ -127,7 +127,14 @@ def summarize(
             "peak_rss_mib": [rss.get(r) for r in (0, 1)],
             "series": _series(ph, t0),
         }
+    swapped: dict[str, float] = {}  # bytes by kind (param / optimizer), both ranks, the uninterrupted run
+    for e in reference.of("summary"):
+        for key, value in e.get("offload", {}).items():
+            if key.startswith("dstrain_offload_swap_bytes") and "kind=" in key:
+                kind = key.split("kind=", 1)[1].rstrip("}").split(",")[0]
+                swapped[kind] = swapped.get(kind, 0.0) + value
     return {
+        "swap_bytes_by_kind": swapped,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "host": platform.node(),
         "python": sys.version.split()[0],
