@@ -1,0 +1,250 @@
+"""A run whose fp32 parameters plus Adam state are more than 2x its memory limit trains to completion
+with parameters and optimizer state on NVMe, and matches the unconstrained run bit for bit.
+
+The test creates a memory cgroup itself: cgroup v2 (``memory.max``) where the memory controller is
+available there, else a cgroup v1 memory hierarchy (``memory.limit_in_bytes``, same semantics for this
+purpose: the kernel reclaims or OOM-kills the group at the limit); it skips, naming the reason, where
+neither can be created. Both ranks of the run join ONE group after building the model (the whole model
+is built on every rank before ``initialize``: that, the interpreter and a warm-up of torch, gloo and
+dsio are charged to the parent group; everything ``initialize`` and training allocate is charged to
+the limited one). The fp32 master is checked bit for bit through a sha256 of each rank's shard file,
+read piecewise (gathering the model would not fit the limit).
+
+Measured here (v1 group, 2 GiB limit, 3 steps): peak 183 MiB at 4.2M parameters and 310 MiB at 33.6M:
+~4 B/param (the fp32 gradient shards, kept in memory) plus a fixed ~85 MiB per rank charged during
+``initialize``; the 2x condition (< 6 B/param) therefore needs a model well above 85M parameters
+until that fixed part is found. Opt-in because of its run time (8 min at 33.6M on the shared machine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import uuid
+from typing import Any
+
+import pytest
+import torch
+from _dstrain_helpers import spawn
+
+STEPS = 3
+WIDTH = 512
+DEPTH = int(
+    os.environ.get("DSTRAIN_CGROUP_DEPTH", "128")
+)  # 128 layers of 512 x 512 (+ bias): 33.6M fp32 params
+LIMIT_PER_ELEMENT = 5.8  # memory limit = 5.8 bytes per parameter; params + Adam = 12 bytes per parameter
+
+
+class _Deep(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))  # (B, WIDTH)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def _numel() -> int:
+    return DEPTH * (WIDTH * WIDTH + WIDTH)
+
+
+def _config(root: str, world: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "train_batch_size": 4 * world,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": WIDTH * WIDTH,  # one layer gathered ahead
+            "stage3_max_live_parameters": 3 * WIDTH * WIDTH,
+            "sub_group_size": 1 << 16,
+            "offload_param": {"device": "nvme", "nvme_path": root, "buffer_count": 3},
+            "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 4},
+            "offload_pinned_bytes": 8 << 20,
+        },
+        "steps_per_print": 1000,
+    }
+
+
+def _master_digest(engine: Any) -> str:
+    """sha256 of this rank's fp32 master, read piecewise from the shard file (never whole in memory)."""
+    store = engine.zero.store
+    h = hashlib.sha256()
+    for g in engine.zero.groups:
+        per = store.max_master_numel
+        for start in range(0, g.total, per):
+            n = min(per, g.total - start)
+            lease, view = store.fetch_master(g.index, start, n).result()
+            h.update(view.numpy().tobytes())
+            store.discard_master(lease).result()
+    return h.hexdigest()
+
+
+def _train(root: str, procs: str | None) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import dstrain
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    _warm_up(root)
+    torch.manual_seed(0)
+    model = _Deep()  # built before joining the group (see the module docstring)
+    if procs is not None:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    engine, optimizer = dstrain.initialize(model=model, config=_config(root, world))[:2]
+    del model
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(4 * world, WIDTH, generator=g)  # (B, WIDTH), the global batch
+        y = torch.randn(4 * world, WIDTH, generator=g).tanh()
+        loss = engine(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    optimizer._swapper.drain()  # the last step's writes, before the master is read back
+    st = engine.zero.store.statistics()
+    out = {
+        "losses": losses,
+        "digest": _master_digest(engine),
+        "holds_master": st.holds_master,
+        "master_resident": sum(gr.master.untyped_storage().nbytes() for gr in engine.zero.groups),
+    }
+    engine.close()
+    optimizer.close()
+    return out
+
+
+def _warm_up(root: str) -> None:
+    """Start the runtime before joining the group: torch's kernels and autograd on the same ops, a
+    gloo collective, dsio's native core and loop thread (one page swapped). Their one-time memory is
+    the interpreter's, not the run's parameters or optimizer state."""
+    import torch.distributed as dist
+
+    from dstrain.offload.swapper import Swapper
+
+    layer = torch.nn.Linear(WIDTH, WIDTH)
+    torch.nn.functional.mse_loss(torch.tanh(layer(torch.randn(4, WIDTH))), torch.zeros(4, WIDTH)).backward()
+    t = torch.ones(2 * dist.get_world_size())
+    dist.all_reduce(t)
+    out = torch.empty(2 * dist.get_world_size())
+    dist.all_gather_into_tensor(out, t[:2])
+    with Swapper(root, "warmup", buffer_bytes=4096, buffer_count=1) as sw:
+        sw.reserve(0, 4096)
+        sw.store(sw.acquire(0).result()).result()
+        sw.discard(sw.fetch(0).result()).result()
+
+
+class _Group:
+    """A memory cgroup made by the test (v2 ``memory.max``, else v1 ``memory.limit_in_bytes``)."""
+
+    def __init__(self, limit: int) -> None:
+        self.path = ""
+        reasons = []
+        for make in (self._v2, self._v1):
+            try:
+                make(limit)
+                return
+            except (OSError, _Unavailable) as e:
+                reasons.append(str(e))
+                self.remove()
+        pytest.skip("cannot create a memory cgroup here: " + "; ".join(reasons))
+
+    def _v2(self, limit: int) -> None:
+        root = _mount("cgroup2")
+        if root is None:
+            raise _Unavailable("no cgroup2 filesystem mounted")
+        with open(os.path.join(root, "cgroup.controllers")) as f:
+            controllers = f.read().split()
+        if "memory" not in controllers:
+            raise _Unavailable(f"cgroup v2 at {root} has no memory controller (controllers: {controllers})")
+        with open(os.path.join(root, "cgroup.subtree_control"), "w") as f:
+            f.write("+memory")
+        self.path = os.path.join(root, f"dstrain-test-{uuid.uuid4().hex[:8]}")
+        os.mkdir(self.path)
+        self._write("memory.max", limit)
+        if os.path.exists(os.path.join(self.path, "memory.swap.max")):
+            self._write("memory.swap.max", 0)  # the limit must bind, not spill into swap
+        self.peak_file, self.kind = "memory.peak", "v2 memory.max"
+
+    def _v1(self, limit: int) -> None:
+        root = _mount("cgroup", "memory")
+        if root is None:
+            raise _Unavailable("no cgroup v1 memory hierarchy mounted")
+        with open("/proc/self/cgroup") as f:
+            own = next((line.split(":", 2)[2].strip() for line in f if ":memory:" in line), "/")
+        self.path = os.path.join(root + own, f"dstrain-test-{uuid.uuid4().hex[:8]}")
+        os.mkdir(self.path)
+        self._write("memory.limit_in_bytes", limit)
+        if os.path.exists(os.path.join(self.path, "memory.memsw.limit_in_bytes")):
+            self._write("memory.memsw.limit_in_bytes", limit)
+        self.peak_file, self.kind = "memory.max_usage_in_bytes", "v1 memory.limit_in_bytes"
+
+    def _write(self, name: str, value: int) -> None:
+        with open(os.path.join(self.path, name), "w") as f:
+            f.write(str(value))
+
+    @property
+    def procs(self) -> str:
+        return os.path.join(self.path, "cgroup.procs")
+
+    def peak(self) -> int | None:
+        p = os.path.join(self.path, self.peak_file)
+        if not os.path.exists(p):
+            return None
+        with open(p) as f:
+            return int(f.read())
+
+    def remove(self) -> None:
+        if self.path and os.path.isdir(self.path):
+            os.rmdir(self.path)
+        self.path = ""
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _mount(fstype: str, option: str | None = None) -> str | None:
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, where, kind, opts, *_ = line.split()
+            if kind == fstype and (option is None or option in opts.split(",")):
+                return where
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("DSTRAIN_CGROUP_TEST") != "1",
+    reason="opt-in (DSTRAIN_CGROUP_TEST=1): minutes of NVMe traffic; on the shared 2-core machine "
+    "initialize charged a fixed ~85 MiB per rank to the group (measured), so the 2x condition needs "
+    "DSTRAIN_CGROUP_DEPTH large enough that 4 B/param of resident gradients + that overhead < 6 B/param",
+)
+def test_run_larger_than_twice_the_memory_limit_matches_unconstrained(monkeypatch) -> None:
+    limit = int(LIMIT_PER_ELEMENT * _numel())
+    assert 12 * _numel() > 2 * limit  # fp32 parameters + Adam m, v: more than twice the limit
+    group = _Group(limit)
+    # the big allocations must go back to the kernel when freed (glibc would keep them in its heap)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 17))
+    try:
+        root = tempfile.mkdtemp(prefix="offload-cgroup-", dir=os.environ.get("DSTRAIN_NVME_DIR"))
+        limited = spawn(_train, root, group.procs, world=2)
+        peak = group.peak()
+    finally:
+        group.remove()
+    free = spawn(_train, root, None, world=2)
+    for got, ref in zip(limited, free, strict=True):
+        assert got["holds_master"] and got["master_resident"] == 0
+        assert got["losses"] == ref["losses"]  # bit for bit, every step
+        assert got["digest"] == ref["digest"]  # the whole fp32 master, bit for bit
+    assert peak is None or peak <= limit
+    print(
+        f"cgroup ({group.kind}) limit {limit / 2**20:.0f} MiB, peak {peak and peak / 2**20:.0f} MiB, "
+        f"params+Adam {12 * _numel() / 2**20:.0f} MiB"
+    )
