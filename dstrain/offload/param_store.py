@@ -367,7 +367,8 @@ class OffloadedShards(ShardStore):
     def store_master(self, lease: Lease) -> concurrent.futures.Future[None]:
         """Write a stepped master range back (once per step) and return its buffer."""
         assert self._swapper is not None
-        _, off, nbytes = lease.key  # type: ignore[misc]
+        key: Any = lease.key  # (group, file offset, bytes), set by fetch_master
+        off, nbytes = int(key[1]), int(key[2])
         self._master_writes += 1
         return self._swapper.store_range(lease, off, nbytes)
 

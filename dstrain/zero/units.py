@@ -63,6 +63,7 @@ class ShardStore:
     def after_step(self, group: ShardGroup) -> None:
         """The optimizer updated ``group.master``: make the shards match."""
         if not group.alias:
+            assert group.shards is not None  # set by `place`
             group.shards.copy_(group.master.detach())
 
     def read_master(self, group: ShardGroup) -> torch.Tensor:
@@ -73,6 +74,7 @@ class ShardStore:
         """Replace ``group``'s master and shards with ``master``."""
         group.master.copy_(master)
         if not group.alias:
+            assert group.shards is not None  # set by `place`
             group.shards.copy_(master)
 
     def statistics(self) -> Any:

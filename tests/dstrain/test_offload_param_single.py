@@ -117,3 +117,22 @@ def test_checkpoint_resumes_bitwise_across_settings(
     assert resumed == whole[steps:]
     for a, b in zip(params, ref, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_params_with_shards_on_host_and_nvme_match_no_offload(tmp_path) -> None:
+    """On a GPU the gathered parameters and the master stay on the device; shards live in host memory
+    (``cpu``) or the NVMe file and are copied host <-> device at each gather and after each step."""
+    out = {}
+    for param in ("none", "cpu", "nvme"):
+        engine, opt = dstrain.initialize(
+            model=make_model().cuda(), config=param_config(str(tmp_path), param=param)
+        )[:2]
+        assert next(engine.module.parameters()).is_cuda
+        out[param] = (engine_losses(engine, 4), [t.cpu() for t in final_params(engine)])
+        _close(engine, opt)
+    for param in ("cpu", "nvme"):
+        assert out[param][0] == out["none"][0]
+        for a, b in zip(out[param][1], out["none"][1], strict=True):
+            assert torch.equal(a, b)
