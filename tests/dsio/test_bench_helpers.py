@@ -35,7 +35,9 @@ def test_failed_drop_is_reported_not_assumed(tmp_path, monkeypatch):
     assert _common.drop_caches_verified(p) is False
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="dropping the page cache needs root: run as root to check the real drop"
+)
 def test_real_drop_is_verified(tmp_path):
     p = str(tmp_path / "f.bin")
     _cached_file(p)

@@ -49,7 +49,9 @@ def test_equals_deepspeed_on_every_recorded_case() -> None:
 
 # os.access, not Path.exists: another user's venv (unreadable path) is "absent", not a collection error
 @pytest.mark.skipif(
-    not os.access(DS_PYTHON, os.X_OK), reason=f"DeepSpeed's venv is not usable at {DS_PYTHON}"
+    not os.access(DS_PYTHON, os.X_OK),
+    reason=f"DeepSpeed's venv is not usable at {DS_PYTHON} by this user: "
+    "make one with bench/baselines/setup_deepspeed.sh and set DSTRAIN_DS_PYTHON to its python",
 )
 def test_fixture_is_what_deepspeed_produces_now() -> None:
     """Re-run the recorder with DeepSpeed itself: the fixture is not stale or hand-edited."""
