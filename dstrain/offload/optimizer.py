@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from dstrain.errors import ConfigError, NotImplementedConfigError
+from dstrain.offload.device_copy import DeviceStager
 from dstrain.offload.swapper import STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
 
 __all__ = ["OffloadAdam", "OffloadOptimizerStatistics", "plan_sub_groups"]
@@ -167,19 +168,29 @@ class OffloadAdam(torch.optim.Optimizer):
             )
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
-        for p in (p for g in self.param_groups for p in g["params"]):
-            if p.device.type != "cpu" or p.dtype != torch.float32:
-                raise NotImplementedConfigError(
-                    "zero_optimization.offload_optimizer",
-                    f"offloaded Adam steps fp32 CPU master tensors; got {p.dtype} on {p.device}",
-                )
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.dtype != torch.float32:
+                    raise NotImplementedConfigError(
+                        "zero_optimization.offload_optimizer",
+                        f"offloaded Adam steps fp32 master tensors; got {p.dtype} on {p.device}",
+                    )
+                if p.device != g["params"][0].device:
+                    raise NotImplementedConfigError(
+                        "zero_optimization.offload_optimizer",
+                        f"a param group's masters are on one device; got {g['params'][0].device} and {p.device}",
+                    )
         self.device = device
         self.adamw = adamw
         # stage 3, parameters and state on NVMe, fp32: the master views have no storage; each
         # sub-group's master is read from (and written back to) the parameter shard file
         self._master = master_store
         self._in_step = False
-        self._steps = [torch.zeros((), dtype=torch.float32) for _ in self.param_groups]
+        # on the masters' device, like torch's fused Adam (its CUDA kernel reads the step there)
+        self._steps = [
+            torch.zeros((), dtype=torch.float32, device=g["params"][0].device if g["params"] else "cpu")
+            for g in self.param_groups
+        ]
         per_elem = 2 * _F32  # m and v
         numels = [p.numel() for g in self.param_groups for p in g["params"]]
         if device == "nvme":
@@ -192,6 +203,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 0,
             )
         self.sub_group_numel = size
+        self._stager = DeviceStager(size)  # state -> the master's device and back (no copy on CPU)
         self._subs: list[_SubGroup] = []
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
@@ -323,12 +335,15 @@ class OffloadAdam(torch.optim.Optimizer):
                 p, grad = master[1], sg.grad_slice()
             else:
                 p, grad = sg.slices()
+            # one path for every device: state (and a swapped master) to the gradient's device,
+            # stepped there by that device's fused kernel, copied back (nothing moves on a CPU run)
+            p_d, m_d, v_d = self._stager.to_device(grad.device, [p, m, v])
             beta1, beta2 = g["betas"]
             kernel(
-                [p],
+                [p_d],
                 [grad],
-                [m],
-                [v],
+                [m_d],
+                [v_d],
                 [],
                 [self._steps[sg.group]],
                 lr=float(g["lr"]),
@@ -339,6 +354,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 amsgrad=False,
                 maximize=False,
             )
+            self._stager.back([(p, p_d), (m, m_d), (v, v_d)])
             if master is not None:
                 self._stores.append(self._master.store_master(master[0]))  # written once per step
             if lease is not None:
@@ -390,7 +406,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 entry = state.setdefault(
                     i,
                     {
-                        "step": self._steps[sg.group].clone(),
+                        "step": self._steps[sg.group].clone().cpu(),
                         "exp_avg": torch.zeros(sg.param.shape, dtype=torch.float32),
                         "exp_avg_sq": torch.zeros(sg.param.shape, dtype=torch.float32),
                     },
@@ -424,7 +440,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 m, v = pieces[i]
                 shape = tuple(sg.param.shape)
                 state[i] = {
-                    "step": self._steps[sg.group].clone(),
+                    "step": self._steps[sg.group].clone().cpu(),
                     "exp_avg": SwapRegions(m, torch.float32, shape, after=after),
                     "exp_avg_sq": SwapRegions(v, torch.float32, shape, after=after),
                 }
