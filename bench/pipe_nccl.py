@@ -13,8 +13,8 @@ peak CUDA memory per rank; for dstrain the measured bubble (1 - host-side comput
 stage; an upper bound on a GPU, where kernels run asynchronously)
 next to (S-1)/(M+S-1) and p2p payload bytes per step. DDP runs the whole model on both GPUs with M/2
 micro-batches each (the same global batch). DeepSpeed is not installed on the GPU machine: not compared here.
-The pipeline's messages use dstrain's native NCCL transport (`dstrain.pipe.transport`: the stages' CUDA tensors,
-one process group per direction); the result records it.
+The pipeline's messages use dstrain's default NCCL transport (`dstrain.pipe.transport`, "staged": tagged
+messages over a gloo group of the pipeline ranks, CUDA payloads through host memory); the result records it.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def _worker(a: argparse.Namespace) -> None:
         st = engine.runner.statistics()
         sent = sum(s.payload_bytes for s in (st.send_activation, st.send_grad) if s is not None)
         res["p2p_sent_bytes_per_step"] = sent / a.steps
-        t = engine.runner.transport  # native NCCL: CUDA tensors, a group per direction, untagged
+        t = engine.runner.transport  # the default on NCCL: staged through host memory
         res["transport"] = {
             "wire": str(t.device),
             "tagged": t.tagged,

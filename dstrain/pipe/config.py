@@ -35,9 +35,12 @@ class PipelineConfig:
     p2p_timeout: float = 300.0
     """dstrain: seconds a stage waits for a neighbour's message before raising `P2PTimeoutError`."""
     transport: str = "auto"
-    """dstrain: how p2p messages travel. ``"auto"``: by the backend (NCCL: CUDA tensors over a group per
-    direction, ordered; gloo: host tensors, tagged). ``"ordered"``: NCCL's discipline on gloo (untagged, a
-    group per direction, polled waits), to test it without GPUs."""
+    """dstrain: how p2p messages travel. ``"auto"``: by the backend (gloo: host tensors, tagged; NCCL: the
+    same, ``"staged"``). ``"staged"``: tagged host tensors over a gloo group of the pipeline ranks, CUDA
+    payloads copied through host memory (the path measured on 2x H200). ``"nccl"``: CUDA tensors natively
+    over an NCCL group per direction, ordered (experimental: its GPU test timed out on 2x H200 on
+    2026-11-30, the first received header never arrived; not the default until it passes there).
+    ``"ordered"``: NCCL's discipline on gloo (untagged, a group per direction), to test it without GPUs."""
 
     _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ()
 
@@ -54,8 +57,11 @@ class PipelineConfig:
         check_bool("pipeline", "grad_partitioned", self.grad_partitioned)
         check_bool("pipeline", "use_reentrant", self.use_reentrant)
         check_float("pipeline", "p2p_timeout", self.p2p_timeout, min_value=0.0, strict_min=True)
-        if self.transport not in ("auto", "ordered"):
-            raise ConfigError("pipeline.transport", f"expected 'auto' or 'ordered', got {self.transport!r}")
+        if self.transport not in ("auto", "staged", "nccl", "ordered"):
+            raise ConfigError(
+                "pipeline.transport",
+                f"expected 'auto', 'staged', 'nccl' or 'ordered', got {self.transport!r}",
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> PipelineConfig:

@@ -55,6 +55,8 @@ class Transport:
     """True: waits poll ``is_completed`` up to the timeout (NCCL); False: ``wait(timeout=)`` (gloo)."""
     status_group: Any = None
     """Group of the end-of-batch status all-reduce (the world); reduced on ``device``."""
+    status_device: torch.device | None = None
+    """Where the status all-reduce runs when not on ``device`` (staged NCCL: the GPU, the wire is host)."""
     abort_on_failure: bool = False
     """True (NCCL): after a failed batch `abort` tears down the direction groups, whose streams may hold
     sends or receives that will never be matched (NCCL would wait for them at process exit)."""
@@ -65,6 +67,25 @@ class Transport:
     def gloo(cls, group: Any = None) -> Transport:
         """Tagged messages in host memory over ``group`` (both directions)."""
         return cls(forward=group, backward=group, device=torch.device("cpu"), tagged=True, poll=False)
+
+    @classmethod
+    def staged(cls, pp_ranks: list[list[int]], mine: list[int], status_device: torch.device) -> Transport:
+        """Under an NCCL world: tagged host tensors over a new gloo group of this rank's pipeline ranks (CUDA
+        payloads copied to and from host memory by the p2p channels); the batch status is reduced over the
+        NCCL world on ``status_device``. Collective over the world (every pipeline group, in order)."""
+        group = None
+        for ranks in pp_ranks:
+            g = dist.new_group(list(ranks), backend="gloo")
+            if list(ranks) == list(mine):
+                group = g
+        return cls(
+            forward=group,
+            backward=group,
+            device=torch.device("cpu"),
+            tagged=True,
+            poll=False,
+            status_device=status_device,
+        )
 
     @classmethod
     def nccl(cls, pp_ranks: list[list[int]], mine: list[int], device: torch.device) -> Transport:
@@ -156,7 +177,7 @@ class Transport:
         """Sum the (CPU) batch status over the world, on this transport's device."""
         if not dist.is_initialized():
             return status
-        on = status.to(self.device)
+        on = status.to(self.status_device or self.device)
         dist.all_reduce(on, group=self.status_group)
         return on.cpu()
 

@@ -12,9 +12,11 @@ A small GPT (token + position embedding, pre-LN transformer blocks, LayerNorm, a
   sent per change, fillers for receives posted ahead): within 1e-5 of one GPU, the two copies bitwise equal.
 - a stage that raises mid-batch ends both ranks with a PipelineError within 60 s, no step taken.
 
-The pipeline's p2p is native NCCL (`dstrain.pipe.transport.Transport.nccl`): the stage's CUDA tensors, no
-tags (order alone matches a message's parts), a process group per direction so receives posted ahead never
-hold back a send, waits polled up to ``p2p_timeout``, the batch status all-reduced on the GPU.
+The pipeline's default p2p on NCCL is ``"staged"`` (`dstrain.pipe.transport.Transport.staged`): tagged
+messages over a gloo group of the pipeline ranks, CUDA payloads copied through host memory, the batch status
+all-reduced on the GPU. The native transport (``"transport": "nccl"``: CUDA tensors, a group per direction,
+order-matched) timed out on 2x H200 on 2026-11-30 (the first header never arrived): its test is a strict
+xfail, so it fails the day the native path starts working and must become the default.
 """
 
 from __future__ import annotations
@@ -102,13 +104,13 @@ def data(n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]
     return out
 
 
-def config(bf16: bool) -> dict[str, Any]:
+def config(bf16: bool, transport: str = "auto", timeout: float = 60) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MB,
         "gradient_accumulation_steps": GAS,
         "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
         "steps_per_print": 10**6,
-        "pipeline": {"p2p_timeout": 60},
+        "pipeline": {"p2p_timeout": timeout, "transport": transport},
     }
     if bf16:
         cfg["bf16"] = {"enabled": True}
@@ -133,14 +135,14 @@ def reference(batches: list[Any], device: torch.device) -> dict[str, Any]:
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _train(bf16: bool) -> dict[str, Any]:
+def _train(bf16: bool, transport: str = "auto", timeout: float = 60) -> dict[str, Any]:
     import dstrain
 
     device = _device()
     module = PipelineModule(
         layers(), num_stages=2, loss_fn=lm_loss, partition_method="uniform", seed_layers=True
     )
-    engine, _, _, _ = dstrain.initialize(model=module, config=config(bf16))
+    engine, _, _, _ = dstrain.initialize(model=module, config=config(bf16, transport, timeout))
     batches = data(GAS * STEPS, device)
     it = iter(batches)
     losses = [float(engine.train_batch(it).float().item()) for _ in range(STEPS)]
@@ -340,7 +342,7 @@ def test_nccl_pp2_bf16_trains_and_stages_agree(nccl: list[dict[str, Any]]) -> No
 def test_nccl_pp2_clipping_over_stages(nccl: list[dict[str, Any]]) -> None:
     for r in nccl:
         c = r["clip"]
-        assert c["wire"].startswith("cuda")  # payloads travel as CUDA tensors (no host staging)
+        assert c["wire"] == "cpu"  # the staged default: payloads travel through host memory
         assert min(c["ref_norms"]) > 0.05
         for got, want in zip(c["norms"], c["ref_norms"], strict=True):
             assert abs(got - want) <= 1e-5 * want, c
@@ -361,3 +363,18 @@ def test_nccl_failing_stage_ends_both_ranks(nccl: list[dict[str, Any]]) -> None:
         f = r["raises"]
         assert f["pipeline_error"] and f["unchanged"] and f["seconds"] < 60, f
         assert f["error"] == ("PipelineAbortedError", "PipelineError")[rank], f
+
+
+def _native() -> dict[str, Any]:
+    return {"fp32": _train(False, transport="nccl", timeout=20)}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="native NCCL p2p: the first header never arrived on 2x H200 (2026-11-30); experimental",
+)
+def test_native_nccl_transport_equals_single_gpu() -> None:
+    out = spawn_bounded(_native, timeout=120, backend="nccl")
+    for r in out:
+        res = r["fp32"]
+        assert res["losses"] == pytest.approx(res["ref_losses"], rel=1e-6, abs=1e-6), res
