@@ -6,9 +6,12 @@ end to end (the group's ``offsets``), as in the resident layout:
 - ``device="cpu"``: in a host buffer per group, apart from the training device's tensors. A gather
   copies the unit's shard into its own slot of the gathered buffer (host -> device on a GPU).
 - ``device="nvme"``: in one file per rank, a page-aligned region per group, through one `Swapper`
-  (dsio handle on dsio's loop thread, bounded pinned pool). Reads run ahead in the order the
-  `GatherScheduler` recorded (`upcoming`); a gather copies the shard out of its buffer, which goes
-  back to the pool unwritten at once. Shards are written once per step, after the optimizer.
+  (dsio handle on dsio's loop thread, bounded pinned pool). Reads run ahead along the order of
+  the shard reads of the last pass (recorded here, from `begin_pass` to the step: the gathers'
+  own order, whatever the gather prefetch depth, a unit used in forward and backward once per
+  use); a gather copies the shard out of its buffer, which goes back to the pool unwritten at
+  once. Each read-ahead buffer is consumed by exactly one gather, so a shard is read once per
+  gather. Shards are written once per step, after the optimizer.
 
 The fp32 master: resident (a tensor of the group) unless `holds_master` (parameters and optimizer
 state both on NVMe, fp32): then the master *is* the shard in the file, and `OffloadAdam` reads and
@@ -21,7 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -103,7 +106,14 @@ class OffloadedShards(ShardStore):
         self._pending_init: list[tuple[int, ShardGroup]] = []
         self._swapper: Swapper | None = None
         self._closed_stats: SwapperStatistics | None = None
-        self._queue: OrderedDict[int, concurrent.futures.Future[Lease]] = OrderedDict()
+        # read-ahead: (position in `_trace`, unit index, read) in consumption order
+        self._queue: deque[tuple[int, int, concurrent.futures.Future[Lease]]] = deque()
+        self._trace: list[int] | None = None  # unit indices of the last whole pass's shard reads
+        self._recording: list[int] = []  # this pass's shard reads so far
+        self._cursor = 0  # position in `_trace` of the next read a gather will ask for
+        self._following = False  # this pass's reads match `_trace` so far
+        self._deviated = False
+        self._in_pass = False
         self._unit_group: dict[int, ShardGroup] = {}
         self._stall = 0.0
         self._hits = self._misses = 0
@@ -236,25 +246,55 @@ class OffloadedShards(ShardStore):
         """Hand back read-ahead buffers unused (the order changed, or the optimizer needs the pool)."""
         assert self._swapper is not None
         while self._queue:
-            _, fut = self._queue.popitem(last=False)
+            _, _, fut = self._queue.popleft()
             self._swapper.discard(fut.result())
+
+    def _end_pass(self) -> None:
+        """The step started: reads from now until the next `begin_pass` are off the trace."""
+        self._in_pass = False
+        self._following = False
+
+    def _skip(self, pos: int) -> int:
+        """The first position >= ``pos`` of the trace whose unit will really be read (a persistent
+        unit that stays gathered is read once, in the first pass only)."""
+        assert self._trace is not None
+        while pos < len(self._trace):
+            unit = self._unit_of(self._trace[pos])
+            if unit is not None and not (unit.persistent and unit.gathered):
+                break
+            pos += 1
+        return pos
+
+    def _top_up(self) -> None:
+        """Keep reads submitted for the next trace positions, one buffer each."""
+        sw = self._swapper
+        if sw is None or not self._following or self._trace is None:
+            return
+        pos = self._queue[-1][0] + 1 if self._queue else self._cursor
+        while len(self._queue) < sw._buffers:
+            pos = self._skip(pos)
+            if pos >= len(self._trace):
+                break
+            unit = self._unit_of(self._trace[pos])
+            assert unit is not None
+            self._queue.append((pos, unit.index, self._read_unit(unit)))
+            pos += 1
 
     # -- the ShardStore surface -----------------------------------------------------------------
 
-    def upcoming(self, order: Sequence[int]) -> None:
-        """Start reading the next shards in ``order`` (as many as there are buffers)."""
-        sw = self._swapper
-        if sw is None or not order:
+    def begin_pass(self) -> None:
+        """Adopt the last pass's reads as the trace if it changed, and start reading its first shards."""
+        if self._swapper is None:
             return
-        for index in order:
-            if len(self._queue) >= sw._buffers:
-                break
-            if index in self._queue:
-                continue
-            unit = self._unit_of(index)
-            if unit is None or (unit.persistent and unit.gathered):
-                continue
-            self._queue[index] = self._read_unit(unit)
+        if self._recording and (self._trace is None or self._deviated):
+            self._trace = self._recording
+        self._recording = []
+        self._deviated = False
+        self._in_pass = True
+        self._cancel_queue()  # nothing is queued between passes; a pass cut short may leave some
+        self._cursor = 0
+        self._following = self._trace is not None
+        self._top_up()
 
     def _unit_of(self, index: int) -> Unit | None:
         group = self._unit_group.get(index)
@@ -271,19 +311,30 @@ class OffloadedShards(ShardStore):
             own.copy_(self._host[group.index][off : off + unit.layout.shard])
             return own
         assert self._swapper is not None
-        if unit.index in self._queue:
-            # everything queued before it is out of order now: hand those buffers back first
-            while next(iter(self._queue)) != unit.index:
-                _, stale = self._queue.popitem(last=False)
-                self._swapper.discard(stale.result())
-            fut = self._queue.pop(unit.index)
-        else:
-            # not read ahead (first pass, off the recorded order, or beyond the read-ahead): make
-            # sure one buffer is free for it, giving up the furthest read-ahead first
-            while len(self._queue) >= self._swapper._buffers:
-                _, far = self._queue.popitem(last=True)
-                self._swapper.discard(far.result())
-            fut = self._read_unit(unit)
+        if self._in_pass:
+            self._recording.append(unit.index)
+        fut = None
+        if self._following and self._trace is not None:
+            self._cursor = self._skip(self._cursor)
+            if self._cursor < len(self._trace) and self._trace[self._cursor] == unit.index:
+                if self._queue and self._queue[0][0] == self._cursor:
+                    fut = self._queue.popleft()[2]
+                self._cursor += 1
+            else:  # the model took another path: stop reading ahead, re-record this pass
+                self._following = False
+                self._deviated = True
+        if fut is None:
+            # off the trace (the order changed): a shard already read ahead is still valid
+            # (shards change only at the step) and is used; else it is read now, in a buffer
+            # freed by giving up the furthest read-ahead
+            hit = next((e for e in self._queue if e[1] == unit.index), None)
+            if hit is not None:
+                self._queue.remove(hit)
+                fut = hit[2]
+            else:
+                while len(self._queue) >= self._swapper._buffers:
+                    self._swapper.discard(self._queue.pop()[2].result())
+                fut = self._read_unit(unit)
         if fut.done():
             self._hits += 1
         else:
@@ -295,6 +346,7 @@ class OffloadedShards(ShardStore):
         _, _, at = self._span(group, off, unit.layout.shard)
         own.copy_(lease.view(self.dtype, at, unit.layout.shard))
         self._swapper.discard(lease)  # unchanged: back to the pool without a write
+        self._top_up()  # its buffer is free again: read the next shard of the trace into it
         return own
 
     def shard_numel(self, unit: Unit) -> int:
@@ -303,6 +355,7 @@ class OffloadedShards(ShardStore):
     def after_step(self, group: ShardGroup) -> None:
         """Write the stepped master (cast to the shard dtype) once; nothing when the optimizer
         wrote it already (`holds_master`)."""
+        self._end_pass()
         if self.holds_master:
             return
         values = group.master.detach()
@@ -344,6 +397,7 @@ class OffloadedShards(ShardStore):
         """A buffer with master elements ``[start, start + numel)`` of ``group`` and the fp32 view of
         them (after any write of those pages in flight)."""
         assert self._swapper is not None and self.holds_master
+        self._end_pass()
         if self._queue:
             self._cancel_queue()  # the step owns the pool now: read-ahead of shards restarts in forward
         g = self._groups[group]

@@ -63,8 +63,7 @@ class GatherScheduler:
         self.deviated = False
         self.pos = 0
         self.following = self.trace is not None
-        if self.trace is not None:
-            self.store.upcoming(self.trace)
+        self.store.begin_pass()  # the store reads ahead along the order of its own shard reads
 
     def _pre_forward(self, needed: list[Unit]):
         def hook(module: torch.nn.Module, args: Any) -> None:
@@ -114,8 +113,6 @@ class GatherScheduler:
             self.deviated = True
 
     def _prefetch(self) -> None:
-        if self.following and self.trace is not None:
-            self.store.upcoming(self.trace[self.pos :])  # shard reads run further ahead than gathers
         if not self.following or self.trace is None or self.prefetch_numel == 0:
             return
         live = sum(u.numel for u in self.units if (u.gathered or u.handle is not None) and not u.persistent)

@@ -56,8 +56,9 @@ class ShardStore:
         """Elements of ``unit``'s shard held in the training device's memory."""
         return unit.shard.numel()
 
-    def upcoming(self, order: Sequence[int]) -> None:
-        """Hint: units in the order they will be gathered next (from the recorded trace)."""
+    def begin_pass(self) -> None:
+        """A forward pass starts: its gathers will ask for shards (`input_for`) in the same order as
+        the last pass did, unless the model's control flow changed (a store may read ahead)."""
         return None
 
     def after_step(self, group: ShardGroup) -> None:
