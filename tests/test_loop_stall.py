@@ -35,6 +35,8 @@ _spec.loader.exec_module(loop_stall)
 TARGET_S = 0.002
 #: An idle loop whose median longest gap stays under this is on a quiet machine (0.5 ms ticks).
 QUIET_IDLE_S = 0.001
+#: ...and the 1-minute load average is below this (an idle machine; this one has 2 cores).
+QUIET_LOADAVG = 1.0
 
 
 class LoopStallRelaxedWarning(UserWarning):
@@ -97,7 +99,7 @@ async def test_nothing_blocking_runs_on_the_loop_thread_during_a_background_save
 
 async def test_longest_loop_stall_during_a_background_save(tmp_path: Path) -> None:
     """Median over 5 saves of 32 MiB of the longest gap between 0.5 ms ticks while the save's
-    background part runs: < 2 ms when the same ticker, idle, shows a quiet machine (or with
+    background part runs: < 2 ms when the same ticker, idle, ticks on time and loadavg < 1 (or with
     DSIO_STRICT_LOOP_STALL=1); else the best rep < 2 ms + 4x the idle loop's median stall, with a warning."""
     report = await loop_stall.measure(str(tmp_path), reps=5, mib=32)
     save, idle = report.save_median, report.idle_median
@@ -106,7 +108,10 @@ async def test_longest_loop_stall_during_a_background_save(tmp_path: Path) -> No
         f"idle loop {idle * 1e3:.2f} ms, loadavg {report.loadavg_1m:.1f}"
     )
     print(summary)
-    strict = os.environ.get("DSIO_STRICT_LOOP_STALL") == "1" or idle < QUIET_IDLE_S
+    # Quiet = the idle loop ticks on time AND no other process wants the cores (a loaded host can leave
+    # the idle loop on time - uvloop, 0.27 ms at loadavg 3.6 - while the save's own threads then queue).
+    quiet = idle < QUIET_IDLE_S and report.loadavg_1m < QUIET_LOADAVG
+    strict = os.environ.get("DSIO_STRICT_LOOP_STALL") == "1" or quiet
     if strict:
         assert save < TARGET_S, (
             f"loop stalled during a background save beyond 2 ms on a quiet machine: {summary}"
@@ -118,7 +123,7 @@ async def test_longest_loop_stall_during_a_background_save(tmp_path: Path) -> No
     bound = TARGET_S + 4 * idle
     warnings.warn(
         LoopStallRelaxedWarning(
-            f"machine loaded (idle loop stalls {idle * 1e3:.2f} ms): bound relaxed from the median under 2 ms "
+            f"machine loaded (idle loop stalls {idle * 1e3:.2f} ms, loadavg {report.loadavg_1m:.1f}): bound relaxed from the median under 2 ms "
             f"to the best rep under {bound * 1e3:.2f} ms; {summary}. "
             "Strict check: DSIO_STRICT_LOOP_STALL=1 on an idle machine"
         ),
