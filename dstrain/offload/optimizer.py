@@ -16,7 +16,14 @@ Where the state lives:
   thread waits only when a read is truly late; that wait is `stall_seconds`.
 
 The fp32 master itself is the ZeRO strategy's tensor: at fp32 it *is* the model's parameter
-storage, so swapping it would only add a second copy of bytes already in memory.
+storage, so swapping it would only add a second copy of bytes already in memory (except with
+parameters on NVMe too, where the master is the shard in the parameter file, `master_store`).
+
+The masters (and their gradients) may live on any device, CUDA included. The state is kept on the
+host or NVMe either way; each sub-group's m, v (and a swapped master) are moved to the gradient's
+device by a `DeviceStager`, stepped there by that device's fused Adam(W) (the kernel the
+non-offloaded optimizer uses, elementwise, so sub-group slicing keeps results bitwise equal), and
+copied back before their swap write. On a CPU run nothing moves: the same code, no copies.
 """
 
 from __future__ import annotations
@@ -138,7 +145,7 @@ def plan_sub_groups(
 
 
 class OffloadAdam(torch.optim.Optimizer):
-    """Adam / AdamW (torch's fused CPU kernel) over master views, state on ``device``.
+    """Adam / AdamW (torch's fused kernel of the masters' device) over master views, state on ``device``.
 
     It is a ``torch.optim.Optimizer`` (``param_groups`` for LR schedules, ``state_dict`` in torch's
     own format, so checkpoints move between offload settings) and a dstrain Stepper (`prepare`,
