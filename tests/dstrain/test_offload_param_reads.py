@@ -55,8 +55,19 @@ def _config(root: str, prefetch: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("prefetch", [0, 50_000_000], ids=["no_gather_prefetch", "gather_prefetch"])
 def test_param_bytes_read_per_step_equal_the_formula(tmp_path, prefetch: int) -> None:
+    _check_reads(str(tmp_path), prefetch, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("prefetch", [0, 50_000_000], ids=["no_gather_prefetch", "gather_prefetch"])
+def test_param_bytes_read_per_step_equal_the_formula_cuda(tmp_path, prefetch: int) -> None:
+    _check_reads(str(tmp_path), prefetch, "cuda")
+
+
+def _check_reads(root: str, prefetch: int, device: str) -> None:
     torch.manual_seed(0)
-    engine, optimizer, _, _ = dstrain.initialize(model=_MLP(), config=_config(str(tmp_path), prefetch))
+    engine, optimizer, _, _ = dstrain.initialize(model=_MLP().to(device), config=_config(root, prefetch))
     try:
         store = engine.zero.store
         assert store.holds_master
@@ -90,7 +101,7 @@ def test_param_bytes_read_per_step_equal_the_formula(tmp_path, prefetch: int) ->
         for _ in range(STEPS):
             gathers.clear()
             before = store.statistics().swapper
-            x, y = torch.randn(4, DIM, generator=g), torch.randn(4, DIM, generator=g)
+            x, y = (torch.randn(4, DIM, generator=g).to(device) for _ in range(2))
             engine.backward(engine(x, y))
             engine.step()
             after = store.statistics().swapper
