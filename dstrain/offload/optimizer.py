@@ -41,14 +41,12 @@ import torch
 
 from dstrain.errors import ConfigError, NotImplementedConfigError
 from dstrain.offload.device_copy import DeviceStager
+from dstrain.offload.sub_groups import CUT, SubGroup, plan_sub_groups
 from dstrain.offload.swapper import STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
 
-__all__ = ["OffloadAdam", "OffloadOptimizerStatistics", "plan_sub_groups"]
+__all__ = ["CUT", "OffloadAdam", "OffloadOptimizerStatistics", "plan_sub_groups"]
 
 log = logging.getLogger(__name__)
-
-CUT = 1024
-"""Sub-group boundaries are multiples of this many elements from their view's start."""
 
 _F32 = 4
 
@@ -72,76 +70,6 @@ class OffloadOptimizerStatistics:
     pinned_bytes: int
     """Pinned bytes allocated for this optimizer's swapping (never above ``pinned_budget``)."""
     swapper: SwapperStatistics | None
-
-
-class _SubGroup:
-    __slots__ = ("index", "group", "param", "start", "numel", "m", "v", "offset", "master_start")
-
-    def __init__(self, index: int, group: int, param: torch.Tensor, start: int, numel: int) -> None:
-        self.index = index
-        self.group = group
-        self.param = param  # the master view (a leaf whose .grad views the fp32 gradient)
-        self.start = start
-        self.numel = numel
-        self.m: torch.Tensor | None = None  # device="cpu": resident state
-        self.v: torch.Tensor | None = None
-        self.offset = 0  # device="nvme": where its slot (m, then v) starts in the swap file
-        self.master_start = param.storage_offset() + start  # element of its group's master
-
-    def grad_slice(self) -> torch.Tensor:
-        grad = self.param.grad
-        if grad is None:
-            raise RuntimeError("an offloaded master tensor has no gradient (the ZeRO strategy sets it)")
-        return grad.view(-1)[self.start : self.start + self.numel]
-
-    def slices(self) -> tuple[torch.Tensor, torch.Tensor]:
-        grad = self.param.grad
-        if grad is None:
-            raise RuntimeError("an offloaded master tensor has no gradient (the ZeRO strategy sets it)")
-        end = self.start + self.numel
-        return self.param.detach().view(-1)[self.start : end], grad.view(-1)[self.start : end]
-
-
-def plan_sub_groups(
-    numels: Iterable[int], sub_group_size: int, budget: int, buffer_count: int, per_element_bytes: int
-) -> tuple[int, int]:
-    """(sub-group elements, buffer count) for views of ``numels`` elements under ``budget`` bytes.
-
-    The sub-group is ``sub_group_size`` rounded to a multiple of 1024, capped at the largest view;
-    buffers are as many as the budget holds, at most one per sub-group. When the budget cannot hold
-    ``min(buffer_count, sub-groups)`` buffers the sub-group shrinks until it does (logged).
-    """
-    numels = [n for n in numels if n > 0]
-    largest = max(numels, default=CUT)
-    size = max(CUT, min(align_up(sub_group_size, CUT), align_up(largest, CUT)))
-
-    def buf(s: int) -> int:
-        return align_up(s * per_element_bytes)
-
-    def count(s: int) -> int:
-        return sum(-(-n // s) for n in numels)
-
-    want = max(1, min(buffer_count, count(size)))
-    original = size
-    while want * buf(size) > budget:
-        fit = (budget // want // per_element_bytes) // CUT * CUT  # the largest size that fits
-        if fit < CUT:
-            raise ConfigError(
-                "zero_optimization.offload_pinned_bytes",
-                f"{budget} bytes cannot hold {want} swap buffer(s) of the smallest sub-group ({buf(CUT)} bytes)",
-            )
-        size = min(size - CUT, fit)
-        want = max(1, min(buffer_count, count(size)))
-    if size != original:
-        log.info(
-            "offload: sub-group %d -> %d elements so that %d buffers fit offload_pinned_bytes=%d",
-            original,
-            size,
-            want,
-            budget,
-        )
-    buffers = max(1, min(budget // buf(size), count(size)))
-    return size, buffers
 
 
 class OffloadAdam(torch.optim.Optimizer):
@@ -211,14 +139,14 @@ class OffloadAdam(torch.optim.Optimizer):
             )
         self.sub_group_numel = size
         self._stager = DeviceStager(size)  # state -> the master's device and back (no copy on CPU)
-        self._subs: list[_SubGroup] = []
+        self._subs: list[SubGroup] = []
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
                 # equal pieces (multiples of CUT) rather than full ones and a sliver
                 pieces = -(-p.numel() // size)
                 piece = align_up(-(-p.numel() // max(pieces, 1)), CUT)
                 for start in range(0, p.numel(), piece):
-                    self._subs.append(_SubGroup(len(self._subs), gi, p, start, min(piece, p.numel() - start)))
+                    self._subs.append(SubGroup(len(self._subs), gi, p, start, min(piece, p.numel() - start)))
         self._budget = pinned_budget
         self._swapper: Swapper | None = None
         self._closed_stats: SwapperStatistics | None = None
@@ -255,7 +183,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     # -- swap helpers -------------------------------------------------------------------------
 
-    def _views(self, lease: Lease, sg: _SubGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    def _views(self, lease: Lease, sg: SubGroup) -> tuple[torch.Tensor, torch.Tensor]:
         v_at = align_up(sg.numel * _F32)
         return lease.view(torch.float32, 0, sg.numel), lease.view(torch.float32, v_at, sg.numel)
 
@@ -274,7 +202,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def _lookahead(self) -> int:
         return self._swapper._buffers if self._swapper is not None else 0
 
-    def _top_up(self, order: list[_SubGroup], pos: int) -> None:
+    def _top_up(self, order: list[SubGroup], pos: int) -> None:
         """Keep reads submitted for the sub-groups after ``pos`` (as many as there are buffers)."""
         assert self._swapper is not None
         queued = {entry[0].index for entry in self._ahead}
@@ -292,7 +220,7 @@ class OffloadAdam(torch.optim.Optimizer):
                     sg = entry[0]
                     entry[2] = self._master.fetch_master(sg.group, sg.master_start, sg.numel)
 
-    def _take(self, sg: _SubGroup) -> tuple[Lease, Any]:
+    def _take(self, sg: SubGroup) -> tuple[Lease, Any]:
         """The sub-group's state lease, and its (master lease, master view) when the master is swapped."""
         if not self._ahead or self._ahead[0][0] is not sg:
             raise RuntimeError("offload read-ahead out of order")  # a bug, never user input
@@ -388,7 +316,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 self._master.discard_master(mfut.result()[0])
         self._swapper.drain()
 
-    def _state_of(self, sgs: list[_SubGroup]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _state_of(self, sgs: list[SubGroup]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of (m, v) of ``sgs``."""
         if self._swapper is None:
             return [(sg.m.clone(), sg.v.clone()) for sg in sgs]  # type: ignore[union-attr]
