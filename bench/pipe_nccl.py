@@ -183,7 +183,9 @@ def _worker(a: argparse.Namespace) -> None:
 
 
 def _launch(method: str, a: argparse.Namespace, gas: int) -> list[dict[str, Any]]:
-    env = dict(os.environ, OMP_NUM_THREADS="4", PYTHONPATH=str(ROOT))
+    # the checkout first, then whatever PYTHONPATH already holds (the GPU machine's wheels live there)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="4", PYTHONPATH=path)
     env["PIPE_NCCL_BENCH_ARGS"] = json.dumps({**{k: getattr(a, k) for k in _ARGS}, "gas": gas})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
     proc = subprocess.run(
