@@ -7,7 +7,6 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import aiofiles.os
@@ -24,6 +23,7 @@ from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpda
 from ._locate import open_rank_file, rank_file
 from ._lock import DirectoryLock
 from ._read import read_file
+from ._results import CheckpointStatistics, SaveResult
 from ._state import flatten
 from ._write import FileWriter, Staging
 
@@ -38,56 +38,6 @@ _LOAD_RETRIES = 5
 # The commit's metadata work (manifest, renames, directory fsyncs, ``latest``) runs on a worker
 # thread through aiofiles, so no fsync ever stalls the event loop.
 _commit_off_loop = aiofiles.os.wrap
-
-
-@dataclass(frozen=True, slots=True)
-class SaveResult:
-    """What ``await task`` returns for a committed save."""
-
-    step: int
-    path: str
-    """The committed step directory."""
-    bytes: int
-    """Bytes this rank wrote."""
-    blocked_seconds: float
-    """Time ``save()`` held the caller: waiting for the previous save, then staging."""
-    write_seconds: float
-    """From the end of staging to the durable commit."""
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointStatistics:
-    """Counters of one ``Checkpointer`` (this rank). Throughput counts this rank's bytes."""
-
-    saves: int
-    """Saves committed."""
-    failed_saves: int
-    loads: int
-    in_flight: bool
-    """A save is being written right now."""
-    last_step: int | None
-    """Step of the last committed save."""
-    last_wait_seconds: float
-    """How long the last ``save()`` waited for the save before it (one save in flight at a time)."""
-    last_staging_seconds: float
-    """How long the last ``save()`` copied tensors into pinned memory."""
-    last_blocked_seconds: float
-    """What the last ``save()`` blocked training for: wait + staging."""
-    last_write_seconds: float
-    """From the end of staging to the durable commit of the last save."""
-    last_bytes: int
-    last_throughput_bytes_per_s: float
-    """last_bytes / (staging + write) of the last committed save."""
-    blocked_seconds_total: float
-    staging_seconds_total: float
-    write_seconds_total: float
-    bytes_written_total: int
-    load_seconds_total: float
-    bytes_read_total: int
-    staging_buffer_bytes: int
-    """Size of the pinned staging region kept between saves."""
-    last_stream_buffer_bytes: int = 0
-    """Window memory of the last save when it streamed lazy sources (0 when it was staged whole)."""
 
 
 class Checkpointer:
