@@ -20,6 +20,7 @@ from dstrain.pipe.errors import (
     PartitionError,
     PipelineAbortedError,
     PipelineError,
+    ProcessGroupMissingError,
     ShapeMismatchError,
 )
 from dstrain.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
@@ -37,6 +38,7 @@ __all__ = [
     "P2PTimeoutError",
     "PartitionError",
     "PipelineAbortedError",
+    "ProcessGroupMissingError",
     "PipelineConfig",
     "PipelineError",
     "PipelineModule",

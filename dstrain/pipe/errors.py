@@ -15,6 +15,7 @@ __all__ = [
     "P2PTimeoutError",
     "PartitionError",
     "PipelineAbortedError",
+    "ProcessGroupMissingError",
     "PipelineError",
     "ShapeMismatchError",
 ]
@@ -52,3 +53,8 @@ class ShapeMismatchError(PipelineError, ValueError):
 class LabelMismatchError(PipelineError, ValueError):
     """The last stage's labels are not the labels the first stage loaded with that micro-batch (the two
     stages' data iterators are out of step): the loss would pair activations with another batch's labels."""
+
+
+class ProcessGroupMissingError(PipelineError, RuntimeError):
+    """A multi-stage `PipelineModule` was built under a launcher (``WORLD_SIZE`` > 1) before the process
+    group existed: it would build stage 0 on every rank. Call ``dstrain.init_distributed()`` first."""

@@ -18,6 +18,7 @@ Differences from DeepSpeed, on purpose:
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dstrain.pipe.errors import PartitionError
+from dstrain.pipe.errors import PartitionError, ProcessGroupMissingError
 
 __all__ = [
     "LayerSpec",
@@ -234,6 +235,12 @@ class _Fn(nn.Module):
 def _default_stage(num_stages: int) -> tuple[int, int]:
     """(stage of this rank, world size) from the default process group (pipeline outermost)."""
     if not dist.is_initialized():
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and num_stages > 1:
+            raise ProcessGroupMissingError(
+                f"WORLD_SIZE is {launched} but no process group exists yet: every rank would build stage 0; "
+                "call dstrain.init_distributed() (or torch.distributed.init_process_group) before PipelineModule"
+            )
         return 0, 1
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % num_stages:

@@ -198,3 +198,17 @@ def test_runner_checks_the_layout_of_a_checkpoint() -> None:
     other = dict(saved, parts=[0, 3, 7], stages=2)
     with pytest.raises(PipelineError):
         runner("uniform").load_state_dict(other)
+
+
+def test_module_under_a_launcher_without_a_process_group_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun sets WORLD_SIZE; building a 2-stage module before init_process_group would build stage 0 on
+    every rank (and fail later with a raw gloo error): refused at once, naming the fix."""
+    import torch.distributed as dist
+
+    from dstrain.pipe import ProcessGroupMissingError
+
+    assert not dist.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ProcessGroupMissingError):
+        PipelineModule([LayerSpec(nn.Linear, 4, 4) for _ in range(2)], num_stages=2)
+    PipelineModule([LayerSpec(nn.Linear, 4, 4)], num_stages=1)  # one stage: nothing to split
