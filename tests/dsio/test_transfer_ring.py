@@ -19,6 +19,12 @@ MIB = 1 << 20
 BS = 64 << 10
 
 
+@pytest.fixture(autouse=True)
+def _ring_for_writes_too(monkeypatch):
+    """These tests exercise the ring in both directions; by default only reads take it."""
+    monkeypatch.setattr(transfer, "RING_STAGING_WRITES", True)
+
+
 def _cfg(backend: str, slots: int, **kw) -> dsio.IOConfig:
     """A handle whose pool holds ``slots`` block_size slots in one buffer each."""
     return dsio.IOConfig(
@@ -119,3 +125,21 @@ def test_submit_staged_rejects_bad_arguments():
             eng.submit_staged(0, 0, 4096, BS, 0, 1, [])  # no slot
     finally:
         eng.close()
+
+
+async def test_by_default_staged_writes_go_per_buffer_and_reads_take_the_ring(data_dir, monkeypatch):
+    """The measured choice (see RING_STAGING_WRITES): an 8 MiB staged write is one request per pool buffer
+    (8), the read of it one ring request."""
+    monkeypatch.setattr(transfer, "RING_STAGING_WRITES", False)
+    path = os.path.join(data_dir, "default.bin")
+    src = fill_random(unaligned_tensor(8 * MIB), seed=11)
+    cfg = dsio.IOConfig(staging_buffer_bytes=MIB, pool_bytes=4 * MIB, block_size=256 << 10)
+    async with dsio.AsyncIOHandle(cfg) as h:
+        s0 = h._engine.statistics()["submitted"]
+        await h.pwrite(src, path)
+        s1 = h._engine.statistics()["submitted"]
+        dst = unaligned_tensor(8 * MIB)
+        await h.pread(dst, path)
+        s2 = h._engine.statistics()["submitted"]
+    assert torch.equal(dst, src)
+    assert (s1 - s0, s2 - s1) == (8, 1)
