@@ -315,7 +315,48 @@ def render_demo(src: dict[str, Any], source: str) -> str:
     return f"`{source}` ({src['date']}, host {src.get('host', '?')}): " + table(src, heading=False)
 
 
+def _bench_module(name: str) -> Any:
+    """A module of the checkout's ``bench`` package (its own report code: one source of truth)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import importlib
+
+    return importlib.import_module(f"bench.{name}")
+
+
+def render_io_tuned(src: dict[str, Any], source: str) -> str:
+    """bench/io.py's tuned-vs-tuned sweep (bench/io_tuned.report_tuned), the main table's defaults beside it."""
+    res, meta = _get(src, "results"), _get(src, "meta")
+    tuned = _get(res, "tuned")
+    _get(tuned, "results", "dsio")
+    main_defaults = {
+        (side, op): statistics.median(res[method][case])
+        for side, method in (
+            ("dsio", "dsio io_uring, locked buffer"),
+            ("DeepSpeed", "DeepSpeed aio_handle, locked"),
+        )
+        for op, case in (("write", "write_new"), ("read", "read"))
+        if res.get(method, {}).get(case)
+    }
+    body = _bench_module("io_tuned").report_tuned(tuned, 1 << 30, main_defaults)
+    body = body.replace("## Tuned vs tuned: each side's best of the same sweep", "").strip()
+    return f"`{source}` ({meta.get('date', '?')}, host {meta.get('host', '?')}): " + body + "\n"
+
+
+def render_io_loop(src: dict[str, Any], source: str) -> str:
+    """bench/io.py's asyncio vs uvloop rows (bench/io.loop_lines)."""
+    res, meta = _get(src, "results"), _get(src, "meta")
+    _get(res, "dsio io_uring (default config)", "ops_write_64K_path")
+    lines = _bench_module("io").loop_lines(res)
+    if not lines:
+        raise ValueError("no uvloop rows in this run")
+    table = "\n".join(line for line in lines if line.startswith("|"))
+    return f"`{source}` ({meta.get('date', '?')}, host {meta.get('host', '?')}): 64 KiB ops/s, median (min-max).\n\n{table}\n"
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str], str]] = {
+    "io-tuned": render_io_tuned,
+    "io-loop": render_io_loop,
     "io-seq": render_io_seq,
     "io-ops": render_io_ops,
     "checkpoint": render_checkpoint,
