@@ -194,10 +194,6 @@ UNIMPLEMENTED = [
         {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
         "zero_optimization.offload_optimizer.device",
     ),
-    (
-        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}},
-        "zero_optimization.offload_param.device",
-    ),
     ({"optimizer": {"type": "OneBitLamb"}}, "optimizer.type"),
     ({"optimizer": {"type": "lamb"}}, "optimizer.type"),
     ({"scheduler": {"type": "OneCycle"}}, "scheduler.type"),
