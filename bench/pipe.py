@@ -239,7 +239,9 @@ def record_ds_losses(path: Path) -> None:
 
 def bench(a: argparse.Namespace) -> None:
     gases = [int(g) for g in a.gas_list.split(",")]
-    methods = ["dstrain", "ds", "ddp"]
+    methods = a.methods.split(",")
+    if "dstrain" not in methods or not set(methods) <= set(WORKERS):
+        sys.exit(f"--methods must include dstrain and name only {sorted(WORKERS)}")
     raw: dict[str, list[list[dict[str, Any]]]] = {f"{m}-{g}": [] for g in gases for m in methods}
     with tempfile.TemporaryDirectory() as d:
         for rep in range(a.reps):
@@ -344,6 +346,7 @@ def main() -> None:
     p.add_argument("--gas", type=int, default=4, help="worker mode: micro-batches per step")
     p.add_argument("--gas-list", default="4,8", help="bench mode: micro-batch counts to compare")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--methods", default="dstrain,ds,ddp", help="bench mode: methods to interleave")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--label", default="under load: other jobs running on this 2-core machine")
     p.add_argument("--suffix", default="", help="appended to the result file names")

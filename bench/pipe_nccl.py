@@ -14,7 +14,9 @@ stage; an upper bound on a GPU, where kernels run asynchronously)
 next to (S-1)/(M+S-1) and p2p payload bytes per step. DDP runs the whole model on both GPUs with M/2
 micro-batches each (the same global batch). DeepSpeed is not installed on the GPU machine: not compared here.
 The pipeline's messages use dstrain's default NCCL transport (`dstrain.pipe.transport`, "staged": tagged
-messages over a gloo group of the pipeline ranks, CUDA payloads through host memory); the result records it.
+messages over a gloo group of the pipeline ranks, CUDA payloads through host memory); method
+``dstrain-pp2-native`` uses the native one (``"transport": "nccl"``: CUDA tensors over NCCL p2p, receives
+posted just in time). The result records which.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def _worker(a: argparse.Namespace) -> None:
     torch.manual_seed(0)
     layers, loss_fn = _model_parts(a)
     res: dict[str, Any] = {"method": a.worker}
-    if a.worker == "dstrain-pp2":
+    if a.worker.startswith("dstrain-pp2"):
         sys.path.insert(0, str(ROOT))
         import dstrain
         from dstrain.pipe.module import PipelineModule
@@ -113,6 +115,8 @@ def _worker(a: argparse.Namespace) -> None:
             "bf16": {"enabled": True},
             "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
         }
+        if a.worker == "dstrain-pp2-native":  # CUDA tensors over NCCL p2p instead of host-staged gloo
+            cfg["pipeline"] = {"transport": "nccl", "p2p_timeout": 120}
         engine, _, _, _ = dstrain.initialize(model=pipe, config=cfg)
         res["stage_params"] = sum(p.numel() for p in pipe.parameters())
 
@@ -154,14 +158,14 @@ def _worker(a: argparse.Namespace) -> None:
         losses.append(step(it))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        if a.worker == "dstrain-pp2":
+        if a.worker.startswith("dstrain-pp2"):
             compute.append(engine.runner.statistics().compute_seconds)
     res.update(rank=rank, times=times, losses=losses, peak_mem_bytes=torch.cuda.max_memory_allocated(device))
-    if a.worker == "dstrain-pp2":
+    if a.worker.startswith("dstrain-pp2"):
         st = engine.runner.statistics()
         sent = sum(s.payload_bytes for s in (st.send_activation, st.send_grad) if s is not None)
         res["p2p_sent_bytes_per_step"] = sent / a.steps
-        t = engine.runner.transport  # the default on NCCL: staged through host memory
+        t = engine.runner.transport  # staged through host memory (the default) or native NCCL
         res["transport"] = {
             "wire": str(t.device),
             "tagged": t.tagged,
@@ -215,7 +219,7 @@ def _summarise(
             "params_per_rank": [r["stage_params"] for r in reps[0]],
             "losses_rank_last": reps[0][-1]["losses"],
         }
-        if method == "dstrain-pp2":
+        if method.startswith("dstrain-pp2"):
             bubbles = []
             for ranks in reps:
                 per_rank = []
@@ -237,7 +241,7 @@ def _summarise(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", choices=("dstrain-pp2", "ddp"))
+    p.add_argument("--worker", choices=("dstrain-pp2", "dstrain-pp2-native", "ddp"))
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
@@ -248,7 +252,11 @@ def main() -> None:
     p.add_argument("--gas-list", default="4,8", help="micro-batch counts to compare")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--methods", default="dstrain-pp2,ddp")
+    p.add_argument(
+        "--methods",
+        default="dstrain-pp2,ddp",
+        help="any of dstrain-pp2 (staged p2p), dstrain-pp2-native, ddp",
+    )
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--output", default="", help="result path prefix (default bench/results/pipe-nccl-<date>)")
     a = p.parse_args()
@@ -302,7 +310,7 @@ def main() -> None:
             bub = f"{x['bubble_measured']:.2f} ({x['bubble_ideal']:.2f})" if "bubble_measured" in x else "-"
             p2p = (
                 "/".join(f"{b / 2**20:.0f}" for b in x["p2p_sent_bytes_per_step"])
-                if m == "dstrain-pp2"
+                if m.startswith("dstrain-pp2")
                 else "-"
             )
             mem = "/".join(f"{v:.1f}" for v in x["peak_mem_gib_per_rank"])

@@ -12,7 +12,9 @@ previous one). A message is, in this order on the wire::
 
 Receives are posted ahead: as soon as message ``k`` is consumed the header of ``k + 1`` is posted, and when
 the metadata was unchanged at ``k`` the payload of ``k + 1`` is posted too, with ``k``'s shapes (on gloo a
-send only moves once its receive is posted, so this is what lets transfers overlap compute). Both ends apply
+send only moves once its receive is posted, so this is what lets transfers overlap compute). A transport
+without ``post_ahead`` (NCCL) posts the very same receives, in the same order, when `Receiver.recv` is called
+instead (see `dstrain.pipe.transport.Transport.post_ahead` for why). Both ends apply
 the same rule, so when shapes change right after a stable run the sender first fills the receiver's
 speculative buffers with zeros of the old shapes (one wasted transfer per change), then sends the real
 payload: variable sequence lengths work, and no receive is ever left dangling. Because every receive the
@@ -288,7 +290,7 @@ class Receiver(_Channel):
         if self._header is not None:
             raise PipelineError(f"{self.name}: receives are still posted from the previous batch")
         self._remaining = messages
-        if messages:
+        if messages and self.transport.post_ahead:
             self._post_ahead()
 
     def _wait(self, work: Any, what: str) -> None:
@@ -300,6 +302,8 @@ class Receiver(_Channel):
 
     def recv(self, micro_batch: int) -> Received:
         """Wait for message ``micro_batch`` (it must be the next one); raises if the peer aborted."""
+        if self._header is None and self._remaining > 0 and not self.transport.post_ahead:
+            self._post_ahead()  # just in time: the same receives a post-ahead transport posted earlier
         if self._header is None:
             raise PipelineError(f"{self.name}: recv of micro-batch {micro_batch} with nothing posted")
         header_t, work = self._header
@@ -353,7 +357,7 @@ class Receiver(_Channel):
         self._last = metas
         self.received += 1
         self._remaining -= 1
-        if self._remaining > 0:
+        if self._remaining > 0 and self.transport.post_ahead:
             self._post_ahead()
         return Received(tuple(tensors), mb, ack, fingerprint)
 

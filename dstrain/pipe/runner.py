@@ -35,12 +35,28 @@ from dstrain.pipe.errors import (
 )
 from dstrain.pipe.module import PipelineModule
 from dstrain.pipe.p2p import P2PStatistics, Receiver, Sender, TensorMeta, check_grads
+from dstrain.pipe.saved import SavedBytes
 from dstrain.pipe.schedule import Instruction, Op, Schedule, eval_schedule, train_schedule
+from dstrain.pipe.timeline import Timeline, TimelineEvent
 from dstrain.pipe.transport import BACKWARD, FORWARD, Transport
 
 __all__ = ["PipelineRunner", "PipelineStatistics", "labels_fingerprint"]
 
 _ACT, _GRAD, _EVAL = 100, 200, 300  # tag bases of the three channel kinds
+_SENDS = frozenset({Op.SEND_ACTIVATION, Op.SEND_GRAD})
+
+
+def sends_first(step: tuple[Instruction, ...]) -> tuple[Instruction, ...]:
+    """A step's instructions with the sends of what an earlier step produced moved ahead of its receives
+    (otherwise in schedule order; a send of this step's own output stays after the compute).
+
+    DeepSpeed's streams put a backward step's ``RecvGrad`` before its ``SendActivation`` (its sends block, so
+    the order must mirror the neighbour's). Here a send only posts, so posting it first is free, and it takes
+    the wait for the gradient (and its latency) off the path of the next stage, which then finds the
+    activation already there when its backward ends."""
+    computed = {i.micro_batch for i in step if i.op in (Op.FORWARD, Op.BACKWARD)}
+    early = [i for i in step if i.op in _SENDS and i.micro_batch not in computed]
+    return (*early, *(i for i in step if all(i is not e for e in early)))
 
 
 def labels_fingerprint(labels: Any) -> int:
@@ -91,39 +107,6 @@ class PipelineStatistics:
     recv_activation: P2PStatistics | None
     send_grad: P2PStatistics | None
     recv_grad: P2PStatistics | None
-
-
-class _SavedBytes:
-    """Counts the bytes of tensors autograd saves for backward (live: freed when the graph is), except the
-    parameters themselves (a Linear saves its weight: a reference, not activation memory)."""
-
-    def __init__(self) -> None:
-        self.live = 0
-        self.peak = 0
-        self.exclude: set[int] = set()
-        """Storage addresses of the module's parameters."""
-
-    def pack(self, t: torch.Tensor) -> Any:
-        if t.untyped_storage().data_ptr() in self.exclude:
-            return _Saved(t, 0, self)
-        n = t.numel() * t.element_size()
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        return _Saved(t, n, self)
-
-    @staticmethod
-    def unpack(s: Any) -> torch.Tensor:
-        return s.t
-
-
-class _Saved:
-    __slots__ = ("counter", "n", "t")
-
-    def __init__(self, t: torch.Tensor, n: int, counter: _SavedBytes) -> None:
-        self.t, self.n, self.counter = t, n, counter
-
-    def __del__(self) -> None:
-        self.counter.live -= self.n
 
 
 class PipelineRunner:
@@ -198,8 +181,22 @@ class PipelineRunner:
         self._compute = 0.0
         self._batch_seconds = 0.0
         self._peak_live = 0
-        self._saved = _SavedBytes()
+        self._saved = SavedBytes()
         self._peak_saved = 0
+        self._timeline = Timeline()
+
+    @property
+    def trace(self) -> bool:
+        """Record a per-instruction `timeline` of every batch (off by default)."""
+        return self._timeline.enabled
+
+    @trace.setter
+    def trace(self, on: bool) -> None:
+        self._timeline.enabled = bool(on)
+
+    def timeline(self) -> tuple[TimelineEvent, ...]:
+        """The last finished batch's instructions and end-of-batch phases with their times (needs `trace`)."""
+        return self._timeline.last
 
     # -- public --------------------------------------------------------------------------------------
 
@@ -263,6 +260,9 @@ class PipelineRunner:
         if self._broken is not None:
             raise PipelineError(f"the pipeline failed earlier ({self._broken}); restart the job")
         start = time.perf_counter()
+        tl = self._timeline if self._timeline.enabled else None
+        if tl is not None:
+            tl.begin()
         self._compute = 0.0
         m = self.micro_batches
         send_act = self.act_out if train else self.eval_out
@@ -278,10 +278,13 @@ class PipelineRunner:
             if (self.first or self.last) and data_iter is None:
                 raise PipelineError(f"stage {self.stage} loads micro-batches: train_batch needs data_iter")
             for step in sched.steps:
-                for ins in step:
+                for ins in sends_first(step):
                     if ins.op in (Op.REDUCE_TIED_GRADS, Op.REDUCE_GRADS, Op.OPTIMIZER_STEP):
                         continue  # after the status check below
+                    t0 = time.perf_counter()
                     self._execute(ins, state, data_iter, train, send_act, recv_act)
+                    if tl is not None:
+                        tl.add(ins.op.value, ins.micro_batch, t0, time.perf_counter())
         except BaseException as e:  # noqa: BLE001 - every failure must reach the status all-reduce
             error = e
             origin = e if isinstance(e, PipelineAbortedError) else None
@@ -298,7 +301,10 @@ class PipelineRunner:
             [float(sum(state.losses)) if self.last and error is None else 0.0, 1.0 if error else 0.0],
             dtype=torch.float64,
         )
+        t0 = time.perf_counter()
         status = self.transport.all_reduce_status(status)  # on the transport's device (NCCL: the GPU)
+        if tl is not None:
+            tl.add("status", None, t0, time.perf_counter())
         if error is not None or status[1] > 0:
             self._broken = repr(error) if error is not None else "another rank failed"
             channels: list[Sender | Receiver | None] = [
@@ -308,6 +314,8 @@ class PipelineRunner:
                 if channel is not None:
                     channel.forget()
             self.transport.abort()  # NCCL: unmatched sends/receives must not outlive the failed batch
+            if tl is not None:
+                tl.finish()
             if error is not None:
                 if isinstance(error, PipelineError) or not isinstance(error, Exception):
                     raise error
@@ -315,14 +323,24 @@ class PipelineRunner:
             raise PipelineAbortedError(
                 f"{int(status[1])} rank(s) failed during this batch; no optimizer step was taken"
             )
+        t0 = time.perf_counter()
         if send_act is not None:
             send_act.drain()
+        if train and self.grad_out is not None:
+            self.grad_out.drain()
+        if tl is not None:
+            tl.add("drain", None, t0, t0 := time.perf_counter())
         if train:
-            if self.grad_out is not None:
-                self.grad_out.drain()
             if self._reduce_tied is not None:
                 self._reduce_tied()
+                if tl is not None:
+                    tl.add("reduce_tied", None, t0, t0 := time.perf_counter())
             self.engine.step()  # the boundary micro-step: reduce over dp, unscale, clip, optimizer step
+            if tl is not None:
+                tl.add("step", None, t0, time.perf_counter())
+                tl.finish()
+        elif tl is not None:
+            tl.finish()
         self._batches += 1
         self._micro += m
         self._peak_saved = max(self._peak_saved, self._saved.peak)

@@ -13,7 +13,9 @@ other). The NCCL transport therefore gives each direction a process group of its
 neighbour pair, two streams): on each, one rank only sends and the other only receives, and receives posted
 ahead never hold back a send. Its neighbour pairs' communicators are created at construction, in pipeline
 order (NCCL creates them lazily and blockingly at the first send/receive, which would deadlock against a
-receive posted ahead). Waits poll ``is_completed`` up to the timeout, then make the current stream wait.
+receive posted ahead). Receives are posted just before they are waited on, never ahead of compute
+(``post_ahead``: a pending NCCL receive spins on the GPU, and CUDA's lazy kernel loading synchronizes the
+device). Waits poll ``is_completed`` up to the timeout, then make the current stream wait.
 
 ``Transport.gloo_ordered`` runs that same NCCL discipline on gloo (untagged, one group per direction): the CPU
 tests exercise the NCCL ordering rules with real processes. (Its waits stay gloo's: a gloo work reports
@@ -60,6 +62,16 @@ class Transport:
     abort_on_failure: bool = False
     """True (NCCL): after a failed batch `abort` tears down the direction groups, whose streams may hold
     sends or receives that will never be matched (NCCL would wait for them at process exit)."""
+    post_ahead: bool = True
+    """True (gloo): a receiver posts the receives of its next message as soon as the previous one arrived, so
+    the transfer overlaps compute. False (NCCL): it posts them when it is about to wait for them. A posted
+    NCCL receive is a kernel spinning on the GPU until the peer's send arrives; any device-wide
+    synchronization meanwhile waits for it: CUDA's lazy module loading (PyTorch's default) synchronizes the
+    context at the first launch of every kernel, so a gradient receive posted ahead of the first forward
+    deadlocked the first batch on 2x H200 (the forward waited for the gradient, which needed the forward's
+    activation: rank 1 never got its first header). Receives posted just in time are only pending while
+    their rank blocks on them anyway. NCCL moves the data once the receive is posted (NVLink: a 32 MiB
+    activation in ~0.1 ms), so little overlap is lost."""
 
     # -- construction -------------------------------------------------------------------------------
 
@@ -95,16 +107,30 @@ class Transport:
         in the same order); ``mine`` is this rank's. The neighbour pairs' communicators are created here.
         """
         fwd, bwd = _direction_groups(pp_ranks, mine, backend="nccl")
-        t = cls(forward=fwd, backward=bwd, device=device, tagged=False, poll=True, abort_on_failure=True)
+        t = cls(
+            forward=fwd,
+            backward=bwd,
+            device=device,
+            tagged=False,
+            poll=True,
+            abort_on_failure=True,
+            post_ahead=False,
+        )
         t.connect(mine)
+        # the batch status all-reduce's communicator, created now too: NCCL builds it lazily at the first
+        # collective, and its set-up (device allocations) must not meet a transfer still pending on the GPU
+        dist.all_reduce(torch.zeros(1, device=device), group=t.status_group)
         return t
 
     @classmethod
     def gloo_ordered(cls, pp_ranks: list[list[int]], mine: list[int]) -> Transport:
-        """The NCCL discipline on gloo (for tests): untagged, a group per direction. Waits stay gloo's
-        ``wait(timeout=)``: a gloo send or receive reports ``is_completed()`` only once waited on."""
+        """The NCCL discipline on gloo (for tests): untagged, a group per direction, receives posted just in
+        time. Waits stay gloo's ``wait(timeout=)``: a gloo send or receive reports ``is_completed()`` only once
+        waited on."""
         fwd, bwd = _direction_groups(pp_ranks, mine, backend="gloo")
-        t = cls(forward=fwd, backward=bwd, device=torch.device("cpu"), tagged=False, poll=False)
+        t = cls(
+            forward=fwd, backward=bwd, device=torch.device("cpu"), tagged=False, poll=False, post_ahead=False
+        )
         t.connect(mine)
         return t
 

@@ -15,8 +15,9 @@ A small GPT (token + position embedding, pre-LN transformer blocks, LayerNorm, a
 The pipeline's default p2p on NCCL is ``"staged"`` (`dstrain.pipe.transport.Transport.staged`): tagged
 messages over a gloo group of the pipeline ranks, CUDA payloads copied through host memory, the batch status
 all-reduced on the GPU. The native transport (``"transport": "nccl"``: CUDA tensors, a group per direction,
-order-matched) timed out on 2x H200 on 2026-11-30 (the first header never arrived): its test is a strict
-xfail, so it fails the day the native path starts working and must become the default.
+order-matched) timed out on 2x H200 on 2026-11-30 (the first header never arrived) while it posted receives
+ahead; it now posts them just in time (`dstrain.pipe.transport.Transport.post_ahead`), and its test runs the
+fp32, tied/variable-length and failing-stage cases on it.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def tied_layers() -> list[Any]:
     ]
 
 
-def _tied() -> dict[str, Any]:
+def _tied(transport: str = "auto") -> dict[str, Any]:
     """Token embedding tied to the LM head on the other stage; sequence length 5..16, new every micro-batch."""
     import dstrain
 
@@ -232,7 +233,7 @@ def _tied() -> dict[str, Any]:
     module = PipelineModule(
         tied_layers(), num_stages=2, loss_fn=lm_loss, partition_method="uniform", seed_layers=True
     )
-    engine, _, _, _ = dstrain.initialize(model=module, config=config(False))
+    engine, _, _, _ = dstrain.initialize(model=module, config=config(False, transport))
     it = iter(batches)
     losses = [float(engine.train_batch(it).item()) for _ in range(3)]
     model = PipelineModule(tied_layers(), num_stages=1, loss_fn=lm_loss, seed_layers=True, stage_id=0).to(
@@ -272,7 +273,7 @@ class _Boom(nn.Module):
         return x
 
 
-def _raises() -> dict[str, Any]:
+def _raises(transport: str = "auto") -> dict[str, Any]:
     """Stage 1 raises in its second forward: both ranks raise a PipelineError promptly, no step."""
     import time
 
@@ -287,7 +288,7 @@ def _raises() -> dict[str, Any]:
         partition_method="uniform",
         seed_layers=True,
     )
-    engine, _, _, _ = dstrain.initialize(model=module, config=config(False))
+    engine, _, _, _ = dstrain.initialize(model=module, config=config(False, transport, timeout=20))
     before = {k: v.clone() for k, v in module.state_dict().items()}
     start = time.monotonic()
     err = None
@@ -366,15 +367,28 @@ def test_nccl_failing_stage_ends_both_ranks(nccl: list[dict[str, Any]]) -> None:
 
 
 def _native() -> dict[str, Any]:
-    return {"fp32": _train(False, transport="nccl", timeout=20)}
+    out: dict[str, Any] = {"fp32": _train(False, transport="nccl", timeout=20)}
+    out["tied"] = _tied("nccl")
+    out["raises"] = _raises("nccl")
+    return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="native NCCL p2p: the first header never arrived on 2x H200 (2026-11-30); experimental",
-)
 def test_native_nccl_transport_equals_single_gpu() -> None:
-    out = spawn_bounded(_native, timeout=120, backend="nccl")
-    for r in out:
+    """The native NCCL transport (CUDA tensors over a group per direction, receives posted just in time):
+    fp32 equals one GPU, tied weights with a new sequence length every micro-batch, a failing stage ends both
+    ranks. On 2026-11-30 it hung on 2x H200 (the first header never arrived) while receives were posted
+    ahead: a gradient receive pending on stage 0's GPU during its first forward, whose lazily loaded
+    kernels synchronize the device (see `Transport.post_ahead`). Every wait is bounded (p2p_timeout 20 s,
+    the whole run 240 s)."""
+    out = spawn_bounded(_native, timeout=240, backend="nccl")
+    for rank, r in enumerate(out):
         res = r["fp32"]
         assert res["losses"] == pytest.approx(res["ref_losses"], rel=1e-6, abs=1e-6), res
+        assert res["max_param_diff"] <= 1e-6, res
+        t = r["tied"]
+        assert t["max_param_diff"] <= 1e-5 and t["identical"], t
+        f = r["raises"]
+        assert f["pipeline_error"] and f["unchanged"] and f["seconds"] < 60, f
+        assert f["error"] == ("PipelineAbortedError", "PipelineError")[rank], f
+    assert out[0]["fp32"]["losses"] == out[1]["fp32"]["losses"]
+    assert out[0]["tied"]["metadata_messages"] > 6

@@ -162,3 +162,70 @@ def test_polled_wait_enforces_the_timeout() -> None:
     assert 0.3 <= time.monotonic() - start < 3
     with pytest.raises(PipelineAbortedError):
         t.wait(_Work(polls=0, fail=True), 5.0, "x")
+
+
+class _Loopback:
+    """An in-process, order-matched transport (NCCL's rule: the k-th receive posted gets the k-th send, no
+    tags), recording how many receives are posted at any moment."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, post_ahead: bool) -> None:
+        self.post_ahead = post_ahead
+        self.sent: list[torch.Tensor] = []
+        self.posted: list[list[Any]] = []  # [buffer, matched]
+
+    def isend(self, t: torch.Tensor, peer: int, tag: int, direction: str) -> Any:
+        self.sent.append(t.clone())
+        return _Work(polls=0)
+
+    def irecv(self, t: torch.Tensor, peer: int, tag: int, direction: str) -> Any:
+        entry = [t, False]
+        self.posted.append(entry)
+        lb = self
+
+        class _Recv:
+            def wait(self) -> None:
+                upto = next(i for i, e in enumerate(lb.posted) if e is entry)
+                for e in lb.posted[: upto + 1]:
+                    if not e[1]:
+                        src = lb.sent.pop(0)  # the oldest send matches the oldest receive
+                        assert src.dtype == e[0].dtype and src.shape == e[0].shape, (src.shape, e[0].shape)
+                        e[0].copy_(src)
+                        e[1] = True
+
+        return _Recv()
+
+    def wait(self, work: Any, timeout: float, what: str) -> None:
+        work.wait()
+
+    @property
+    def pending(self) -> int:
+        return sum(not e[1] for e in self.posted)
+
+
+@pytest.mark.parametrize("post_ahead", [True, False], ids=["ahead", "just-in-time"])
+def test_receives_posted_just_in_time_without_post_ahead(post_ahead: bool) -> None:
+    """NCCL (``post_ahead=False``): no receive is pending between messages (a posted NCCL receive spins on
+    the GPU, and lazy kernel loading's device synchronization would wait for it: the 2x H200 deadlock). The
+    same receives, in the same order, carry every shape change and filler."""
+    lb = _Loopback(post_ahead)
+    s = Sender(peer=1, tag=0, transport=lb, timeout=5, name="s")  # type: ignore[arg-type]
+    r = Receiver(peer=0, tag=0, transport=lb, timeout=5, name="r")  # type: ignore[arg-type]
+    r.expect(len(SHAPES))
+    pending_between = [lb.pending]
+    for k, spec in enumerate(SHAPES):
+        s.send(tuple(_tensor(k, j, sh, dt) for j, (sh, dt) in enumerate(spec)), micro_batch=k, ack=0)
+        got = r.recv(k).tensors
+        want = [_tensor(k, j, sh, dt) for j, (sh, dt) in enumerate(spec)]
+        assert all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        pending_between.append(lb.pending)
+    assert not lb.sent  # every send was received (fillers included)
+    if post_ahead:  # the next header (and a payload after an unchanged message) waits posted
+        assert pending_between[:-1] == [1, 1, 2, 2, 2, 1, 1, 1, 1, 2, 1, 1, 31] and pending_between[-1] == 0
+    else:
+        assert pending_between == [0] * (len(SHAPES) + 1)
+    assert (
+        r.statistics().speculative_hits == 2
+        and s.statistics().wasted_bytes == 2 * 3 * 4 + 2 * 4 * 2 + 30 * 6 * 4
+    )

@@ -137,13 +137,16 @@ def _train(kind: str, gas: int, steps: int, clip: float = 0.0, **pipe: Any) -> d
     cfg = config(gas, pipeline=pipe) if pipe else config(gas)
     cfg["gradient_clipping"] = clip
     engine, runner = build_engine(module, cfg)
+    runner.trace = True
     it = iter(data)
     losses, norms = [], []
     for _ in range(steps):
         losses.append(engine.train_batch(it).item())
         norms.append(engine.statistics().last_grad_norm)
+    timeline = runner.timeline()
     ref = reference(layers, loss_fn, data, gas, steps, clip)
     out: dict[str, Any] = {"losses": losses, "ref_losses": ref["losses"], **_compare(module, ref)}
+    out["timeline"] = timeline
     out["norms"], out["ref_norms"] = norms, ref["norms"]
     if kind == "mlp":  # eval on the next micro-batches: no step, the mean loss on every stage
         eval_loss = runner.eval_batch(it).item()
@@ -476,7 +479,7 @@ def test_half_precision_equals_the_unpipelined_run(results: list[dict[str, Any]]
 
 def test_ordered_transport_nccls_discipline_on_gloo(results: list[dict[str, Any]]) -> None:
     """The transport NCCL uses (no tags: a message's parts and the fillers matched by order alone; one process
-    group per direction so receives posted ahead never hold back a send) trains bitwise like the tagged one
+    group per direction, receives posted just in time) trains bitwise like the tagged one
     (variable sequence lengths and tied weights included), and a failing stage still ends every rank."""
     for rank, r in enumerate(results):
         assert r["ordered_mlp"]["bitwise"] and r["ordered_mlp"]["losses"] == r["mlp"]["losses"]
@@ -486,3 +489,28 @@ def test_ordered_transport_nccls_discipline_on_gloo(results: list[dict[str, Any]
         assert f["error"] == ("PipelineAbortedError", "PipelineError")[rank] and f["unchanged"], f
         assert f["seconds"] < 60 and f["again"] == "PipelineError"
     assert results[0]["ordered_tied"]["stats"].send_activation.metadata_messages > 6
+
+
+def test_timeline_and_sends_posted_before_receives(results: list[dict[str, Any]]) -> None:
+    """The per-instruction timeline of the last batch holds every instruction of the stage's schedule once,
+    in order, then the status, drain and step phases. Within a step sends are posted before receives: stage 0
+    sends micro-batch k's activation before it waits for micro-batch k-1's gradient (DeepSpeed's order is
+    the reverse), and the last stage returns a gradient before it waits for the next activation."""
+    from dstrain.pipe.runner import sends_first
+    from dstrain.pipe.schedule import train_schedule
+
+    for stage, r in enumerate(results):
+        tl = r["mlp"]["timeline"]
+        want = [
+            (i.op.value, i.micro_batch)
+            for step in train_schedule(4, 2, stage).steps
+            for i in sends_first(step)
+            if i.micro_batch is not None
+        ]
+        got = [(e.what, e.micro_batch) for e in tl]
+        assert got[: len(want)] == want
+        assert [w for w, _ in got[len(want) :]] == ["status", "drain", "step"]
+        assert all(a.end <= b.start for a, b in zip(tl, tl[1:])) and all(e.seconds >= 0 for e in tl)
+    order = [(e.what, e.micro_batch) for e in results[0]["mlp"]["timeline"]]
+    for k in range(1, 4):
+        assert order.index(("SendActivation", k)) < order.index(("RecvGrad", k - 1))
