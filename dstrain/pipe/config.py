@@ -38,8 +38,9 @@ class PipelineConfig:
     """dstrain: how p2p messages travel. ``"auto"``: by the backend (gloo: host tensors, tagged; NCCL: the
     same, ``"staged"``). ``"staged"``: tagged host tensors over a gloo group of the pipeline ranks, CUDA
     payloads copied through host memory (the path measured on 2x H200). ``"nccl"``: CUDA tensors natively
-    over an NCCL group per direction, ordered (experimental: its GPU test timed out on 2x H200 on
-    2026-11-30, the first received header never arrived; not the default until it passes there).
+    over an NCCL group per direction, ordered, receives posted just in time (experimental: on 2x H200 on
+    2026-11-30, when it posted receives ahead, the first batch deadlocked against CUDA's lazy kernel loading;
+    not the default until its GPU test, tests/dstrain/test_pipe_nccl.py, passes there).
     ``"ordered"``: NCCL's discipline on gloo (untagged, a group per direction), to test it without GPUs."""
 
     _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ()
