@@ -101,7 +101,7 @@ def build_routes(
     if config is not None and config.optimizer is not None and config.optimizer.name in _ONEBIT:
         from dstrain.onebit.room import build_routes as onebit_routes
 
-        return onebit_routes(groups, topology.dp)
+        return onebit_routes(groups, topology)  # refuses pipeline and expert parallelism
     return expert_routes(groups, default_routes(groups, topology.dp), topology)
 
 

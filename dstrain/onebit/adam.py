@@ -30,9 +30,11 @@ steps are this rank's slice ``[lo, hi)`` of the group's flat buffer. Partitioned
 weights, the variance ``v`` and, during warm-up, the momentum. Full size on every rank after the
 freeze: the momentum (``full_exp_avg``, all-gathered from the slices once, at the first frozen step),
 because the compressed all-reduce averages whole momenta, and the worker error buffer (as big as the
-momentum; the server error is 1/world of it). The local gradient is read from the group's full flat
-gradient (``Partition.flat_grad``). Every elementwise operation is the one stage 0 does on the same
-elements, so stage 1 equals stage 0 bitwise; ``fused=True`` only.
+momentum; the server error is 1/world of it). The local gradient is read whole from the group's fp32
+master gradient (``Partition.flat_grad``), which ZeRO keeps whole for 1-bit routes (``Route.full_grad``)
+so the engine unscales (fp16), measures and clips it exactly as at stage 0. Every elementwise operation
+is the one stage 0 does on the same elements, so stage 1 equals stage 0 bitwise in fp32, bf16 and fp16,
+with or without clipping; ``fused=True`` only.
 """
 
 from __future__ import annotations
@@ -54,13 +56,17 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 @dataclass(frozen=True, slots=True)
 class Partition:
-    """ZeRO stage 1: a param group's full flat gradient and this rank's range ``[lo, hi)`` of it (the
+    """ZeRO stage 1: a param group's whole fp32 gradient and this rank's range ``[lo, hi)`` of it (the
     optimizer's parameters of that group are that range, in order)."""
 
     flat_grad: torch.Tensor
-    """(padded,) every rank's own full local gradient after the freeze (the model's dtype)."""
+    """(padded,) fp32: the whole gradient, exactly what stage 0's optimizer reads: all-reduced when the
+    optimizer asked for it, else this rank's own local gradient; unscaled and clipped by the engine."""
     lo: int
     hi: int
+    flat: torch.Tensor | None = None
+    """(padded,) the group's flat parameter buffer (the model's dtype; fp32 training: the master
+    itself). 0/1 Adam writes its whole replica here after its freeze."""
 
 
 class OneBitAdam(torch.optim.Optimizer):

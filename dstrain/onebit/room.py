@@ -8,24 +8,27 @@ over the data-parallel group like the default reducer (the loss was pre-scaled b
 the mean). Otherwise it sends nothing and undoes the pre-scale, so each rank's optimizer sees its own
 full-scale local gradient and averages what it needs with the compressed all-reduce.
 
-What composes: ZeRO stage 0 for both (parameters, gradients and optimizer state replicated; fp32,
-bf16 and fp16 with fp32 masters, gradient clipping). ZeRO stage 1 for 1-bit Adam (see
-`dstrain.onebit.adam`: master weights and variance partitioned, momentum full after the freeze),
-fp32 and bf16, without gradient clipping and fp16 loss scaling: after the freeze the optimizer reads
-the whole local gradient, while the engine unscales and clips only this rank's slice. Everything
-else is refused at initialize with a `ConfigError` naming the field.
+What composes, for both optimizers: ZeRO stage 0 (parameters, gradients and optimizer state
+replicated) and ZeRO stage 1 (master weights and optimizer state partitioned: see `dstrain.onebit.adam`
+and `dstrain.onebit.zeroone` for what stays whole), each with fp32, bf16 and fp16 (fp32 masters,
+dynamic loss scaling: an overflow step is skipped on every rank) and gradient clipping. The routes are
+``full_grad``: at stage 1 ZeRO keeps the whole gradient as the fp32 master gradient, so the engine
+unscales, measures and clips exactly what stage 0 does and the optimizer reads it whole (stage 1 equals
+stage 0 bitwise). Everything else (stages 2 and 3, optimizer offload, ``fused: false`` at stage 1) is
+refused at initialize with a `ConfigError` naming the field.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dstrain.dist.comm import Comm
+from dstrain.dist.topology import Topology
 from dstrain.errors import ConfigError
 from dstrain.onebit.adam import OneBitAdam, Partition
 from dstrain.onebit.compressed import CompressedStatistics
@@ -146,11 +149,28 @@ class OneBitStepper(TorchStepper):
     """`Stepper` over `OneBitAdam` or `ZeroOneAdam` (a `TorchStepper` with 1-bit statistics); binds its
     `OneBitReducer` to the optimizer, which tells it when to reduce."""
 
-    def __init__(self, optimizer: OneBitAdam | ZeroOneAdam, reducer: OneBitReducer) -> None:
+    def __init__(
+        self, optimizer: OneBitAdam | ZeroOneAdam, reducer: OneBitReducer, zero_groups: Sequence[Any] = ()
+    ) -> None:
         super().__init__(optimizer)
         self.optimizer: OneBitAdam | ZeroOneAdam = optimizer
         self.reducer = reducer
         reducer.optimizer = optimizer
+        self._zero_groups = list(zero_groups)  # ZeRO's flat groups: told when 0/1 Adam holds replicas
+
+    def step(self) -> None:
+        super().step()
+        self._tell_zero()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._tell_zero()
+
+    def _tell_zero(self) -> None:
+        # 0/1 Adam at stage 1 after its freeze writes every rank's whole replica: ZeRO must not gather
+        replicated = bool(getattr(self.optimizer, "replicated", False))
+        for g in self._zero_groups:
+            g.replicated = replicated
 
     def statistics(self) -> OneBitStepperStatistics:
         opt = self.optimizer
@@ -166,25 +186,36 @@ class OneBitStepper(TorchStepper):
         )
 
 
-def build_routes(groups: list[dict[str, Any]], dp: Comm) -> list[Route]:
-    """Every param group reduced by one shared `OneBitReducer` over the data-parallel group."""
+def build_routes(groups: list[dict[str, Any]], topology: Topology) -> list[Route]:
+    """Every param group reduced by one shared `OneBitReducer` over the data-parallel group.
+
+    Pipeline stages (pp > 1) and expert parallelism (ep > 1) are refused with a `ConfigError` naming
+    ``optimizer.type``: neither has been built or tested with the compressed momentum average (an expert
+    group would have to average over its expert-data-parallel group, a pipeline stage's clipping norm
+    over every stage). MoE layers with ``ep_size`` 1 are plain data-parallel parameters and compose.
+    """
+    for kind, size in (
+        ("pipeline parallelism", topology.layout.pp),
+        ("expert parallelism", topology.layout.ep),
+    ):
+        if size > 1:
+            raise ConfigError("optimizer.type", f"1-bit optimizers do not compose with {kind} (size {size})")
     reducer = OneBitReducer()
-    return [Route(reducer, dp) for _ in groups]
+    return [Route(reducer, topology.dp, full_grad=True) for _ in groups]
 
 
 def build_stepper(zero: Any, config: Any) -> OneBitStepper:
     """The `OneBitStepper` over ZeRO's master param groups, bound to the `OneBitReducer` of its routes.
 
-    ``config`` is the `DSConfig`. OneBitAdam: ZeRO stage 0, or 1 (fp32/bf16, no gradient clipping);
-    ZeroOneAdam: stage 0.
+    ``config`` is the `DSConfig`. Both optimizers: ZeRO stage 0 or 1 (stage 1: ``fused`` only).
     """
     name = config.optimizer.name
     stage = config.zero_optimization.stage
-    if stage not in (0, 1) or (stage == 1 and name != "OneBitAdam"):
+    if stage not in (0, 1):
         raise ConfigError(
             "zero_optimization.stage",
-            f"{name} composes with ZeRO stage {'0 or 1' if name == 'OneBitAdam' else '0'} (got {stage}): it "
-            "needs every rank's full local gradient and momentum",
+            f"{name} composes with ZeRO stage 0 or 1 (got {stage}): it needs every rank's whole local "
+            "gradient and momentum",
         )
     routes = [g.route for g in getattr(zero, "groups", [])]
     reducers = {id(r.reducer) for r in routes}
@@ -193,27 +224,21 @@ def build_stepper(zero: Any, config: Any) -> OneBitStepper:
             "optimizer.type", f"{name} needs its own gradient routes (dstrain.onebit.room.build_routes)"
         )
     group = routes[0].comm.group
-    opt: OneBitAdam | ZeroOneAdam
-    if name == "ZeroOneAdam":
-        opt = ZeroOneAdam(zero.param_groups(), group=group, **zeroone_options(config.optimizer.params))
-        return OneBitStepper(opt, routes[0].reducer)
-    options = onebit_options(config.optimizer.params)
+    zeroone = name == "ZeroOneAdam"
+    options = zeroone_options(config.optimizer.params) if zeroone else onebit_options(config.optimizer.params)
     partitions = None
     if stage == 1:
-        if config.precision == "fp16":
-            raise ConfigError(
-                "fp16.enabled", "OneBitAdam at ZeRO stage 1 runs in fp32 or bf16 (or use stage 0)"
-            )
-        if config.gradient_clipping > 0:
-            raise ConfigError(
-                "gradient_clipping", "OneBitAdam at ZeRO stage 1 does not clip gradients (use stage 0)"
-            )
         if not options.get("fused", True):
-            raise ConfigError("optimizer.params.fused", "OneBitAdam at ZeRO stage 1 compresses fused buffers")
+            raise ConfigError("optimizer.params.fused", f"{name} at ZeRO stage 1 compresses fused buffers")
         partitions = []
         for g in zero.groups:
-            if g.flat_grad is None:
-                raise ConfigError("zero_optimization.stage", "OneBitAdam needs the full flat gradient")
-            partitions.append(Partition(g.flat_grad, *g.range))
-    opt = OneBitAdam(zero.param_groups(), group=group, partitions=partitions, **options)
-    return OneBitStepper(opt, routes[0].reducer)
+            if g.flat_grad is None or g.master_grad.numel() != g.flat.numel():
+                raise ConfigError("zero_optimization.stage", f"{name} needs the whole flat gradient")
+            lo, hi = g.range
+            partitions.append(Partition(g.master_grad, lo, hi, flat=g.flat))
+    opt: OneBitAdam | ZeroOneAdam
+    if zeroone:
+        opt = ZeroOneAdam(zero.param_groups(), group=group, partitions=partitions, **options)
+    else:
+        opt = OneBitAdam(zero.param_groups(), group=group, partitions=partitions, **options)
+    return OneBitStepper(opt, routes[0].reducer, zero.groups if stage == 1 else [])

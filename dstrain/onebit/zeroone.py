@@ -32,20 +32,38 @@ First step and bias correction:
 compresses tensor by tensor, as DeepSpeed does. Differences from DeepSpeed 0.16.5, on purpose: with one
 rank the momentum still takes the gradient on non-variance steps (DeepSpeed skipped the update), and
 the error feedback, momentum accumulator and schedule counters are saved in ``state_dict()`` and
-restored bitwise (DeepSpeed's ``load_state_dict`` dropped them). ZeRO stage 0 (replicated state).
+restored bitwise (DeepSpeed's ``load_state_dict`` dropped them).
+
+ZeRO stage 1 (``partitions`` given, one `Partition` per param group; ``fused=True`` only): during the
+variance phase the optimizer steps this rank's slice ``[lo, hi)`` of each group's flat buffer, so the fp32
+master weights, ``m``, ``v`` and the (still empty) accumulator are partitioned; the compressed gradient
+average reads the group's whole local gradient (``Partition.flat_grad``) and keeps its slice. The local
+steps of the frozen phase need every rank's own whole replica (each rank moves all parameters with its
+own gradient between synchronisations), so at the first frozen step the slices of ``m``, ``v`` and (fp16
+/bf16) the fp32 master are all-gathered once into whole buffers (``full_*`` state of the group's first
+parameter) and from then on the optimizer writes the whole flat buffer itself; ZeRO gathers nothing after
+a step (`replicated`). ZeRO-1 therefore saves optimizer memory during the variance phase only. Every
+elementwise operation is stage 0's on the same elements, so stage 1 equals stage 0 bitwise; checkpoints
+carry each rank's whole replica (``full_master``) after the freeze.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dstrain.onebit.adam import Partition
 from dstrain.onebit.compressed import CompressedAllReduce
 
 __all__ = ["ZeroOneAdam"]
+
+# torch >= 2.10 renamed the tensor-in/tensor-out all-gather; keep older torch working
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_accumulator")
 
 _SCHEDULE = (
     "steps",
@@ -65,6 +83,26 @@ def _check_int(name: str, value: object, low: int) -> int:
     if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return value
+
+
+def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of consecutive pieces of ``flat`` shaped like ``like``."""
+    out, offset = [], 0
+    for x in like:
+        out.append(flat[offset : offset + x.numel()].view_as(x))
+        offset += x.numel()
+    if offset != flat.numel():
+        raise ValueError(f"{offset} elements of parameters for a buffer of {flat.numel()}")
+    return out
+
+
+def _master(st: dict[str, Any], part: Partition) -> torch.Tensor:
+    """This rank's whole fp32 master replica after the freeze: the flat buffer itself (fp32), else a copy."""
+    if "full_master" in st:
+        return st["full_master"]
+    if part.flat is None:
+        raise ValueError("ZeRO stage 1 partitions of 0/1 Adam need the flat buffer")
+    return part.flat
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -93,7 +131,10 @@ class ZeroOneAdam(torch.optim.Optimizer):
         deepspeed_compat: bool = False,
         fused: bool = True,
         group: dist.ProcessGroup | None = None,
+        partitions: list[Partition] | None = None,
     ) -> None:
+        if partitions is not None and not fused:
+            raise ValueError("fused must be True with ZeRO stage 1 partitions")
         if lr < 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -110,6 +151,9 @@ class ZeroOneAdam(torch.optim.Optimizer):
         self.deepspeed_compat = deepspeed_compat
         self.fused = fused
         self.backend = CompressedAllReduce(group)
+        self.partitions = partitions
+        if partitions is not None and len(partitions) != len(self.param_groups):
+            raise ValueError(f"{len(partitions)} partitions for {len(self.param_groups)} param groups")
         self.steps = 0
         """Calls to `step` (DeepSpeed's counting: its compatible first call included)."""
         self.var_interval = 1
@@ -133,6 +177,14 @@ class ZeroOneAdam(torch.optim.Optimizer):
         """Whether the engine must average the gradients of the coming step (variance steps only)."""
         return self.reduce_next and not self.frozen
 
+    @property
+    def replicated(self) -> bool:
+        """ZeRO stage 1 after the freeze: every rank holds (and writes) its whole replica of the flat
+        buffers, so ZeRO must not gather the parameters after a step."""
+        if self.partitions is None:
+            return False
+        return "full_exp_avg" in self.state.get(self.param_groups[0]["params"][0], {})
+
     # -- the update ----------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -152,17 +204,22 @@ class ZeroOneAdam(torch.optim.Optimizer):
             self.var_updates += 1
         for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                if self.frozen:
-                    self._frozen_step(gi, group, params, t)
-                else:
-                    self._variance_phase_step(group, params, t, var_step)
+            part = self.partitions[gi] if self.partitions is not None else None
+            if not params:
+                continue
+            if self.frozen and part is not None:
+                self._frozen_replica_step(gi, group, params, part, t)
+            elif self.frozen:
+                items = [(p, _grad(p), self._state(p)) for p in params]
+                self._frozen_step(gi, group, items, t, partial(self._compressed, group, params))
+            else:
+                self._variance_phase_step(group, params, t, var_step, part)
         self._advance_schedule(t, var_step)
         return loss
 
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
         st = self.state[p]
-        if not st:
+        if "exp_avg" not in st:
             st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             st["momentum_accumulator"] = torch.zeros_like(p, dtype=torch.float32)
@@ -187,11 +244,20 @@ class ZeroOneAdam(torch.optim.Optimizer):
         return update
 
     def _variance_phase_step(
-        self, group: dict[str, Any], params: list[torch.Tensor], t: int, var_step: bool
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        t: int,
+        var_step: bool,
+        part: Partition | None = None,
     ) -> None:
         beta1, beta2 = group["betas"]
         grads = [_grad(p) for p in params]
-        if not var_step and self.backend.world > 1:
+        if not var_step and self.backend.world > 1 and part is not None:
+            # stage 1: average the whole local gradient (what stage 0 compresses), keep our slice
+            avg = self._compress_flat(group, part.flat_grad)
+            grads = _split(avg[part.lo : part.hi], params)
+        elif not var_step and self.backend.world > 1:
             # this step's gradients were not reduced: average them here, 1 bit per element
             grads = self._compressed(group, params, grads)
         for p, g in zip(params, grads, strict=True):
@@ -203,14 +269,22 @@ class ZeroOneAdam(torch.optim.Optimizer):
         for p in params:
             p.add_(-group["lr"] * self._update(p, self.state[p], group, c1, c2))
 
-    def _frozen_step(self, gi: int, group: dict[str, Any], params: list[torch.Tensor], t: int) -> None:
+    def _frozen_step(
+        self,
+        gi: int,
+        group: dict[str, Any],
+        items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]],
+        t: int,
+        compress: Any,
+    ) -> None:
+        """One frozen-phase step of ``items`` (parameter, fp32 gradient, state with the moments and the
+        accumulator); ``compress`` averages a list of accumulators with the compressed all-reduce."""
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         c1, c2 = self._corrections(beta1, beta2, t)
         self._lrs[gi] += lr
-        for p in params:
-            st = self._state(p)
-            st["exp_avg"].mul_(beta1).add_(_grad(p), alpha=1 - beta1)
+        for p, g, st in items:
+            st["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
             update = self._update(p, st, group, c1, c2)
             p.add_(-lr * update)
             st["momentum_accumulator"].add_(-lr * update)
@@ -218,19 +292,17 @@ class ZeroOneAdam(torch.optim.Optimizer):
             return  # a local step: nothing sent
         # synchronize: undo the local steps, average what they did, apply the average instead
         dens = []
-        for p in params:
-            st = self.state[p]
+        for p, _, st in items:
             u = st["momentum_accumulator"]
             p.add_(-1 * u)
             den = self._denominator(st["exp_avg_sq"], c2, group["eps"])
             u.mul_(den)
             dens.append(den)
         if self.backend.world > 1:
-            us = [self.state[p]["momentum_accumulator"] for p in params]
-            for u, avg in zip(us, self._compressed(group, params, us), strict=True):
+            us = [st["momentum_accumulator"] for _, _, st in items]
+            for u, avg in zip(us, compress(us), strict=True):
                 u.copy_(avg)
-        for p, den in zip(params, dens, strict=True):
-            st = self.state[p]
+        for (p, _, st), den in zip(items, dens, strict=True):
             u = st["momentum_accumulator"]
             st["exp_avg"].zero_().add_(u / self._lrs[gi], alpha=-1)
             if c1 != 1.0:
@@ -278,16 +350,58 @@ class ZeroOneAdam(torch.optim.Optimizer):
                     st["worker_error"], st["server_error"] = self.backend.new_errors(p.numel(), p.device)
                 out.append(self.backend.all_reduce(b.contiguous(), st["worker_error"], st["server_error"]))
             return out
-        flat = torch.cat([b.reshape(-1) for b in bufs])
-        st = self._state(group["params"][0])  # the group's error buffers live with its first parameter
+        return _split(self._compress_flat(group, torch.cat([b.reshape(-1) for b in bufs])), bufs)
+
+    def _compress_flat(self, group: dict[str, Any], flat: torch.Tensor) -> torch.Tensor:
+        """The compressed average of one flat fp32 buffer with the group's error feedback."""
+        st = self.state[group["params"][0]]  # the group's error buffers live with its first parameter
         if "worker_error" not in st or st["worker_error"].numel() != self.backend.padded_numel(flat.numel()):
             st["worker_error"], st["server_error"] = self.backend.new_errors(flat.numel(), flat.device)
-        avg = self.backend.all_reduce(flat, st["worker_error"], st["server_error"])
-        out, offset = [], 0
-        for b in bufs:
-            out.append(avg[offset : offset + b.numel()].view_as(b))
-            offset += b.numel()
-        return out
+        return self.backend.all_reduce(flat, st["worker_error"], st["server_error"])
+
+    # -- ZeRO stage 1 after the freeze: each rank's whole replica --------------------------------
+
+    def _frozen_replica_step(
+        self, gi: int, group: dict[str, Any], params: list[torch.Tensor], part: Partition, t: int
+    ) -> None:
+        """Stage 0's frozen step on the whole flat: the group's whole m, v, accumulator and fp32 master
+        (gathered from the slices at the first frozen step), then the flat and our slice written back."""
+        st = self._replica(group, params, part)
+        master = _master(st, part)
+        full = {k: st["full_" + k] for k in _MOMENTS}
+        self._frozen_step(
+            gi, group, [(master, part.flat_grad, full)], t, lambda us: [self._compress_flat(group, us[0])]
+        )
+        if part.flat is not None and master is not part.flat:  # fp16/bf16: the model computes in its dtype
+            part.flat.copy_(master)
+            for p, src in zip(params, _split(master[part.lo : part.hi], params), strict=True):
+                p.copy_(src)
+
+    def _replica(self, group: dict[str, Any], params: list[torch.Tensor], part: Partition) -> dict[str, Any]:
+        st = self.state[group["params"][0]]
+        if "full_exp_avg" in st:
+            return st
+        # the first frozen step: gather m, v and the accumulator (zero so far), and the fp32 master
+        # where it is not the flat buffer itself; the slices' own copies are dropped
+        for key in _MOMENTS:
+            st["full_" + key] = self._gather([self._state(p)[key] for p in params], part)
+        if part.flat is None or part.flat.dtype != torch.float32:
+            st["full_master"] = self._gather(params, part)
+        for p in params:
+            for key in _MOMENTS:
+                self.state[p].pop(key, None)
+        return st
+
+    def _gather(self, slices: list[torch.Tensor], part: Partition) -> torch.Tensor:
+        local = torch.cat([x.detach().reshape(-1).float() for x in slices])  # (hi - lo,)
+        if local.numel() != part.hi - part.lo:
+            raise ValueError(f"parameters of {local.numel()} elements for a range of {part.hi - part.lo}")
+        full = torch.empty(part.flat_grad.numel(), dtype=torch.float32, device=local.device)
+        if self.backend.world > 1:
+            _all_gather(full, local, group=self.backend.group)
+        else:
+            full.copy_(local)
+        return full
 
     # -- state -------------------------------------------------------------------------------
 
@@ -295,12 +409,31 @@ class ZeroOneAdam(torch.optim.Optimizer):
         sd = super().state_dict()
         meta = {k: getattr(self, k) for k in _SCHEDULE}
         sd["zeroone"] = {**meta, "lrs": list(self._lrs), "world": self.backend.world}
+        first = 0
+        for group, part in zip(self.param_groups, self.partitions or [], strict=False):
+            st = self.state[group["params"][0]]
+            if "full_exp_avg" in st and "full_master" not in st and part.flat is not None:
+                # fp32 at stage 1 after the freeze: this rank's whole replica is the flat buffer itself
+                sd["state"][first] = {**sd["state"][first], "full_master": part.flat.detach().clone()}
+            first += len(group["params"])
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sd = dict(state_dict)
         meta = sd.pop("zeroone", None)
         super().load_state_dict(sd)
+        for group, part in zip(self.param_groups, self.partitions or [], strict=False):
+            st = self.state[group["params"][0]]
+            if "full_master" in st and part.flat is not None:  # stage 1 after the freeze: our replica
+                if part.flat.dtype == torch.float32:
+                    part.flat.copy_(st.pop("full_master"))
+                else:
+                    part.flat.copy_(st["full_master"])
+                    params = group["params"]
+                    for p, src in zip(
+                        params, _split(st["full_master"][part.lo : part.hi], params), strict=True
+                    ):
+                        p.data.copy_(src)
         if meta is None:
             return
         for key in _SCHEDULE:

@@ -57,15 +57,21 @@ class FlatGroup:
             self.attach_grads()
         if reduce_scatter:
             self.part_grad = torch.zeros(hi - lo, dtype=dtype, device=self.flat.device)
+        # the master gradient covers the master range, or the whole flat (route.full_grad, 1-bit Adam)
+        glo, ghi = (0, self.layout.padded) if route.full_grad and stage < 2 else (lo, hi)
+        self.grad_range = (glo, ghi)
         if self.alias and stage < 2:
             # the reduced gradient is read where it lies: no fp32 copy of it
             assert self.flat_grad is not None
-            self.master_grad = self.part_grad if self.part_grad is not None else self.flat_grad[lo:hi]
+            self.master_grad = self.part_grad if self.part_grad is not None else self.flat_grad[glo:ghi]
         else:
             # fp16/bf16 (cast here), and stage 2, which accumulates every micro-step's reduced gradients
-            self.master_grad = torch.zeros(hi - lo, dtype=torch.float32, device=self.flat.device)
+            self.master_grad = torch.zeros(ghi - glo, dtype=torch.float32, device=self.flat.device)
         # what the optimizer steps: pieces of the master range, with views of master_grad as .grad
-        self.views = optimizer_views(self.master, self.master_grad, chunk)
+        self.views = optimizer_views(self.master, self.master_grad[lo - glo : hi - glo], chunk)
+        self.replicated = False
+        """Set by an optimizer that keeps a whole replica of the flat on every rank and writes the flat
+        itself (0/1 Adam's local steps after its freeze, dstrain/onebit): nothing is gathered after a step."""
 
     def attach_grads(self) -> None:
         """Point every ``param.grad`` at its view of ``flat_grad`` (autograd then adds in place)."""
@@ -115,6 +121,7 @@ class DataParallelZero(ZeroStrategy):
                 min(config.sub_group_size, STEP_CHUNK),
                 # a true reduce-scatter only where it beats an all-reduce (not on gloo, see Comm)
                 reduce_scatter=stage == 1
+                and not route.full_grad
                 and config.reduce_scatter
                 and not config.overlap_comm
                 and route.comm.world_size > 1
@@ -155,7 +162,7 @@ class DataParallelZero(ZeroStrategy):
             GradSet(
                 [g.master_grad],
                 (g.route.comm if g.route.expert_comm is None else self.comm)
-                if self.stage > 0
+                if self.stage > 0 and not g.route.full_grad  # full_grad: whole on every rank, as stage 0
                 else g.route.expert_comm,
             )
             for g in self.groups
@@ -187,8 +194,8 @@ class DataParallelZero(ZeroStrategy):
                 g.route.reducer.reduce(g.flat_grad, g.route.comm, out=g.part_grad, async_op=False).wait()
             else:
                 self._all_reduce_bucketed(g.flat_grad, g.route)
-            lo, hi = g.range
-            src = g.part_grad if g.part_grad is not None else g.flat_grad[lo:hi]
+            glo, ghi = g.grad_range
+            src = g.part_grad if g.part_grad is not None else g.flat_grad[glo:ghi]
             if g.master_grad.data_ptr() != src.data_ptr():
                 g.master_grad.copy_(src)
 
@@ -211,7 +218,7 @@ class DataParallelZero(ZeroStrategy):
             lo, hi = g.range
             if not g.alias:
                 g.flat[lo:hi].copy_(g.master.detach())
-            if self.stage > 0:
+            if self.stage > 0 and not g.replicated:
                 g.route.comm.all_gather(g.flat, g.flat[lo:hi])
 
     def zero_grad(self) -> None:

@@ -75,6 +75,11 @@ class Route:
     expert_comm: Comm | None = None
     """MoE expert groups: the expert-parallel group. Its ranks hold *different* parameters of this group
     (their experts), so squared gradient norms also add up over it (see ``grad_sets``)."""
+    full_grad: bool = False
+    """The optimizer reads every rank's whole gradient (1-bit Adam, 0/1 Adam: they average momentum, not
+    gradients, after a freeze). ZeRO stage 1 then keeps the whole gradient, all-reduced (never
+    reduce-scattered), as the fp32 master gradient, unscaled, measured and clipped whole as at stage 0,
+    and partitions only the master weights and the optimizer state."""
 
 
 def default_routes(groups: list[dict[str, Any]], dp: Comm) -> list[Route]:

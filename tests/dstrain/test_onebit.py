@@ -3,7 +3,6 @@ DeepSpeed 0.16.5 parity, convergence, wire bytes and optimizer state."""
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from pathlib import Path
@@ -18,6 +17,7 @@ from torch import nn
 from dstrain.onebit import CompressedAllReduce, OneBitAdam
 from dstrain.onebit.compressed import pack_signs, padded_numel, sign_pm1, simulate, unpack_signs
 from tests.dstrain._dstrain_helpers import spawn
+from tests.dstrain._onebit_workers import anchor_resume, anchor_train, register, shared_runs, summary
 
 FIXTURE = Path(__file__).parent / "fixtures" / "onebit_deepspeed_0.16.5.json"
 
@@ -96,101 +96,27 @@ def _compressed_worker(numel: int, calls: int) -> dict[str, Any]:
     return _compressed_worker_on(numel, calls, torch.device("cpu"))
 
 
-def _onebit_train(freeze: int, steps: int, fused: bool, compat: bool, noise: bool = False) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
-    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=freeze, deepspeed_compat=compat, fused=fused)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(100 + rank)
-    w = torch.randn(32, 4, generator=torch.Generator().manual_seed(7))
-    losses, reduced = [], []
-    for _ in range(steps):
-        x = torch.randn(64, 32, generator=g)
-        y = x @ w + (torch.randn(64, 4, generator=g) if noise else 0.0)  # noise: a loss floor of ~1
-        loss = (model(x) - y).pow(2).mean()
-        loss.backward()
-        reduced.append(opt.reduces_gradients())
-        if opt.reduces_gradients():
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad.mul_(1 / world)
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
-    params = [p.detach().clone() for p in model.parameters()]
-    return {
-        "losses": losses,
-        "reduced": reduced,
-        "params": params,
-        "state": opt.state_dict(),
-        "stats": opt.backend.statistics(),
-    }
+def _onebit(freeze: int, fused: bool = True, compat: bool = False) -> Any:
+    return lambda ps: OneBitAdam(ps, lr=1e-2, freeze_step=freeze, deepspeed_compat=compat, fused=fused)
 
 
-def _resume_check(freeze: int, split: int, steps: int) -> dict[str, Any]:
-    """Train ``steps`` steps straight, and again with a save/load of model + optimizer state at ``split``."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    def batches():
-        g = torch.Generator().manual_seed(100 + rank)
-        w = torch.randn(32, 4, generator=torch.Generator().manual_seed(7))
-        while True:
-            x = torch.randn(64, 32, generator=g)
-            yield x, x @ w
-
-    def run(model, opt, data, n):
-        for _ in range(n):
-            x, y = next(data)
-            (model(x) - y).pow(2).mean().backward()
-            if opt.reduces_gradients():
-                for p in model.parameters():
-                    dist.all_reduce(p.grad)
-                    p.grad.mul_(1 / world)
-            opt.step()
-            opt.zero_grad()
-
-    def fresh():
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
-        return m, OneBitAdam(m.parameters(), lr=1e-2, freeze_step=freeze)
-
-    m1, o1 = fresh()
-    d1 = batches()
-    run(m1, o1, d1, steps)
-    m2, o2 = fresh()
-    d2 = batches()
-    run(m2, o2, d2, split)
-    saved_model = {k: v.clone() for k, v in m2.state_dict().items()}
-    saved_opt = copy.deepcopy(o2.state_dict())
-    m3, o3 = fresh()
-    m3.load_state_dict(saved_model)
-    o3.load_state_dict(saved_opt)
-    restored = o3.state_dict()
-    run(m3, o3, d2, steps - split)
-    return {
-        "straight": [p.detach().clone() for p in m1.parameters()],
-        "resumed": [p.detach().clone() for p in m3.parameters()],
-        "saved_state": saved_opt["state"][0],
-        "restored_state": restored["state"][0],
-    }
-
-
-def _all_runs() -> dict[str, Any]:
+def _all_runs(root: str) -> dict[str, Any]:
     return {
         "compressed": _compressed_worker(1000, 3),
-        "compat": _onebit_train(10, 40, fused=False, compat=True),
-        "resume": _resume_check(freeze=10, split=25, steps=35),
-        "fused": _onebit_train(10, 40, fused=True, compat=False),
-        "conv_onebit": _onebit_train(30, 300, fused=True, compat=False, noise=True),
-        "conv_adam": _onebit_train(10**9, 300, fused=True, compat=False, noise=True),
+        "compat": summary(anchor_train(_onebit(10, fused=False, compat=True), 40)),
+        "resume": anchor_resume(_onebit(10), split=25, steps=35),
+        "fused": summary(anchor_train(_onebit(10), 40)),
+        "conv_onebit": summary(anchor_train(_onebit(30), 300, noise=True)),
+        "conv_adam": summary(anchor_train(_onebit(10**9), 300, noise=True)),
     }
+
+
+register("onebit", _all_runs)
 
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
-    return spawn(_all_runs, world=2)
+    return shared_runs("onebit")
 
 
 def _simulated(
@@ -252,10 +178,11 @@ def test_error_feedback_state_saved_per_rank_and_restored_bitwise(runs) -> None:
     for r in range(2):
         res = runs[r]["resume"]
         for key in ("worker_error", "server_error", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(res["saved_state"][key], res["restored_state"][key]), key
+            assert torch.equal(res["saved"]["state"][0][key], res["restored"]["state"][0][key]), key
         # training continued from the loaded state equals training that never stopped, bit for bit
         for a, b in zip(res["straight"], res["resumed"], strict=True):
             assert torch.equal(a, b)
+        assert res["resumed_losses"] == res["straight_losses"]
 
 
 def test_loading_on_another_world_size_resets_error_feedback() -> None:

@@ -15,6 +15,7 @@ import dstrain
 from dstrain.errors import ConfigError
 from dstrain.onebit import OneBitAdam, ZeroOneAdam
 from tests.dstrain._dstrain_helpers import base_config, engine_losses, global_batch, make_model, spawn
+from tests.dstrain._onebit_workers import engine_run, register, shared_runs
 
 FREEZE = 3
 
@@ -76,60 +77,21 @@ def _reference(steps: int, make_opt: Any = _onebit) -> list[float]:
 
 
 def _worker(root: str) -> dict[str, Any]:
-    engine, _, _, _ = dstrain.initialize(
-        model=make_model(), config=_config(cuda_aware=False, comm_backend_name="nccl")
-    )
-    first = engine_losses(engine, 5)
-    engine.save_checkpoint(os.path.join(root, "ck"))
-    rest = engine_losses(engine, 3, start=5)
-    st = engine.stepper.statistics()
-    comm = engine.comm.statistics()
-    params = [p.detach().clone() for p in engine.module.parameters()]
-    engine.close()
-
-    resumed, _, _, _ = dstrain.initialize(model=make_model(seed=7), config=_config())
-    resumed.load_checkpoint(os.path.join(root, "ck"))
-    again = engine_losses(resumed, 3, start=5)
-    resumed_params = [p.detach().clone() for p in resumed.module.parameters()]
-    resumed.close()
+    onebit = engine_run(_config(cuda_aware=False, comm_backend_name="nccl"), 8, root=os.path.join(root, "ob"))
+    zeroone = engine_run(_zeroone_config(comm_backend_name="nccl"), 8, root=os.path.join(root, "zo"))
     return {
-        "losses": first + rest,
-        "again": again,
-        "stats": st,
-        "all_reduce_calls": comm.all_reduce_calls,
-        "params": params,
-        "resumed_params": resumed_params,
+        **onebit,
         "reference": _reference(8),
-        "zeroone": _zeroone_run(root),
+        "zeroone": {**zeroone, "reference": _reference(8, _zeroone)},
     }
 
 
-def _zeroone_run(root: str) -> dict[str, Any]:
-    engine, _, _, _ = dstrain.initialize(model=make_model(), config=_zeroone_config(comm_backend_name="nccl"))
-    first = engine_losses(engine, 5)
-    engine.save_checkpoint(os.path.join(root, "zo"))
-    rest = engine_losses(engine, 3, start=5)
-    st = engine.stepper.statistics()
-    params = [p.detach().clone() for p in engine.module.parameters()]
-    engine.close()
-    resumed, _, _, _ = dstrain.initialize(model=make_model(seed=7), config=_zeroone_config())
-    resumed.load_checkpoint(os.path.join(root, "zo"))
-    again = engine_losses(resumed, 3, start=5)
-    resumed_params = [p.detach().clone() for p in resumed.module.parameters()]
-    resumed.close()
-    return {
-        "losses": first + rest,
-        "again": again,
-        "stats": st,
-        "params": params,
-        "resumed_params": resumed_params,
-        "reference": _reference(8, _zeroone),
-    }
+register("engine", _worker)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn(_worker, str(tmp_path_factory.mktemp("onebit")), world=2)
+def runs() -> list[dict[str, Any]]:
+    return shared_runs("engine")
 
 
 def test_engine_equals_hand_written_loop_bitwise(runs) -> None:
@@ -182,14 +144,15 @@ def test_zeroone_config_refusals() -> None:
         assert info.value.field.startswith(field), (key, info.value.field)
     cfg = _zeroone_config(amsgrad=False, cuda_aware=False)
     cfg["train_batch_size"] = 4
-    cfg["zero_optimization"]["stage"] = 1
+    cfg["zero_optimization"]["stage"] = 2  # stage 1: tests/dstrain/test_onebit_stage1.py
     with pytest.raises(ConfigError) as info:
         dstrain.initialize(model=make_model(), config=cfg)
     assert info.value.field == "zero_optimization.stage"
-    cfg["zero_optimization"]["stage"] = 0
-    engine, _, _, _ = dstrain.initialize(model=make_model(), config=cfg)
-    assert isinstance(engine.optimizer, ZeroOneAdam)
-    engine.close()
+    for stage in (0, 1):
+        cfg["zero_optimization"]["stage"] = stage
+        engine, _, _, _ = dstrain.initialize(model=make_model(), config=cfg)
+        assert isinstance(engine.optimizer, ZeroOneAdam)
+        engine.close()
 
 
 def test_stage_2_and_unknown_keys_are_refused() -> None:

@@ -1,8 +1,11 @@
-"""1-bit Adam at ZeRO stage 1: bitwise equal to stage 0 (fp32 and bf16), its state partitioned where
-it can be, checkpoints (error feedback included) restored bitwise, unsupported combinations refused."""
+"""1-bit Adam and 0/1 Adam at ZeRO stage 1: bitwise equal to stage 0 (fp32, bf16, fp16 with overflow
+steps skipped, gradient clipping), state partitioned where it can be, checkpoints (error feedback
+and, for 0/1 Adam after its freeze, each rank's replica) restored bitwise, unsupported combinations
+refused with a typed error."""
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -11,9 +14,19 @@ import torch
 
 import dstrain
 from dstrain.errors import ConfigError
-from tests.dstrain._dstrain_helpers import base_config, engine_losses, make_model, spawn
+from tests.dstrain._dstrain_helpers import base_config, make_model
+from tests.dstrain._onebit_workers import engine_run, register, shared_runs
 
 FREEZE = 3
+# 0/1 Adam: variance updates at steps 1-4, 6, 8, 10, 12, then every 4 steps; frozen after step 21, then
+# local intervals 1 (4 steps), 2 (4 steps), 4 (the clipper): 40 steps cross every phase
+ZEROONE = {"var_freeze_step": 20, "var_update_scaler": 4, "local_step_scaler": 4, "local_step_clipper": 4}
+ZO_STEPS = 40
+FP16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 1000}
+# overflows: 1-bit Adam once in warm-up (rank 0) and once after the freeze (rank 1); 0/1 Adam in its
+# variance phase, at a local step and at a synchronisation step (steps are 0-based here)
+ONEBIT_INJECT = ((1, 0), (6, 1))
+ZEROONE_INJECT = ((5, 0), (26, 1), (29, 0))
 
 
 def _config(stage: int, world: int = 2, **extra: Any) -> dict[str, Any]:
@@ -21,117 +34,211 @@ def _config(stage: int, world: int = 2, **extra: Any) -> dict[str, Any]:
     return base_config(stage, world=world, optimizer=opt, **extra)
 
 
-def _run(stage: int, root: str | None, **extra: Any) -> dict[str, Any]:
-    """8 steps (freeze at 3); with ``root``: a checkpoint after step 5, and a resumed run from it."""
-    engine, _, _, _ = dstrain.initialize(model=make_model(), config=_config(stage, **extra))
-    first = engine_losses(engine, 5)
-    if root is not None:
-        engine.save_checkpoint(os.path.join(root, f"ck{stage}"))
-    saved = engine.stepper.state_dict()
-    rest = engine_losses(engine, 3, start=5)
-    params = [p.detach().float().clone() for p in engine.module.parameters()]
-    st = engine.stepper.statistics()
-    opt_state = engine.stepper.state_dict()["state"]
-    engine.close()
-    out = {"losses": first + rest, "params": params, "stats": st, "state": opt_state, "saved": saved}
-    if root is None:
-        return out
-
-    resumed, _, _, _ = dstrain.initialize(model=make_model(seed=7), config=_config(stage, **extra))
-    resumed.load_checkpoint(os.path.join(root, f"ck{stage}"))
-    restored = resumed.stepper.state_dict()
-    again = engine_losses(resumed, 3, start=5)
-    resumed_params = [p.detach().float().clone() for p in resumed.module.parameters()]
-    resumed.close()
-    return {**out, "again": again, "resumed_params": resumed_params, "restored": restored}
+def _zo_config(stage: int, world: int = 2, **extra: Any) -> dict[str, Any]:
+    opt = {"type": "ZeroOneAdam", "params": {"lr": 1e-2, **ZEROONE}}
+    return base_config(stage, world=world, optimizer=opt, **extra)
 
 
 def _worker(root: str) -> dict[str, Any]:
-    return {
-        "s0": _run(0, None),
-        "s1": _run(1, root),
-        "s0_bf16": _run(0, None, bf16={"enabled": True}),
-        "s1_bf16": _run(1, None, bf16={"enabled": True}),
-        "s1_native": _native_reduce_scatter_run(),
-    }
+    def ck(name: str) -> str:
+        return os.path.join(root, name)
 
-
-def _native_reduce_scatter_run() -> dict[str, Any]:
-    # gloo's own reduce-scatter (what NCCL uses at stage 1): the reducer fills `out` with this rank's
-    # slice of the local gradient after the freeze (last in the worker: the variable stays set)
+    out: dict[str, Any] = {}
+    for stage in (0, 1):
+        # 1-bit Adam, 8 steps, freeze at 3
+        out[f"s{stage}"] = engine_run(_config(stage), 8, root=ck(f"ob{stage}") if stage else None)
+        out[f"s{stage}_bf16"] = engine_run(_config(stage, bf16={"enabled": True}), 8)
+        out[f"s{stage}_fp16"] = engine_run(_config(stage, fp16=FP16), 12, inject=ONEBIT_INJECT)
+        out[f"s{stage}_clip"] = engine_run(_config(stage, gradient_clipping=0.05), 8)
+        # 0/1 Adam, 40 steps: checkpoints inside a local interval (fp32) and in the variance phase (bf16)
+        out[f"zo{stage}"] = engine_run(_zo_config(stage), ZO_STEPS, root=ck(f"zo{stage}"), split=31)
+        out[f"zo{stage}_bf16"] = engine_run(
+            _zo_config(stage, bf16={"enabled": True}), ZO_STEPS, root=ck(f"zb{stage}"), split=10
+        )
+        out[f"zo{stage}_fp16"] = engine_run(
+            _zo_config(stage, fp16=FP16, gradient_clipping=0.05), ZO_STEPS, inject=ZEROONE_INJECT
+        )
+    # gloo's own collectives (what NCCL uses): stage 1 of a 1-bit optimizer still all-reduces the whole
+    # gradient (last in the worker: the variable stays set)
     os.environ["DSTRAIN_GLOO_NATIVE_COLLECTIVES"] = "1"
-    return _run(1, None)
+    out["s1_native"] = engine_run(_config(1), 8)
+    return out
+
+
+register("stage1", _worker)
+
+
+def _composition_refusals(root: str) -> dict[str, str | None]:
+    """What is refused on 2 ranks: a 2-stage pipeline, MoE with ep_size 2 (each: the field named)."""
+    from torch import nn
+
+    from dstrain.moe import MoE
+    from dstrain.pipe.module import LayerSpec, PipelineModule
+
+    def pipe() -> nn.Module:
+        layers = [LayerSpec(nn.Linear, 8, 8), LayerSpec(nn.Linear, 8, 8)]
+        return PipelineModule(layers, num_stages=2, loss_fn=lambda out, y: (out - y).pow(2).mean())
+
+    def moe() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), MoE(8, nn.Linear(8, 8), num_experts=2, ep_size=2))
+
+    out: dict[str, str | None] = {}
+    for name, make in (("pipeline", pipe), ("moe_ep2", moe)):
+        for opt in ("OneBitAdam", "ZeroOneAdam"):
+            dp = 1 if name == "pipeline" else 2  # batch sizes count data-parallel ranks
+            cfg = base_config(0, world=dp, optimizer={"type": opt, "params": {"lr": 1e-2}})
+            try:
+                engine, _, _, _ = dstrain.initialize(model=make(), config=cfg)
+                engine.close()
+                out[f"{name}/{opt}"] = None
+            except ConfigError as e:
+                out[f"{name}/{opt}"] = e.field
+    return out
+
+
+register("stage1_refusals", _composition_refusals)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn(_worker, str(tmp_path_factory.mktemp("onebit_stage1")), world=2)
+def runs() -> list[dict[str, Any]]:
+    return shared_runs("stage1")
 
 
-@pytest.mark.parametrize("suffix", ["", "_bf16"])
-def test_stage_1_equals_stage_0_bitwise(runs, suffix: str) -> None:
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["losses"] == b["losses"]
+    assert a["skipped"] == b["skipped"] and a["loss_scale"] == b["loss_scale"]
+    for x, y in zip(a["params"], b["params"], strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("suffix", ["", "_bf16", "_fp16", "_clip"])
+def test_onebit_stage_1_equals_stage_0_bitwise(runs, suffix: str) -> None:
     for r in range(2):
-        s0, s1 = runs[r]["s0" + suffix], runs[r]["s1" + suffix]
-        assert s1["losses"] == s0["losses"]
-        for a, b in zip(s0["params"], s1["params"], strict=True):
-            assert torch.equal(a, b)
+        _assert_same(runs[r]["s0" + suffix], runs[r]["s1" + suffix])
     st = runs[0]["s1" + suffix]["stats"]
-    assert st.frozen and st.compressed.calls == 8 - FREEZE
+    steps = runs[0]["s1" + suffix]["stats"].steps
+    assert st.frozen and st.compressed.calls == steps - FREEZE
     assert st.compressed.wire_bytes * 28 <= st.compressed.fp32_allreduce_bytes
 
 
-def test_stage_1_with_a_true_reduce_scatter_tracks_stage_0(runs) -> None:
-    """The reduce-scatter sums in another order than the all-reduce, so not bitwise: close, and the
-    gradient reduction really stopped at the freeze."""
+@pytest.mark.parametrize("suffix", ["", "_bf16", "_fp16"])
+def test_zeroone_stage_1_equals_stage_0_bitwise_over_40_steps(runs, suffix: str) -> None:
     for r in range(2):
-        native, s0 = runs[r]["s1_native"], runs[r]["s0"]
-        assert native["losses"][:FREEZE] == pytest.approx(s0["losses"][:FREEZE], rel=1e-6)
-        assert native["losses"] == pytest.approx(s0["losses"], rel=1e-3)
+        _assert_same(runs[r]["zo0" + suffix], runs[r]["zo1" + suffix])
+    st = runs[0]["zo1" + suffix]["stats"]
+    assert st.frozen and st.local_steps > 0 and st.local_syncs > 0
+    assert st.skipped_reductions > 0 and st.compressed.calls > st.local_syncs  # + variance-phase averages
+    assert st.compressed.wire_bytes * 28 <= st.compressed.fp32_allreduce_bytes
+
+
+def test_fp16_overflow_steps_are_skipped_on_every_rank_as_at_stage_0(runs) -> None:
+    for key, injected, steps in (("s1_fp16", ONEBIT_INJECT, 12), ("zo1_fp16", ZEROONE_INJECT, ZO_STEPS)):
+        for r in range(2):
+            run = runs[r][key]
+            assert run["skipped"] == len(injected)  # each injected step, on both ranks, and no other
+            assert run["stats"].steps == steps - len(injected)
+            assert math.isinf(run["losses"][injected[0][0]]) and math.isfinite(run["losses"][-1])
+            assert run["loss_scale"] == 2.0 ** (8 - len(injected))
+
+
+def test_clipping_clips_the_whole_gradient_as_at_stage_0(runs) -> None:
+    for key, plain in (("s1_clip", "s1"), ("zo1_fp16", None)):
+        run = runs[0][key]
+        assert run["engine_stats"].last_grad_norm > 0.05  # the norm was over the bound: clipping acted
+        if plain is not None:
+            assert run["losses"][1:] != runs[0][plain]["losses"][1:]
+
+
+def test_native_collectives_still_all_reduce_the_whole_gradient(runs) -> None:
+    """No reduce-scatter at stage 1 (the optimizer reads the whole gradient), so gloo's native
+    collectives change nothing: bitwise stage 0, and the reduction still stops at the freeze."""
+    for r in range(2):
+        native = runs[r]["s1_native"]
+        assert native["losses"] == runs[r]["s0"]["losses"]
+        assert native["engine_stats"].comm.reduce_scatter_calls == 0
         assert native["stats"].skipped_reductions == 8 - FREEZE
 
 
-def test_stage_1_partitions_variance_and_keeps_the_momentum_full(runs) -> None:
-    def numel(state: dict[Any, Any], key: str) -> int:
-        return sum(s[key].numel() for s in state.values() if key in s)
+def _numel(state: dict[Any, Any], key: str) -> int:
+    return sum(s[key].numel() for s in state.values() if key in s)
 
+
+def test_onebit_stage_1_partitions_variance_and_keeps_the_momentum_full(runs) -> None:
     s0, s1 = runs[0]["s0"]["state"], runs[0]["s1"]["state"]
-    assert numel(s1, "exp_avg_sq") * 2 == numel(s0, "exp_avg_sq")  # v: half per rank on 2 ranks
-    full = numel(s1, "full_exp_avg")
-    assert full == numel(s0, "exp_avg")  # the momentum is whole after the freeze
-    assert numel(s1, "worker_error") == numel(s0, "worker_error")
+    assert _numel(s1, "exp_avg_sq") * 2 == _numel(s0, "exp_avg_sq")  # v: half per rank on 2 ranks
+    assert _numel(s1, "full_exp_avg") == _numel(s0, "exp_avg")  # the momentum is whole after the freeze
+    assert _numel(s1, "worker_error") == _numel(s0, "worker_error")
     assert "full_exp_avg" not in str(list(s0.values())[0].keys())
 
 
-def test_stage_1_checkpoint_restores_error_feedback_and_resumes_bitwise(runs) -> None:
+def test_zeroone_stage_1_partitions_until_the_freeze_then_holds_replicas(runs) -> None:
+    early0, early1 = runs[0]["zo0_bf16"]["saved"]["state"], runs[0]["zo1_bf16"]["saved"]["state"]
+    for key in ("exp_avg", "exp_avg_sq", "momentum_accumulator"):  # step 10: partitioned
+        assert _numel(early1, key) * 2 == _numel(early0, key), key
+    assert _numel(early1, "full_exp_avg") == 0
+    late0, late1 = runs[0]["zo0_bf16"]["state"], runs[0]["zo1_bf16"]["state"]
+    for key in ("exp_avg", "exp_avg_sq", "momentum_accumulator"):  # after the freeze: whole, once
+        assert _numel(late1, "full_" + key) == _numel(late0, key), key
+        assert _numel(late1, key) == 0, key  # the slices' copies were dropped
+    assert _numel(late1, "full_master") == _numel(late0, "exp_avg")  # bf16: the fp32 replica
+
+
+@pytest.mark.parametrize(("key", "split"), [("s1", 5), ("zo1", 31), ("zo1_bf16", 10)])
+def test_stage_1_checkpoint_restores_error_feedback_and_resumes_bitwise(runs, key: str, split: int) -> None:
     for r in range(2):
-        run = runs[r]["s1"]
-        assert run["again"] == run["losses"][5:]
+        run = runs[r][key]
+        assert run["again"] == run["losses"][split:]
         for a, b in zip(run["params"], run["resumed_params"], strict=True):
             assert torch.equal(a, b)
         for idx, saved in run["saved"]["state"].items():
-            for key in ("worker_error", "server_error", "full_exp_avg", "exp_avg", "exp_avg_sq"):
-                if key in saved:
-                    assert torch.equal(saved[key], run["restored"]["state"][idx][key]), key
-    w0 = next(s["worker_error"] for s in runs[0]["s1"]["saved"]["state"].values() if "worker_error" in s)
-    w1 = next(s["worker_error"] for s in runs[1]["s1"]["saved"]["state"].values() if "worker_error" in s)
+            for name, value in saved.items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(value, run["restored"]["state"][idx][name]), name
+    w0 = next(s["worker_error"] for s in runs[0][key]["saved"]["state"].values() if "worker_error" in s)
+    w1 = next(s["worker_error"] for s in runs[1][key]["saved"]["state"].values() if "worker_error" in s)
     assert not torch.equal(w0, w1)  # per rank
 
 
-def test_unsupported_stage_1_combinations_are_refused() -> None:
-    engine, _, _, _ = dstrain.initialize(model=make_model(), config=_config(1, world=1))  # valid
-    engine.close()
-    for extra, field in (
-        ({"fp16": {"enabled": True}}, "fp16.enabled"),
-        ({"gradient_clipping": 1.0}, "gradient_clipping"),
-    ):
+def test_zeroone_checkpoint_after_the_freeze_carries_each_ranks_replica(runs) -> None:
+    # the replicas differ between ranks in the last bits (a sync undoes local steps with rounding), so
+    # stage 1 saves each rank's whole fp32 replica, not only its slice
+    saved = [
+        next(s for s in runs[r]["zo1"]["saved"]["state"].values() if "full_master" in s) for r in range(2)
+    ]
+    assert saved[0]["full_master"].numel() == _numel(runs[0]["zo0"]["state"], "exp_avg")
+    assert runs[0]["zo1"]["saved"]["zeroone"]["frozen"]
+
+
+def test_unsupported_combinations_are_refused() -> None:
+    for make in (_config, _zo_config):
+        engine, _, _, _ = dstrain.initialize(model=make_model(), config=make(1, world=1))  # valid
+        engine.close()
+        cfg = make(1, world=1)
+        cfg["optimizer"]["params"]["fused"] = False
         with pytest.raises(ConfigError) as info:
-            dstrain.initialize(model=make_model(), config=_config(1, world=1, **extra))
-        assert info.value.field == field
-    cfg = _config(1, world=1)
-    cfg["optimizer"]["params"]["fused"] = False
-    with pytest.raises(ConfigError) as info:
-        dstrain.initialize(model=make_model(), config=cfg)
-    assert info.value.field == "optimizer.params.fused"
-    with pytest.raises(ConfigError) as info:
-        dstrain.initialize(model=make_model(), config=_config(2, world=1))
-    assert info.value.field == "zero_optimization.stage"
+            dstrain.initialize(model=make_model(), config=cfg)
+        assert info.value.field == "optimizer.params.fused"
+        for stage in (2, 3):
+            with pytest.raises(ConfigError) as info:
+                dstrain.initialize(model=make_model(), config=make(stage, world=1))
+            assert info.value.field == "zero_optimization.stage"
+
+
+def test_pipeline_and_expert_parallelism_are_refused_with_the_field() -> None:
+    for rank in shared_runs("stage1_refusals"):
+        assert rank == {
+            f"{kind}/{opt}": "optimizer.type"
+            for kind in ("pipeline", "moe_ep2")
+            for opt in ("OneBitAdam", "ZeroOneAdam")
+        }
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_optimizer_offload_is_refused_with_the_field(stage: int) -> None:
+    for make in (_config, _zo_config):
+        cfg = make(stage, world=1)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        with pytest.raises(ConfigError) as info:
+            dstrain.initialize(model=make_model(), config=cfg)
+        assert info.value.field == "optimizer.type"

@@ -4,7 +4,6 @@ config handling, and CUDA/NCCL (gpu-marked)."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -17,67 +16,10 @@ from torch import nn
 
 from dstrain.onebit import ZeroOneAdam
 from tests.dstrain._dstrain_helpers import spawn
+from tests.dstrain._onebit_workers import anchor_resume, anchor_train, register, shared_runs, summary
 
 FIXTURE = Path(__file__).parent / "fixtures" / "onebit_zeroone_deepspeed_0.16.5.json"
 SMALL = {"var_update_scaler": 4, "local_step_scaler": 4, "local_step_clipper": 4}  # bench/onebit_anchor.py
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
-
-
-def _batches(device: torch.device, noise: bool = False):
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    g = torch.Generator().manual_seed(100 + rank)
-    w = torch.randn(32, 4, generator=torch.Generator().manual_seed(7))
-    while True:
-        x = torch.randn(64, 32, generator=g)
-        y = x @ w + (torch.randn(64, 4, generator=g) if noise else 0.0)  # noise: a loss floor of ~1
-        yield x.to(device), y.to(device)
-
-
-def _train(
-    opt_fn: Any,
-    steps: int,
-    *,
-    noise: bool = False,
-    device: str = "cpu",
-    model: nn.Module | None = None,
-    opt: Any = None,
-    data: Any = None,
-) -> dict[str, Any]:
-    """The anchor's harness: gradients all-reduced (mean) when the optimizer asks for it."""
-    dev = torch.device(device)
-    model = model if model is not None else _model().to(dev)
-    opt = opt if opt is not None else opt_fn(model.parameters())
-    data = data if data is not None else _batches(dev, noise)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    losses, reduced = [], []
-    for _ in range(steps):
-        x, y = next(data)
-        loss = (model(x) - y).pow(2).mean()
-        loss.backward()
-        ask = opt.reduces_gradients() if hasattr(opt, "reduces_gradients") else True
-        reduced.append(ask)
-        if ask and world > 1:
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad.mul_(1 / world)
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return {
-        "losses": losses,
-        "reduced": reduced,
-        "params": [p.detach().cpu().clone() for p in model.parameters()],
-        "model": model,
-        "opt": opt,
-        "data": data,
-    }
 
 
 def _compat(params: Any) -> ZeroOneAdam:
@@ -88,55 +30,24 @@ def _fused(params: Any) -> ZeroOneAdam:
     return ZeroOneAdam(params, lr=1e-2, var_freeze_step=20, **SMALL)
 
 
-def _resume(split: int, steps: int) -> dict[str, Any]:
-    """Train straight, and again with model + optimizer state saved at ``split`` and loaded into fresh ones."""
-    straight = _train(_fused, steps)
-    first = _train(_fused, split)
-    saved_model = {k: v.clone() for k, v in first["model"].state_dict().items()}
-    saved_opt = copy.deepcopy(first["opt"].state_dict())
-    model = _model()
-    model.load_state_dict(saved_model)
-    opt = _fused(model.parameters())
-    opt.load_state_dict(copy.deepcopy(saved_opt))  # torch keeps the loaded tensors: give it copies
-    restored = copy.deepcopy(opt.state_dict())
-    rest = _train(None, steps - split, model=model, opt=opt, data=first["data"])
-    return {
-        "straight": straight["params"],
-        "straight_losses": straight["losses"][split:],
-        "resumed": rest["params"],
-        "resumed_losses": rest["losses"],
-        "saved": saved_opt,
-        "restored": restored,
-    }
-
-
-def _strip(run: dict[str, Any]) -> dict[str, Any]:
-    opt = run["opt"]
-    return {
-        "losses": run["losses"],
-        "reduced": run["reduced"],
-        "params": run["params"],
-        "stats": opt.backend.statistics() if hasattr(opt, "backend") else None,
-        "syncs": getattr(opt, "local_syncs", None),
-        "skipped": getattr(opt, "local_steps_skipped", None),
-    }
-
-
-def _all_runs() -> dict[str, Any]:
+def _all_runs(root: str) -> dict[str, Any]:
     conv = {"var_freeze_step": 100, "var_update_scaler": 16, "local_step_scaler": 50, "local_step_clipper": 4}
     return {
-        "compat": _strip(_train(_compat, 40)),
-        "fused": _strip(_train(_fused, 40)),
-        "resume_frozen": _resume(split=31, steps=40),  # inside a local interval: accumulator not empty
-        "resume_variance": _resume(split=13, steps=40),  # before the freeze
-        "conv_zo": _strip(_train(lambda ps: ZeroOneAdam(ps, lr=1e-2, **conv), 300, noise=True)),
-        "conv_adam": _strip(_train(lambda ps: torch.optim.Adam(ps, lr=1e-2), 300, noise=True)),
+        "compat": summary(anchor_train(_compat, 40)),
+        "fused": summary(anchor_train(_fused, 40)),
+        "resume_frozen": anchor_resume(_fused, split=31, steps=40),  # mid local interval: u not empty
+        "resume_variance": anchor_resume(_fused, split=13, steps=40),  # before the freeze
+        "conv_zo": summary(anchor_train(lambda ps: ZeroOneAdam(ps, lr=1e-2, **conv), 300, noise=True)),
+        "conv_adam": summary(anchor_train(lambda ps: torch.optim.Adam(ps, lr=1e-2), 300, noise=True)),
     }
+
+
+register("zeroone", _all_runs)
 
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
-    return spawn(_all_runs, world=2)
+    return shared_runs("zeroone")
 
 
 def test_matches_deepspeed_0_16_5_per_step_loss_bitwise(runs) -> None:
@@ -262,8 +173,8 @@ def test_bad_arguments_are_value_errors() -> None:
 def _cuda_runs() -> dict[str, Any]:
     device = f"cuda:{dist.get_rank()}"
     return {
-        "compat": _strip(_train(_compat, 40, device=device)),
-        "fused": _strip(_train(_fused, 40, device=device)),
+        "compat": summary(anchor_train(_compat, 40, device=device)),
+        "fused": summary(anchor_train(_fused, 40, device=device)),
     }
 
 
