@@ -198,13 +198,14 @@ def engine_run(
     root: str | None = None,
     split: int = 5,
     inject: tuple[tuple[int, int], ...] = (),
+    model_fn: Callable[[], nn.Module] = make_model,
 ) -> dict[str, Any]:
     """``dstrain.initialize`` on the tiny model, ``steps`` steps. With ``root``: a checkpoint after step
     ``split`` and a fresh engine (other initial weights) resumed from it for the remaining steps.
     ``inject``: (step, rank) pairs whose loss is made inf on that rank only (an fp16 overflow)."""
     import dstrain
 
-    engine, _, _, _ = dstrain.initialize(model=make_model(), config=config)
+    engine, _, _, _ = dstrain.initialize(model=model_fn(), config=config)
     _inject(engine, inject)
     first = engine_losses(engine, split if root is not None else steps)
     out: dict[str, Any] = {}
@@ -220,6 +221,7 @@ def engine_run(
         state=engine.stepper.state_dict()["state"],
         skipped=engine.skipped_steps,
         loss_scale=engine.loss_scale,
+        lr=engine.get_lr(),
     )
     engine.close()
     if root is None:

@@ -181,6 +181,11 @@ def _nccl_engines() -> dict[str, Any]:
         ("onebit_s1", _stage(_config(), 1)),
         ("onebit_s1_bf16", {**_stage(_config(), 1), "bf16": {"enabled": True}}),
         ("zeroone", _zeroone_config()),
+        ("zeroone_s1", _stage(_zeroone_config(), 1)),
+        (
+            "zeroone_s1_fp16",
+            {**_stage(_zeroone_config(), 1), "fp16": {"enabled": True}, "gradient_clipping": 1.0},
+        ),
     ):
         engine, _, _, _ = dstrain.initialize(model=make_model(), config=cfg)
         assert next(engine.module.parameters()).is_cuda
@@ -198,8 +203,9 @@ def _stage(cfg: dict[str, Any], stage: int) -> dict[str, Any]:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices for an NCCL group")
 def test_onebit_and_zeroone_engines_on_nccl_cuda(runs) -> None:
-    """The engine on CUDA over NCCL: 1-bit Adam at stages 0 and 1 (a true reduce-scatter) and 0/1 Adam;
-    the same schedule as on gloo, losses close to the gloo runs (CUDA rounds differently: not bitwise)."""
+    """The engine on CUDA over NCCL: 1-bit Adam at stages 0 and 1, 0/1 Adam at stages 0 and 1 (fp32, and
+    fp16 with clipping): the same schedule as on gloo, losses close to the gloo runs (CUDA rounds
+    differently: not bitwise)."""
     res = spawn(_nccl_engines, world=2, backend="nccl")[0]
     for name in ("onebit_s0", "onebit_s1"):
         assert res[name]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-3), name
@@ -207,6 +213,9 @@ def test_onebit_and_zeroone_engines_on_nccl_cuda(runs) -> None:
         assert st.frozen and st.skipped_reductions == 8 - FREEZE and st.compressed.calls == 8 - FREEZE
     assert all(math.isfinite(x) for x in res["onebit_s1_bf16"]["losses"])
     assert res["onebit_s1_bf16"]["losses"][-1] < res["onebit_s1_bf16"]["losses"][0]
-    zo = res["zeroone"]
-    assert zo["losses"] == pytest.approx(runs[0]["zeroone"]["losses"], rel=1e-3)
-    assert (zo["stats"].local_syncs, zo["stats"].local_steps, zo["stats"].skipped_reductions) == (3, 1, 5)
+    for name in ("zeroone", "zeroone_s1"):  # 0/1 Adam at stages 0 and 1 (replicas after the freeze)
+        zo = res[name]
+        assert zo["losses"] == pytest.approx(runs[0]["zeroone"]["losses"], rel=1e-3), name
+        assert (zo["stats"].local_syncs, zo["stats"].local_steps, zo["stats"].skipped_reductions) == (3, 1, 5)
+    fp16 = res["zeroone_s1_fp16"]["losses"]
+    assert all(math.isfinite(x) for x in fp16[2:]) and fp16[-1] < fp16[0]

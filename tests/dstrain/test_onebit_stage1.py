@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import dstrain
 from dstrain.errors import ConfigError
-from tests.dstrain._dstrain_helpers import base_config, make_model
+from dstrain.moe import MoE
+from tests.dstrain._dstrain_helpers import DIM, VOCAB, Tiny, base_config, make_model
 from tests.dstrain._onebit_workers import engine_run, register, shared_runs
 
 FREEZE = 3
@@ -39,6 +41,32 @@ def _zo_config(stage: int, world: int = 2, **extra: Any) -> dict[str, Any]:
     return base_config(stage, world=world, optimizer=opt, **extra)
 
 
+WARMUP = {
+    "type": "WarmupLR",
+    "params": {"warmup_num_steps": 20, "warmup_min_lr": 0.001, "warmup_max_lr": 0.005},
+}
+
+
+class _TinyMoE(Tiny):
+    """The tiny model with an MoE layer (2 experts, ep_size 1) after its block; the aux loss added."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = MoE(DIM, torch.nn.Linear(DIM, DIM), num_experts=2, ep_size=1, k=1)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.pos[: idx.shape[1]]  # (B, T, C)
+        x = x + self.block(x)
+        out, l_aux, _ = self.moe(x)  # (B, T, C)
+        logits = self.head(self.ln(x + out))  # (B, T, V)
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1)) + 0.01 * l_aux
+
+
+def _moe_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _TinyMoE()
+
+
 def _worker(root: str) -> dict[str, Any]:
     def ck(name: str) -> str:
         return os.path.join(root, name)
@@ -58,6 +86,13 @@ def _worker(root: str) -> dict[str, Any]:
         out[f"zo{stage}_fp16"] = engine_run(
             _zo_config(stage, fp16=FP16, gradient_clipping=0.05), ZO_STEPS, inject=ZEROONE_INJECT
         )
+    # composition: gradient accumulation + an LR schedule + overlap_comm; MoE layers with ep_size 1
+    for stage in (0, 1):
+        for name, make in (("ob", _config), ("zo", _zo_config)):
+            cfg = make(stage, gas=2, micro=2, scheduler=WARMUP)
+            cfg["zero_optimization"]["overlap_comm"] = True
+            out[f"{name}{stage}_more"] = engine_run(cfg, 24)
+            out[f"{name}{stage}_moe"] = engine_run(make(stage), 24, model_fn=_moe_model)
     # gloo's own collectives (what NCCL uses): stage 1 of a 1-bit optimizer still all-reduces the whole
     # gradient (last in the worker: the variable stays set)
     os.environ["DSTRAIN_GLOO_NATIVE_COLLECTIVES"] = "1"
@@ -242,3 +277,19 @@ def test_optimizer_offload_is_refused_with_the_field(stage: int) -> None:
         with pytest.raises(ConfigError) as info:
             dstrain.initialize(model=make_model(), config=cfg)
         assert info.value.field == "optimizer.type"
+
+
+@pytest.mark.parametrize("kind", ["more", "moe"])
+def test_stage_1_composes_with_accumulation_lr_schedule_overlap_and_moe(runs, kind: str) -> None:
+    """Gradient accumulation (2 micro-steps) + WarmupLR + overlap_comm, and an MoE layer with ep_size 1:
+    stage 1 equals stage 0 bitwise for both optimizers, one reduction decision per optimizer step."""
+    for name in ("ob", "zo"):
+        for r in range(2):
+            _assert_same(runs[r][f"{name}0_{kind}"], runs[r][f"{name}1_{kind}"])
+        run = runs[0][f"{name}1_{kind}"]
+        assert run["stats"].steps == 24 and run["stats"].frozen
+        assert math.isfinite(run["losses"][-1]) and run["losses"][-1] < run["losses"][0]
+        if kind == "more":
+            assert run["lr"] == [0.005]  # the schedule's, not the config's 1e-2: the optimizer reads it
+    # 1-bit Adam: one (skipped) reduction per optimizer step after the freeze, not one per micro-step
+    assert runs[0]["ob1_more"]["stats"].skipped_reductions == 24 - FREEZE
