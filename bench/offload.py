@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +81,18 @@ print(json.dumps(run_sync(main(), timeout=300)))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def worker_env(base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a worker run: ``base`` with one thread per rank, DeepSpeed on CPU, and the
+    checkout first on PYTHONPATH, followed by whatever ``base``'s PYTHONPATH already held (on the GPU
+    machine the wheels are installed with ``--target`` and live there)."""
+    path = os.pathsep.join(p for p in (str(ROOT), base.get("PYTHONPATH", "")) if p)
+    return dict(base, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=path)
+
+
 def run_one(args: argparse.Namespace, shape: str, method: str, python: str, nvme_dir: str) -> dict[str, Any]:
     """One (shape, method) run in fresh torchrun processes; its ranks' results or its error output."""
     impl = METHODS[method].impl
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    env = worker_env(os.environ)
     if impl == "deepspeed":
         env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(python).parent.parent / "torch_extensions"))
     shutil.rmtree(nvme_dir, ignore_errors=True)

@@ -19,7 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.offload import BenchError, parse_args  # noqa: E402
+from bench.offload import ROOT as BENCH_ROOT  # noqa: E402
+from bench.offload import BenchError, parse_args, worker_env  # noqa: E402
 from bench.offload_methods import METHODS, SHAPES, Method, expected_bytes  # noqa: E402
 from bench.offload_report import _error_line, summarize, targets  # noqa: E402
 from bench.offload_worker import offload_counters  # noqa: E402
@@ -69,6 +70,14 @@ def test_targets_met_missed_and_not_applicable() -> None:
     # the disk too slow for the step: the NVMe/CPU target does not apply to this shape
     lines = targets(summarize(slow, [{"read_gbps": 0.01, "write_gbps": 0.01}]), "mlp")
     assert "not applicable" in lines[1]
+
+
+def test_worker_env_keeps_the_callers_pythonpath() -> None:
+    # on the GPU machine the wheels live on PYTHONPATH (pip --target): the workers must still see them
+    env = worker_env({"PYTHONPATH": "/opt/wheels:/other", "HOME": "/h"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(BENCH_ROOT), "/opt/wheels", "/other"]
+    assert env["HOME"] == "/h" and env["OMP_NUM_THREADS"] == "1" and env["DS_ACCELERATOR"] == "cpu"
+    assert worker_env({})["PYTHONPATH"] == str(BENCH_ROOT)
 
 
 def test_failed_rows_name_the_ranks_exception() -> None:
