@@ -101,9 +101,13 @@ def build_offload_optimizer(
     master_store = store if getattr(store, "holds_master", False) else None
     if master_store is not None:
         sub_group_size = min(int(sub_group_size), master_store.max_master_numel)
+    grad_store = getattr(store, "grads", None)  # gradients on NVMe (the budget could not hold them)
+    if grad_store is not None:
+        sub_group_size = min(int(sub_group_size), grad_store.max_numel)
     return OffloadAdam(
         param_groups,
         master_store=master_store,
+        grad_store=grad_store,
         device=offload.device,
         sub_group_size=int(sub_group_size),  # JSON may say 1e9
         nvme_path=offload.nvme_path,
@@ -130,7 +134,7 @@ def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> 
         assert param.nvme_path is not None  # the config requires it
         check_nvme_path("zero_optimization.offload_param.nvme_path", param.nvme_path)
     both_nvme = param.device == "nvme" and zero_config.offload_optimizer.device == "nvme"
-    holds_master = both_nvme and dtype == torch.float32
+    holds_master = both_nvme  # the fp32 master in a file too (the shard file at fp32, its own otherwise)
     if holds_master and min(int(zero_config.sub_group_size), STEP_CHUNK) % CUT:
         raise ConfigError(
             "zero_optimization.sub_group_size",
@@ -146,9 +150,11 @@ def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> 
         buffer_count=int(param.buffer_count),
         buffer_size=int(param.buffer_size),
         pin_memory=param.pin_memory,
-        # fp32 with optimizer state on NVMe: the master IS the shard in the file (OffloadAdam swaps it)
+        # optimizer state on NVMe: OffloadAdam swaps the master from its file (at fp32: the shard file)
         holds_master=holds_master,
         io_config=io_config_from(aio) if param.device == "nvme" else None,
+        # both on NVMe: the gradient shards follow when the budget cannot hold them (OffloadedGrads)
+        host_budget=zero_config.offload_pinned_bytes if both_nvme else None,
     )
 
 

@@ -96,6 +96,7 @@ class OffloadAdam(torch.optim.Optimizer):
         pinned_budget: int = 1 << 30,
         io_config: Any = None,
         master_store: Any = None,
+        grad_store: Any = None,
     ) -> None:
         if device not in ("cpu", "nvme"):
             raise ConfigError(
@@ -120,6 +121,8 @@ class OffloadAdam(torch.optim.Optimizer):
         # stage 3, parameters and state on NVMe, fp32: the master views have no storage; each
         # sub-group's master is read from (and written back to) the parameter shard file
         self._master = master_store
+        # gradients on NVMe (dstrain.offload.grad_store): each sub-group's range is read in the step
+        self._grads = grad_store
         self._in_step = False
         # on the masters' device, like torch's fused Adam (its CUDA kernel reads the step there)
         self._steps = [
@@ -210,8 +213,12 @@ class OffloadAdam(torch.optim.Optimizer):
         while len(self._ahead) < self._lookahead and nxt < len(order):
             sg = order[nxt]
             if sg.index not in queued:
-                self._ahead.append([sg, self._swapper.fetch(sg.index), None])
+                self._ahead.append([sg, self._swapper.fetch(sg.index), None, None])
             nxt += 1
+        if self._grads is not None and self._in_step:  # gradients are final only once the step runs
+            for entry in self._ahead:
+                if entry[3] is None:
+                    entry[3] = self._grads.fetch(entry[0].group, entry[0].master_start, entry[0].numel)
         if self._master is not None and self._in_step:
             # master reads only inside the step: during forward/backward the parameter pool
             # belongs to the shard reads of the gathers
@@ -220,12 +227,15 @@ class OffloadAdam(torch.optim.Optimizer):
                     sg = entry[0]
                     entry[2] = self._master.fetch_master(sg.group, sg.master_start, sg.numel)
 
-    def _take(self, sg: SubGroup) -> tuple[Lease, Any]:
-        """The sub-group's state lease, and its (master lease, master view) when the master is swapped."""
+    def _take(self, sg: SubGroup) -> tuple[Lease, Any, Any]:
+        """The sub-group's state lease, its (master lease, master view) when the master is swapped,
+        and its (gradient lease, gradient view) when the gradients are."""
         if not self._ahead or self._ahead[0][0] is not sg:
             raise RuntimeError("offload read-ahead out of order")  # a bug, never user input
-        _, fut, mfut = self._ahead.popleft()
-        futs = [f for f in (fut, mfut) if f is not None]
+        _, fut, mfut, gfut = self._ahead.popleft()
+        if gfut is not None:
+            self._grads.took(gfut)
+        futs = [f for f in (fut, mfut, gfut) if f is not None]
         if all(f.done() for f in futs):
             self._hits += 1
         else:
@@ -233,7 +243,11 @@ class OffloadAdam(torch.optim.Optimizer):
             t0 = time.perf_counter()
             concurrent.futures.wait(futs)
             self._stall += time.perf_counter() - t0
-        return fut.result(), (mfut.result() if mfut is not None else None)
+        return (
+            fut.result(),
+            mfut.result() if mfut is not None else None,
+            gfut.result() if gfut is not None else None,
+        )
 
     # -- the Stepper surface ------------------------------------------------------------------
 
@@ -258,15 +272,22 @@ class OffloadAdam(torch.optim.Optimizer):
         self._stores = []
         for pos, sg in enumerate(self._subs):
             g = self.param_groups[sg.group]
-            lease = master = None
+            lease = master = swapped = None
             if self._swapper is not None:
-                lease, master = self._take(sg)
+                lease, master, swapped = self._take(sg)
                 self._top_up(self._subs, pos + 1)
                 m, v = self._views(lease, sg)
             else:
                 assert sg.m is not None and sg.v is not None
                 m, v = sg.m, sg.v
-            if master is not None:  # the fp32 master range as read from the parameter file
+            if swapped is not None:  # the gradient range as read from the gradient file
+                grad = swapped[1]
+                p = (
+                    master[1]
+                    if master is not None
+                    else sg.param.detach().view(-1)[sg.start : sg.start + sg.numel]
+                )
+            elif master is not None:  # the fp32 master range as read from the parameter file
                 p, grad = master[1], sg.grad_slice()
             else:
                 p, grad = sg.slices()
@@ -290,6 +311,8 @@ class OffloadAdam(torch.optim.Optimizer):
                 maximize=False,
             )
             self._stager.back([(p, p_d), (m, m_d), (v, v_d)])
+            if swapped is not None:
+                self._grads.discard(swapped[0])  # read-only: back to the pool unwritten
             if master is not None:
                 self._stores.append(self._master.store_master(master[0]))  # written once per step
             if lease is not None:
@@ -310,10 +333,12 @@ class OffloadAdam(torch.optim.Optimizer):
         """Hand back read-ahead buffers unused (before state is replaced or read another way)."""
         assert self._swapper is not None
         while self._ahead:
-            _, fut, mfut = self._ahead.popleft()
+            _, fut, mfut, gfut = self._ahead.popleft()
             self._swapper.discard(fut.result())
             if mfut is not None:
                 self._master.discard_master(mfut.result()[0])
+            if gfut is not None:
+                self._grads.discard(gfut.result()[0])
         self._swapper.drain()
 
     def _state_of(self, sgs: list[SubGroup]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -14,9 +14,14 @@ end to end (the group's ``offsets``), as in the resident layout:
   gather. Shards are written once per step, after the optimizer.
 
 The fp32 master: resident (a tensor of the group) unless `holds_master` (parameters and optimizer
-state both on NVMe, fp32): then the master *is* the shard in the file, and `OffloadAdam` reads and
-writes it sub-group by sub-group through `fetch_master` / `store_master`; no full-size master or
-shard copy stays in memory.
+state both on NVMe): then `OffloadAdam` reads and writes it sub-group by sub-group through
+`fetch_master` / `store_master`, and no full-size master or shard copy stays in memory. At fp32 the
+master *is* the shard in the file; at bf16/fp16 it lives in a file of its own (`MasterFile`) and
+each stepped range is cast into the shard file as it is stored (`_stream_shard`).
+
+Gradients: in memory (`Stage3Zero`'s ``master_grad``) unless ``host_budget`` (the
+``offload_pinned_bytes`` budget) cannot hold this rank's fp32 gradient shards; then `expect` makes
+an `OffloadedGrads` (``grads``) and they live in an NVMe file too.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstrain.errors import ConfigError
+from dstrain.offload.grad_store import GradStoreStatistics, OffloadedGrads
+from dstrain.offload.master_file import MasterFile
 from dstrain.offload.swapper import ALIGN, STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
 from dstrain.zero.units import ShardStore, Unit
 
@@ -66,10 +73,16 @@ class ParamStoreStatistics:
     pinned_bytes: int
     """Pinned bytes this store allocated (never above ``pinned_budget``)."""
     swapper: SwapperStatistics | None
+    grads: GradStoreStatistics | None = None
+    """The gradient store's counters when gradients are on NVMe too (else None)."""
+    master_swapper: SwapperStatistics | None = None
+    """The fp32 master file's swapper (bf16/fp16 shards with `holds_master`; else None)."""
 
 
 class OffloadedShards(ShardStore):
     """Shards of every stage-3 unit of this rank on ``device`` (``"cpu"`` or ``"nvme"``)."""
+
+    streams_initial_shards = True  # `place` builds one unit's shard at a time (no copy of them all)
 
     def __init__(
         self,
@@ -83,13 +96,14 @@ class OffloadedShards(ShardStore):
         pin_memory: bool = False,
         holds_master: bool = False,
         io_config: Any = None,
+        host_budget: int | None = None,
     ) -> None:
         if device not in ("cpu", "nvme"):
             raise ConfigError(
                 "zero_optimization.offload_param.device", f"expected cpu or nvme, got {device!r}"
             )
-        if holds_master and (device != "nvme" or dtype != torch.float32):
-            raise ValueError("the store holds the master only for fp32 shards on NVMe")
+        if holds_master and device != "nvme":
+            raise ValueError("the store holds the master only with shards on NVMe")
         self.device = device
         self.dtype = dtype
         self.holds_master = holds_master
@@ -100,6 +114,12 @@ class OffloadedShards(ShardStore):
         self._size_hint = buffer_size
         self._pin = pin_memory and torch.cuda.is_available()
         self._io_config = io_config
+        # gradients go to NVMe too when this many bytes (offload_pinned_bytes) cannot hold them
+        self._host_budget = host_budget
+        self.grads: OffloadedGrads | None = None
+        # bf16/fp16 with `holds_master`: the fp32 master in a file of its own (at fp32 it is the shard)
+        self._mfile: MasterFile | None = None
+        self._streams: dict[int, list[Any]] = {}  # group -> [next element, lease, block's first element]
         self._groups: dict[int, ShardGroup] = {}
         self._host: dict[int, torch.Tensor] = {}  # device="cpu": (group total,) per group
         self._base: dict[int, int] = {}  # device="nvme": the group's region offset in the file
@@ -132,14 +152,21 @@ class OffloadedShards(ShardStore):
         self._groups[group.index] = group
         for u in group.units:
             self._unit_group[u.index] = group
-        pieces = [(group.offsets[u.index], u.shard) for u in group.units]
+        current: dict[int, torch.Tensor] = {}  # the one unit whose initial shard is built right now
+
+        def shard_of(u: Unit) -> torch.Tensor:
+            if u.index not in current:
+                current.clear()
+                current[u.index] = u.initial_shard()  # from the model's own parameter memory
+            return current[u.index]
 
         def fill(out: torch.Tensor, start: int) -> None:
             """Elements ``[start, start + out.numel())`` of the group's shards into ``out``."""
-            for off, shard in pieces:
-                lo, hi = max(off, start), min(off + shard.numel(), start + out.numel())
+            for u in group.units:
+                off, n = group.offsets[u.index], u.layout.shard
+                lo, hi = max(off, start), min(off + n, start + out.numel())
                 if lo < hi:
-                    out[lo - start : hi - start].copy_(shard[lo - off : hi - off])
+                    out[lo - start : hi - start].copy_(shard_of(u)[lo - off : hi - off])
 
         if self.holds_master:
             # never touched (so never resident); storage-less once the views exist (`placed`)
@@ -156,9 +183,12 @@ class OffloadedShards(ShardStore):
                 raise RuntimeError("OffloadedShards.expect(units) must run before place()")
             self._base[group.index] = self._swapper.reserve_region(group.total * self._esize)
             self._write_group(group, fill)
+            if self._mfile is not None:  # the fp32 master starts as the shards' values, upcast
+                self._mfile.place(group.index, group.total, fill)
         for u in group.units:
             u.shard = torch.empty(0, dtype=self.dtype, device=group.device)
-        pieces.clear()
+            u.drop_origin()  # the model's original parameter memory goes now
+        current.clear()
 
     def expect(self, units: Sequence[Unit]) -> None:
         """Size the swap buffers for the largest shard of every unit and open the swap file."""
@@ -168,6 +198,35 @@ class OffloadedShards(ShardStore):
         largest = max((u.layout.shard for u in units), default=1)
         # a unit's shard spans its pages plus at most one partial page at each end
         need = align_up(largest * self._esize) + 2 * ALIGN
+        grad_bytes = 4 * sum(u.layout.shard for u in units)  # this rank's fp32 gradient shards
+        on_cpu = all(u.full.device.type == "cpu" for u in units)  # on a GPU they stay in its memory
+        offload_grads = self._host_budget is not None and grad_bytes > self._host_budget and on_cpu
+        own_master = self.holds_master and self.dtype != torch.float32
+        # the shard pool keeps at least one buffer; the gradient and master files share the rest with it
+        share = max(0, self._budget - need - STAGING_BYTES) // (1 + offload_grads + own_master)
+        if offload_grads:
+            # "gradients stay in memory unless the budget says otherwise": it says otherwise
+            if self.dtype == torch.float16:
+                from dstrain.errors import NotImplementedConfigError
+
+                raise NotImplementedConfigError(
+                    _BUDGET,
+                    f"fp16's loss scaling needs the gradients in memory, and {grad_bytes} bytes of fp32 "
+                    f"gradient shards exceed {self._host_budget}: raise the budget or use bf16",
+                )
+            log.info(
+                "offload: fp32 gradient shards (%d bytes) exceed %s=%d: gradients go to NVMe too",
+                grad_bytes,
+                _BUDGET,
+                self._host_budget,
+            )
+            self.grads = OffloadedGrads(self._nvme_path, pinned_budget=share, io_config=self._io_config)
+            self._budget -= self.grads.pinned_bytes
+        if own_master:
+            self._mfile = MasterFile(
+                self._nvme_path, pinned_budget=share, on_store=self._stream_shard, io_config=self._io_config
+            )
+            self._budget -= self._mfile.pinned_bytes
         room = self._budget - STAGING_BYTES
         hint = align_up(min(self._size_hint * self._esize, max(room // max(self._count_hint, 1), need)))
         size = max(need, hint)
@@ -367,6 +426,8 @@ class OffloadedShards(ShardStore):
     def read_master(self, group: ShardGroup) -> torch.Tensor:
         if not self.holds_master:
             return group.master.detach()
+        if self._mfile is not None:
+            return self._mfile.read(group.index)
         out = torch.empty(group.total, dtype=torch.float32)
         per = (self.buffer_bytes - ALIGN) // self._esize
         for start in range(0, group.total, per):
@@ -379,7 +440,9 @@ class OffloadedShards(ShardStore):
 
     def load_master(self, group: ShardGroup, master: torch.Tensor) -> None:
         if self.holds_master:
-            self._write_values(group, master)
+            if self._mfile is not None:
+                self._mfile.load(group.index, master)
+            self._write_values(group, master)  # the shards (cast to their dtype by copy_)
             return
         group.master.copy_(master)
         self.after_step(group)
@@ -389,6 +452,8 @@ class OffloadedShards(ShardStore):
     @property
     def max_master_numel(self) -> int:
         """The most master elements one `fetch_master` can hold (a multiple of 1024)."""
+        if self._mfile is not None:
+            return self._mfile.max_numel
         return (self.buffer_bytes - ALIGN) // 4 // 1024 * 1024
 
     def fetch_master(
@@ -400,6 +465,9 @@ class OffloadedShards(ShardStore):
         self._end_pass()
         if self._queue:
             self._cancel_queue()  # the step owns the pool now: read-ahead of shards restarts in forward
+        if self._mfile is not None:
+            self._master_reads += 1
+            return self._mfile.fetch(group, start, numel)
         g = self._groups[group]
         off, nbytes, at = self._span(g, start, numel)
         inner = self._swapper.fetch_range(off, nbytes)
@@ -421,6 +489,9 @@ class OffloadedShards(ShardStore):
     def store_master(self, lease: Lease) -> concurrent.futures.Future[None]:
         """Write a stepped master range back (once per step) and return its buffer."""
         assert self._swapper is not None
+        if self._mfile is not None:
+            self._master_writes += 1
+            return self._mfile.store(lease)  # and the half-precision shard, via `_stream_shard`
         key: Any = lease.key  # (group, file offset, bytes), set by fetch_master
         off, nbytes = int(key[1]), int(key[2])
         self._master_writes += 1
@@ -429,16 +500,49 @@ class OffloadedShards(ShardStore):
     def discard_master(self, lease: Lease) -> concurrent.futures.Future[None]:
         """Hand a master buffer back unwritten."""
         assert self._swapper is not None
+        if self._mfile is not None:
+            return self._mfile.discard(lease)
         return self._swapper.discard(lease)
+
+    def _stream_shard(self, group: int, start: int, values: torch.Tensor) -> None:
+        """The stepped master range ``[start, start + values.numel())`` of ``group``, cast to the
+        shard dtype, into the shard file. Ranges arrive in element order (the optimizer steps each
+        group's sub-groups in order), so the shard file is written in whole buffers from the
+        region's start: page-aligned, never a page shared with a write still to come."""
+        assert self._swapper is not None
+        g = self._groups[group]
+        st = self._streams.setdefault(group, [0, None, 0])
+        if start != st[0]:
+            raise RuntimeError(f"master ranges of group {group} stored out of order ({start} after {st[0]})")
+        per = self.buffer_bytes // self._esize  # elements of one buffer, a whole number of pages
+        pos, n = 0, values.numel()
+        while pos < n:
+            e = start + pos
+            if st[1] is None:
+                st[1], st[2] = self._swapper.acquire_any().result(), e
+            k = min(n - pos, st[2] + per - e)
+            st[1].view(self.dtype, (e - st[2]) * self._esize, k).copy_(values[pos : pos + k])
+            pos += k
+            if e + k == st[2] + per or e + k == g.total:
+                off = self._base[group] + st[2] * self._esize
+                self._swapper.store_range(st[1], off, (e + k - st[2]) * self._esize)
+                self._shard_writes += 1
+                st[1] = None
+        st[0] = start + n
+        if st[0] == g.total:
+            del self._streams[group]
 
     # -- introspection and lifetime -------------------------------------------------------------
 
     @property
     def pinned_bytes(self) -> int:
+        """Pinned bytes of the shard swapper plus the gradient store's and master file's (when they exist)."""
+        grads = self.grads.pinned_bytes if self.grads is not None else 0
+        grads += self._mfile.pinned_bytes if self._mfile is not None else 0
         if self._swapper is not None:
-            return self._swapper.pinned_bytes
+            return self._swapper.pinned_bytes + grads
         if self._closed_stats is not None:
-            return self._closed_stats.pinned_bytes
+            return self._closed_stats.pinned_bytes + grads
         if self._pin:
             return sum(h.numel() * h.element_size() for h in self._host.values())
         return 0
@@ -455,9 +559,13 @@ class OffloadedShards(ShardStore):
             master_reads=self._master_reads,
             master_writes=self._master_writes,
             shard_writes=self._shard_writes,
-            pinned_budget=self._budget,
+            pinned_budget=self._budget
+            + (self.grads.pinned_bytes if self.grads is not None else 0)
+            + (self._mfile.pinned_bytes if self._mfile is not None else 0),
             pinned_bytes=self.pinned_bytes,
             swapper=sw,
+            grads=self.grads.statistics() if self.grads is not None else None,
+            master_swapper=self._mfile.statistics() if self._mfile is not None else None,
         )
 
     def close(self) -> None:
@@ -465,11 +573,17 @@ class OffloadedShards(ShardStore):
         from dstrain.offload.metrics import unregister_offload
 
         unregister_offload(self)
-        if self._swapper is not None:
-            try:
-                self._cancel_queue()
-            finally:
-                self._swapper.close()
-                self._closed_stats = self._swapper.statistics()
-                self._swapper = None
+        try:
+            if self._swapper is not None:
+                try:
+                    self._cancel_queue()
+                finally:
+                    self._swapper.close()
+                    self._closed_stats = self._swapper.statistics()
+                    self._swapper = None
+        finally:
+            if self.grads is not None:
+                self.grads.close()
+            if self._mfile is not None:
+                self._mfile.close()
         self._host.clear()

@@ -15,6 +15,7 @@ import torch
 
 from dstrain.config_sections import ZeroConfig
 from dstrain.dist.comm import Comm
+from dstrain.errors import NotImplementedConfigError
 from dstrain.optim.clip import GradSet
 from dstrain.zero.base import ZeroStatistics, ZeroStrategy
 from dstrain.zero.flat import STEP_CHUNK, optimizer_views
@@ -58,8 +59,14 @@ class ShardGroup:
         self.shards: torch.Tensor | None = None  # the resident store's buffer (else None)
         self.master: torch.Tensor = torch.empty(0)
         store.place(self)  # sets master (and shards where they stay resident)
-        self.master_grad = torch.zeros(self.total, dtype=torch.float32, device=device)
+        if store.grads is None:
+            self.master_grad = torch.zeros(self.total, dtype=torch.float32, device=device)
+        else:  # gradients on NVMe: the views keep shapes and offsets, the values are in the file
+            self.master_grad = torch.empty(self.total, dtype=torch.float32, device=device)
+            store.grads.place(index, self.total)
         self.views = optimizer_views(self.master, self.master_grad, chunk)
+        if store.grads is not None:
+            self.master_grad.untyped_storage().resize_(0)
         store.placed(self)
 
 
@@ -92,12 +99,14 @@ class Stage3Zero(ZeroStrategy):
         units: list[Unit] = []
         per_group: list[list[Unit]] = [[] for _ in groups]
         module_units: dict[torch.nn.Module, list[Unit]] = {}
+        self.store = store if store is not None else ShardStore()
+        lazy = self.store.streams_initial_shards  # shards read from the parameters when placed
         for sub in module.modules():
             direct = [p for p in sub.parameters(recurse=False) if id(p) in group_of]
             for gi in range(len(groups)):
                 mine = [p for p in direct if group_of[id(p)] == gi and id(p) not in owner]
                 if mine:
-                    unit = Unit(len(units), mine, routes[gi].comm, dtype)
+                    unit = Unit(len(units), mine, routes[gi].comm, dtype, keep_origin=lazy)
                     unit.persistent = unit.layout.total < config.stage3_param_persistence_threshold
                     unit.release()  # only its shard stays: the model is never held twice
                     units.append(unit)
@@ -108,7 +117,6 @@ class Stage3Zero(ZeroStrategy):
             if needed:
                 module_units[sub] = needed
         self.units = units
-        self.store = store if store is not None else ShardStore()
         self.store.expect(units)
         self.groups = [
             ShardGroup(
@@ -138,6 +146,14 @@ class Stage3Zero(ZeroStrategy):
         return any(g.route.comm.world_size > 1 for g in self.groups)
 
     def grad_sets(self) -> list[GradSet]:
+        if self.store.grads is not None:
+            raise NotImplementedConfigError(
+                "gradient_clipping",
+                "gradients are offloaded to NVMe (offload_pinned_bytes cannot hold them): the global "
+                "norm that clipping and fp16's overflow check need is not computed over swapped "
+                "gradients; raise zero_optimization.offload_pinned_bytes above the gradient shards or "
+                "turn clipping off",
+            )
         # expert groups: slices over edp of different experts on every ep rank: their squares add over dp
         return [
             GradSet([g.master_grad], g.route.comm if g.route.expert_comm is None else self.comm)
@@ -167,8 +183,12 @@ class Stage3Zero(ZeroStrategy):
         )
         del flat  # the pending handle keeps the input alive inside the process group
         off = group.offsets[unit.index]
-        target = group.master_grad[off : off + unit.layout.shard]
         dp = self.comm.world_size  # mean over the data-parallel group (see dstrain.zero.reduce)
+        grads = self.store.grads
+        if grads is not None:  # on NVMe: the same add_, on a unit-sized buffer read from the file
+            self._queue.push(handle, lambda: grads.accumulate(group.index, off, out, 1.0 / dp))
+            return
+        target = group.master_grad[off : off + unit.layout.shard]
         self._queue.push(handle, lambda: target.add_(out, alpha=1.0 / dp))
 
     def after_backward(self, boundary: bool) -> None:
@@ -196,6 +216,9 @@ class Stage3Zero(ZeroStrategy):
             unit.regather()  # persistent units stay gathered: refresh them
 
     def zero_grad(self) -> None:
+        if self.store.grads is not None:
+            self.store.grads.zero()
+            return
         for g in self.groups:
             g.master_grad.zero_()
 

@@ -31,6 +31,15 @@ class ShardStore:
     """True when the fp32 master is not resident but read and written through this store by the
     optimizer (offloaded Adam at fp32 with parameters on NVMe)."""
 
+    streams_initial_shards = False
+    """True when `place` reads each unit's initial shard with `Unit.initial_shard` (one unit at a
+    time, from the model's own parameter memory) instead of ``unit.shard``: then no unit copies its
+    shard at construction, and initialization allocates no second copy of every shard."""
+
+    grads: Any = None
+    """Where the fp32 gradient shards live when not in memory (an `OffloadedGrads`, set by `expect`
+    when the offload budget cannot hold them); None: in `ShardGroup.master_grad`."""
+
     def expect(self, units: Sequence[Unit]) -> None:
         """Every unit of the strategy, before the first `place` (to size buffers)."""
         return None
@@ -88,16 +97,29 @@ class ShardStore:
 class Unit:
     """Parameters gathered and released together."""
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter], comm: Comm, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        index: int,
+        params: list[torch.nn.Parameter],
+        comm: Comm,
+        dtype: torch.dtype,
+        keep_origin: bool = False,
+    ) -> None:
         self.index = index
         self.params = params
         self.comm = comm
+        self.dtype = dtype
         self.layout = FlatLayout(params, comm.world_size, comm.rank)
         self.full = self.layout.flatten(params, dtype)  # (padded,) full values, freed when released
         self._nbytes = self.full.untyped_storage().nbytes()
-        self.shard: torch.Tensor = self.full[
-            self.layout.lo : self.layout.hi
-        ].clone()  # replaced by a view later
+        # keep_origin: the parameters' own tensors stay (until `drop_origin`) and the shard is read
+        # from them when the store places it; else a copy of the shard now, replaced by a view later
+        self._origin = [p.detach() for p in params] if keep_origin else None
+        self.shard: torch.Tensor = (
+            torch.empty(0, dtype=dtype, device=self.full.device)
+            if keep_origin
+            else self.full[self.layout.lo : self.layout.hi].clone()
+        )
         for p, view in zip(params, self.layout.views(self.full), strict=True):
             p.data = view
         self.gathered = True
@@ -109,6 +131,25 @@ class Unit:
     @property
     def numel(self) -> int:
         return self.layout.padded
+
+    def initial_shard(self) -> torch.Tensor:
+        """This rank's initial shard, ``(shard,)``: a new tensor built from the parameters' original
+        tensors (``keep_origin``), with the values and zero padding `FlatLayout.flatten` gives."""
+        if self._origin is None:
+            return self.shard
+        lay = self.layout
+        out = torch.zeros(lay.shard, dtype=self.dtype, device=self.full.device)
+        for i, t in enumerate(self._origin):
+            span = lay.overlap(i)
+            if span is not None:
+                start, end = span
+                off = lay.offsets[i]
+                out[start - lay.lo : end - lay.lo].copy_(t.reshape(-1)[start - off : end - off])
+        return out
+
+    def drop_origin(self) -> None:
+        """Forget the parameters' original tensors (the store has the shard now)."""
+        self._origin = None
 
     def bind_shard(self, shard: torch.Tensor) -> None:
         """Move this rank's shard into ``shard`` (a view of the group's shard buffer)."""

@@ -2,7 +2,7 @@
 
 Two real gloo ranks, fp32 and bf16, 10 steps: shards on CPU or in an NVMe file (through dsio), with
 or without optimizer state on NVMe; with parameters *and* optimizer state on NVMe at fp32 the master
-lives only in the shard file (no resident copy).
+lives only in the shard file (no resident copy); at bf16 in a master file of its own.
 """
 
 from __future__ import annotations
@@ -110,6 +110,15 @@ def test_both_on_nvme_keeps_no_master_in_memory(runs: list[dict[str, Any]]) -> N
         # one budget for both pools, never exceeded
         assert st.pinned_bytes + opt.pinned_bytes <= BUDGET
         assert opt.swapper.peak_buffers_in_use <= opt.swapper.buffers
-        # bf16: the fp32 master stays with the ZeRO strategy, the bf16 shards in the file
+        # bf16: the fp32 master in a file of its own, the bf16 shards in theirs: neither in memory
         bf = rank["both_nvme_bf16"]
-        assert not bf["param"].holds_master and bf["master_numel_resident"] > 0
+        bst = bf["param"]
+        assert bst.holds_master and bf["master_numel_resident"] == 0 and bf["shard_numel_resident"] == 0
+        msw = bst.master_swapper
+        assert msw is not None and msw.file_bytes >= bst.shard_bytes * 2  # fp32: twice the bf16 shards
+        # read and written once per sub-group per step (after the initial write)
+        assert bst.master_reads == bst.master_writes == bf["optimizer"].sub_groups * STEPS
+        assert msw.written_bytes == msw.file_bytes * (STEPS + 1)
+        # the bf16 shards rewritten once per step from the stepped master, no more
+        assert bst.swapper.written_bytes == bst.swapper.file_bytes * (STEPS + 1)
+        assert bst.pinned_bytes + bf["optimizer"].pinned_bytes <= BUDGET

@@ -1,0 +1,166 @@
+"""`MasterFile`: the fp32 master of a bf16/fp16 stage-3 run, in its own swap file.
+
+With parameters and optimizer state on NVMe, nothing of the master should stay in memory. At fp32
+the master *is* the parameter shard (`OffloadedShards` reads and writes it in the shard file). At
+bf16/fp16 the shards are half-precision copies, so the fp32 master needs a file of its own: one
+page-aligned region per param group, read and written by `OffloadAdam` sub-group by sub-group
+(`fetch` / `store`), through one `Swapper` (dsio handle on dsio's loop thread, bounded pinned pool).
+Sub-group ranges start at multiples of 1024 elements (4096 bytes), so each range is its own pages
+and a write never overlaps another range's.
+
+The parameter store turns every stepped range into the half-precision shard as it is stored
+(``on_store``), so the shard file is rewritten once per step from the stepped master, exactly the
+``copy_`` (round to nearest even) the resident path makes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dstrain.errors import ConfigError
+from dstrain.offload.swapper import ALIGN, STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
+
+__all__ = ["MasterFile"]
+
+_F32 = 4
+
+
+class MasterFile:
+    """fp32 master regions of every param group of this rank, in one swap file under ``nvme_path``."""
+
+    def __init__(
+        self,
+        nvme_path: str,
+        *,
+        pinned_budget: int,
+        on_store: Callable[[int, int, torch.Tensor], None],
+        buffer_count: int = 3,
+        io_config: Any = None,
+    ) -> None:
+        room = pinned_budget - STAGING_BYTES
+        if room < buffer_count * 4 * ALIGN:
+            buffer_count = 2  # small budgets: two buffers (one read ahead while one is stepped)
+        size = min(8 << 20, (room // buffer_count) // ALIGN * ALIGN)
+        if size < 2 * ALIGN:
+            raise ConfigError(
+                "zero_optimization.offload_pinned_bytes",
+                f"{pinned_budget} bytes leave no room for {buffer_count} fp32 master swap buffers",
+            )
+        self.buffer_bytes = size
+        self._on_store = on_store
+        self._swapper: Swapper | None = Swapper(
+            nvme_path, "master", buffer_bytes=size, buffer_count=buffer_count, io_config=io_config
+        )
+        self._closed_stats: SwapperStatistics | None = None
+        self._base: dict[int, int] = {}
+        self._total: dict[int, int] = {}
+
+    @property
+    def max_numel(self) -> int:
+        """The most master elements one `fetch` can hold (a multiple of 1024)."""
+        return (self.buffer_bytes - ALIGN) // _F32 // 1024 * 1024
+
+    def _live(self) -> Swapper:
+        if self._swapper is None:
+            from dsio.errors import ClosedError
+
+            raise ClosedError("the master file is closed")
+        return self._swapper
+
+    def _span(self, group: int, start: int, numel: int) -> tuple[int, int, int]:
+        lo = self._base[group] + start * _F32
+        first = lo - lo % ALIGN
+        return first, align_up(lo + numel * _F32) - first, lo - first
+
+    def place(self, group: int, total: int, fill: Callable[[torch.Tensor, int], None]) -> None:
+        """A region for ``group``'s ``total`` elements, written from ``fill(out, start)`` (elements
+        ``[start, start + out.numel())`` of the initial master into ``out``)."""
+        sw = self._live()
+        self._base[group] = sw.reserve_region(total * _F32)
+        self._total[group] = total
+        per = self.buffer_bytes // _F32
+        futs = []
+        for start in range(0, total, per):
+            n = min(per, total - start)
+            lease = sw.acquire_any().result()
+            fill(lease.view(torch.float32, 0, n), start)
+            futs.append(sw.store_range(lease, self._base[group] + start * _F32, n * _F32))
+        for f in futs:
+            f.result()
+
+    def fetch(
+        self, group: int, start: int, numel: int
+    ) -> concurrent.futures.Future[tuple[Lease, torch.Tensor]]:
+        """A buffer with elements ``[start, start + numel)`` of ``group``'s master and the fp32 view."""
+        off, nbytes, at = self._span(group, start, numel)
+        inner = self._live().fetch_range(off, nbytes)
+        out: concurrent.futures.Future[tuple[Lease, torch.Tensor]] = concurrent.futures.Future()
+
+        def done(f: concurrent.futures.Future[Lease]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+                return
+            lease = f.result()
+            lease.key = (group, off, nbytes, start, numel, at)
+            out.set_result((lease, lease.view(torch.float32, at, numel)))
+
+        inner.add_done_callback(done)
+        return out
+
+    def store(self, lease: Lease) -> concurrent.futures.Future[None]:
+        """Hand the stepped range to ``on_store`` (the half-precision shard), then write it back."""
+        key: Any = lease.key
+        group, off, nbytes, start, numel, at = key
+        self._on_store(group, start, lease.view(torch.float32, at, numel))
+        return self._live().store_range(lease, off, nbytes)
+
+    def discard(self, lease: Lease) -> concurrent.futures.Future[None]:
+        return self._live().discard(lease)
+
+    def read(self, group: int) -> torch.Tensor:
+        """``group``'s whole master (for checkpoints), read piecewise."""
+        total = self._total[group]
+        out = torch.empty(total, dtype=torch.float32)
+        per = self.max_numel
+        for start in range(0, total, per):
+            n = min(per, total - start)
+            lease, view = self.fetch(group, start, n).result()
+            out[start : start + n].copy_(view)
+            self.discard(lease).result()
+        return out
+
+    def load(self, group: int, master: torch.Tensor) -> None:
+        """Replace ``group``'s master with ``master`` (the shards are the caller's)."""
+        flat = master.reshape(-1)
+        sw = self._live()
+        per = self.buffer_bytes // _F32
+        futs = []
+        for start in range(0, self._total[group], per):
+            n = min(per, self._total[group] - start)
+            lease = sw.acquire_any().result()
+            lease.view(torch.float32, 0, n).copy_(flat[start : start + n])
+            futs.append(sw.store_range(lease, self._base[group] + start * _F32, n * _F32))
+        for f in futs:
+            f.result()
+
+    @property
+    def pinned_bytes(self) -> int:
+        if self._swapper is not None:
+            return self._swapper.pinned_bytes
+        return self._closed_stats.pinned_bytes if self._closed_stats is not None else 0
+
+    def statistics(self) -> SwapperStatistics | None:
+        return self._swapper.statistics() if self._swapper is not None else self._closed_stats
+
+    def close(self) -> None:
+        if self._swapper is not None:
+            try:
+                self._swapper.close()
+            finally:
+                self._closed_stats = self._swapper.statistics()
+                self._swapper = None
