@@ -8,14 +8,16 @@ over the data-parallel group like the default reducer (the loss was pre-scaled b
 the mean). Otherwise it sends nothing and undoes the pre-scale, so each rank's optimizer sees its own
 full-scale local gradient and averages what it needs with the compressed all-reduce.
 
-What composes, for both optimizers: ZeRO stage 0 (parameters, gradients and optimizer state
-replicated) and ZeRO stage 1 (master weights and optimizer state partitioned: see `dstrain.onebit.adam`
-and `dstrain.onebit.zeroone` for what stays whole), each with fp32, bf16 and fp16 (fp32 masters,
-dynamic loss scaling: an overflow step is skipped on every rank) and gradient clipping. The routes are
-``full_grad``: at stage 1 ZeRO keeps the whole gradient as the fp32 master gradient, so the engine
-unscales, measures and clips exactly what stage 0 does and the optimizer reads it whole (stage 1 equals
-stage 0 bitwise). Everything else (stages 2 and 3, optimizer offload, ``fused: false`` at stage 1) is
-refused at initialize with a `ConfigError` naming the field.
+What composes, for both optimizers (each tested: tests/dstrain/test_onebit_stage1.py): ZeRO stage 0
+(parameters, gradients and optimizer state replicated) and ZeRO stage 1 (master weights and optimizer
+state partitioned: see `dstrain.onebit.adam` and `dstrain.onebit.zeroone` for what stays whole), each
+with fp32, bf16 and fp16 (fp32 masters, dynamic loss scaling: an overflow step is skipped on every
+rank), gradient clipping, gradient accumulation, LR schedules, ``overlap_comm`` and MoE layers with
+``ep_size`` 1. The routes are ``full_grad``: at stage 1 ZeRO keeps the whole gradient as the fp32
+master gradient, so the engine unscales, measures and clips exactly what stage 0 does and the optimizer
+reads it whole (stage 1 equals stage 0 bitwise). Refused at initialize with a `ConfigError` naming the
+field: ZeRO stages 2 and 3, optimizer offload, ``fused: false`` at stage 1, pipeline parallelism and
+expert parallelism (``ep_size`` > 1).
 """
 
 from __future__ import annotations
