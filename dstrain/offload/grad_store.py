@@ -86,6 +86,9 @@ class OffloadedGrads:
         self._accumulations = self._rmw = self._fetches = 0
         self._hits = self._misses = 0
         self._stall = 0.0
+        from dstrain.offload.metrics import register_offload
+
+        register_offload(self, kind="grad")  # dstrain_offload_*{kind="grad"} at scrape time
 
     # -- layout -------------------------------------------------------------------------------
 
@@ -247,6 +250,9 @@ class OffloadedGrads:
 
     def close(self) -> None:
         """Finish writes, free the pool, delete the file."""
+        from dstrain.offload.metrics import unregister_offload
+
+        unregister_offload(self)
         if self._swapper is not None:
             try:
                 self._swapper.close()

@@ -12,8 +12,8 @@ __all__ = ["register_offload", "samples", "unregister_offload"]
 
 
 def samples(s: Any, rank: int, kind: str = "optimizer") -> Iterator[Sample]:
-    """Samples of one `OffloadOptimizerStatistics` (``kind="optimizer"``) or `ParamStoreStatistics`
-    (``kind="param"``) snapshot."""
+    """Samples of one `OffloadOptimizerStatistics` (``kind="optimizer"``), `ParamStoreStatistics`
+    (``kind="param"``) or `GradStoreStatistics` (``kind="grad"``) snapshot."""
     base = {"rank": str(rank), "kind": kind}
 
     def counter(name: str, doc: str, value: float, **labels: str) -> Sample:

@@ -5,7 +5,8 @@ bit for bit the run with gradients in memory.
 Two real gloo ranks, a 10-layer MLP whose gradient shards (1.3 MB per rank) exceed a 1 MiB budget:
 fp32 and bf16, one and two micro-steps per step (the second accumulates into the file: read, add,
 write), against stage 3 with nothing offloaded; the gradient file was really written and read, and no
-full-size gradient buffer is left in memory. With the default budget the gradients stay in memory.
+full-size gradient buffer is left in memory. (With a budget that holds them the gradients stay in
+memory: test_offload_param's ``both_nvme`` case.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 import torch
 from _dstrain_helpers import spawn
 
-WIDTH, DEPTH, STEPS, MICRO = 256, 10, 4, 2
+WIDTH, DEPTH, STEPS, MICRO = 256, 10, 3, 2
 BUDGET = 1 << 20  # below the 4 B x 329k elements of gradient shards per rank
 
 
@@ -66,7 +67,7 @@ def _run(cfg: dict[str, Any]) -> dict[str, Any]:
     gas = engine.config.gradient_accumulation_steps
     losses = []
     try:
-        for step in range(STEPS):
+        for _ in range(STEPS):
             g = torch.Generator().manual_seed(100)  # the same batch every step: the loss must fall
             x = torch.randn(MICRO * gas * world, WIDTH, generator=g)  # (B, WIDTH), the global batch
             y = torch.randn(MICRO * gas * world, WIDTH, generator=g).tanh()
@@ -112,9 +113,6 @@ def _scenarios(root: str) -> dict[str, Any]:
             run("grads_nvme_bf16", _config(root, w, bf16=True)),
         ]
     )
-    big = _config(root, w)
-    big["zero_optimization"]["offload_pinned_bytes"] = 64 << 20
-    out["roomy_budget"] = _run(big)
     from dstrain.errors import NotImplementedConfigError
 
     try:
@@ -158,12 +156,12 @@ def test_gradients_really_swapped(runs: list[dict[str, Any]], name: str) -> None
         assert st.fetches == got["opt_stats"].sub_groups * STEPS
         if gas == 2:
             assert st.read_modify_writes > 0
+        # exported like the other swaps: dstrain_offload_swap_bytes{kind="grad"} (read at scrape time)
+        from dstrain.offload.metrics import samples
+
+        names = {(x.name, x.labels.get("direction")) for x in samples(st, 0, kind="grad")}
+        assert ("dstrain_offload_swap_bytes", "write") in names
         assert got["param_stats"].pinned_bytes + got["opt_stats"].pinned_bytes <= BUDGET
-
-
-def test_roomy_budget_keeps_gradients_in_memory(runs: list[dict[str, Any]]) -> None:
-    for rank in runs:
-        assert not rank["roomy_budget"]["offloaded"] and rank["roomy_budget"]["grad_resident"] > 0
 
 
 def test_clipping_with_offloaded_gradients_is_refused(runs: list[dict[str, Any]]) -> None:

@@ -102,6 +102,7 @@ def test_both_on_nvme_keeps_no_master_in_memory(runs: list[dict[str, Any]]) -> N
         got = rank["both_nvme"]
         st, opt = got["param"], got["optimizer"]
         assert st.holds_master
+        assert st.grads is None  # the budget holds the gradient shards: they stay in memory
         assert got["master_numel_resident"] == 0 and got["shard_numel_resident"] == 0
         # the master was read with m and v per sub-group and written back once per step
         assert st.master_reads == st.master_writes == opt.sub_groups * STEPS
