@@ -24,7 +24,7 @@ import torch
 from dstrain.errors import ConfigError
 from dstrain.offload.swapper import ALIGN, STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
 
-__all__ = ["MasterFile"]
+__all__ = ["MasterFile", "ShardStream"]
 
 _F32 = 4
 
@@ -164,3 +164,48 @@ class MasterFile:
             finally:
                 self._closed_stats = self._swapper.statistics()
                 self._swapper = None
+
+
+class ShardStream:
+    """One group's half-precision shards rewritten from its stepped master, range by range.
+
+    Ranges arrive in element order (the optimizer steps each group's sub-groups in order), so the
+    shard region (at ``base`` in ``swapper``'s file, ``total`` elements of ``dtype``) is written in
+    whole buffers from its start: page-aligned, never a page shared with a write still to come.
+    """
+
+    def __init__(self, swapper: Swapper, base: int, total: int, dtype: torch.dtype) -> None:
+        self._sw = swapper
+        self._base = base
+        self._total = total
+        self._dtype = dtype
+        self._esize = torch.empty((), dtype=dtype).element_size()
+        self._per = swapper.buffer_bytes // self._esize  # elements of one buffer, whole pages
+        self._next = 0  # the element the next range must start at
+        self._lease: Lease | None = None
+        self._first = 0  # element of the region at the start of the buffer being filled
+
+    @property
+    def done(self) -> bool:
+        return self._next == self._total
+
+    def write(self, start: int, values: torch.Tensor) -> int:
+        """Cast ``values`` (elements ``[start, start + values.numel())``) into the buffer, writing
+        every buffer that fills (and the last one); returns how many writes were submitted."""
+        if start != self._next:
+            raise RuntimeError(f"master ranges stored out of order ({start} after {self._next})")
+        writes, pos, n = 0, 0, values.numel()
+        while pos < n:
+            e = start + pos
+            if self._lease is None:
+                self._lease, self._first = self._sw.acquire_any().result(), e
+            k = min(n - pos, self._first + self._per - e)
+            self._lease.view(self._dtype, (e - self._first) * self._esize, k).copy_(values[pos : pos + k])
+            pos += k
+            if e + k == self._first + self._per or e + k == self._total:
+                off = self._base + self._first * self._esize
+                self._sw.store_range(self._lease, off, (e + k - self._first) * self._esize)
+                self._lease = None
+                writes += 1
+        self._next = start + n
+        return writes

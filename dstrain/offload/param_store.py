@@ -29,7 +29,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,7 +37,8 @@ import torch
 
 from dstrain.errors import ConfigError
 from dstrain.offload.grad_store import GradStoreStatistics, OffloadedGrads
-from dstrain.offload.master_file import MasterFile
+from dstrain.offload.master_file import MasterFile, ShardStream
+from dstrain.offload.read_order import TraceReadAhead
 from dstrain.offload.swapper import ALIGN, STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
 from dstrain.zero.units import ShardStore, Unit
 
@@ -119,21 +119,18 @@ class OffloadedShards(ShardStore):
         self.grads: OffloadedGrads | None = None
         # bf16/fp16 with `holds_master`: the fp32 master in a file of its own (at fp32 it is the shard)
         self._mfile: MasterFile | None = None
-        self._streams: dict[int, list[Any]] = {}  # group -> [next element, lease, block's first element]
+        self._streams: dict[int, ShardStream] = {}  # group -> its shard file rewrite in progress
         self._groups: dict[int, ShardGroup] = {}
         self._host: dict[int, torch.Tensor] = {}  # device="cpu": (group total,) per group
         self._base: dict[int, int] = {}  # device="nvme": the group's region offset in the file
-        self._pending_init: list[tuple[int, ShardGroup]] = []
         self._swapper: Swapper | None = None
         self._closed_stats: SwapperStatistics | None = None
-        # read-ahead: (position in `_trace`, unit index, read) in consumption order
-        self._queue: deque[tuple[int, int, concurrent.futures.Future[Lease]]] = deque()
-        self._trace: list[int] | None = None  # unit indices of the last whole pass's shard reads
-        self._recording: list[int] = []  # this pass's shard reads so far
-        self._cursor = 0  # position in `_trace` of the next read a gather will ask for
-        self._following = False  # this pass's reads match `_trace` so far
-        self._deviated = False
-        self._in_pass = False
+        self._ahead = TraceReadAhead(
+            self._read_unit,
+            self._discard,
+            self._unit_of,
+            lambda: self._swapper._buffers if self._swapper else 0,
+        )
         self._unit_group: dict[int, ShardGroup] = {}
         self._stall = 0.0
         self._hits = self._misses = 0
@@ -301,43 +298,13 @@ class OffloadedShards(ShardStore):
         off, nbytes, _ = self._span(group, group.offsets[unit.index], unit.layout.shard)
         return self._swapper.fetch_range(off, nbytes)
 
-    def _cancel_queue(self) -> None:
-        """Hand back read-ahead buffers unused (the order changed, or the optimizer needs the pool)."""
+    def _discard(self, lease: Lease) -> None:
         assert self._swapper is not None
-        while self._queue:
-            _, _, fut = self._queue.popleft()
-            self._swapper.discard(fut.result())
+        self._swapper.discard(lease)
 
-    def _end_pass(self) -> None:
-        """The step started: reads from now until the next `begin_pass` are off the trace."""
-        self._in_pass = False
-        self._following = False
-
-    def _skip(self, pos: int) -> int:
-        """The first position >= ``pos`` of the trace whose unit will really be read (a persistent
-        unit that stays gathered is read once, in the first pass only)."""
-        assert self._trace is not None
-        while pos < len(self._trace):
-            unit = self._unit_of(self._trace[pos])
-            if unit is not None and not (unit.persistent and unit.gathered):
-                break
-            pos += 1
-        return pos
-
-    def _top_up(self) -> None:
-        """Keep reads submitted for the next trace positions, one buffer each."""
-        sw = self._swapper
-        if sw is None or not self._following or self._trace is None:
-            return
-        pos = self._queue[-1][0] + 1 if self._queue else self._cursor
-        while len(self._queue) < sw._buffers:
-            pos = self._skip(pos)
-            if pos >= len(self._trace):
-                break
-            unit = self._unit_of(self._trace[pos])
-            assert unit is not None
-            self._queue.append((pos, unit.index, self._read_unit(unit)))
-            pos += 1
+    def _cancel_queue(self) -> None:
+        """Hand back read-ahead buffers unused (the optimizer or a group write needs the pool)."""
+        self._ahead.cancel()
 
     # -- the ShardStore surface -----------------------------------------------------------------
 
@@ -345,15 +312,7 @@ class OffloadedShards(ShardStore):
         """Adopt the last pass's reads as the trace if it changed, and start reading its first shards."""
         if self._swapper is None:
             return
-        if self._recording and (self._trace is None or self._deviated):
-            self._trace = self._recording
-        self._recording = []
-        self._deviated = False
-        self._in_pass = True
-        self._cancel_queue()  # nothing is queued between passes; a pass cut short may leave some
-        self._cursor = 0
-        self._following = self._trace is not None
-        self._top_up()
+        self._ahead.begin_pass()
 
     def _unit_of(self, index: int) -> Unit | None:
         group = self._unit_group.get(index)
@@ -370,30 +329,7 @@ class OffloadedShards(ShardStore):
             own.copy_(self._host[group.index][off : off + unit.layout.shard])
             return own
         assert self._swapper is not None
-        if self._in_pass:
-            self._recording.append(unit.index)
-        fut = None
-        if self._following and self._trace is not None:
-            self._cursor = self._skip(self._cursor)
-            if self._cursor < len(self._trace) and self._trace[self._cursor] == unit.index:
-                if self._queue and self._queue[0][0] == self._cursor:
-                    fut = self._queue.popleft()[2]
-                self._cursor += 1
-            else:  # the model took another path: stop reading ahead, re-record this pass
-                self._following = False
-                self._deviated = True
-        if fut is None:
-            # off the trace (the order changed): a shard already read ahead is still valid
-            # (shards change only at the step) and is used; else it is read now, in a buffer
-            # freed by giving up the furthest read-ahead
-            hit = next((e for e in self._queue if e[1] == unit.index), None)
-            if hit is not None:
-                self._queue.remove(hit)
-                fut = hit[2]
-            else:
-                while len(self._queue) >= self._swapper._buffers:
-                    self._swapper.discard(self._queue.pop()[2].result())
-                fut = self._read_unit(unit)
+        fut = self._ahead.take(unit)  # read ahead along the recorded order, or now
         if fut.done():
             self._hits += 1
         else:
@@ -405,7 +341,7 @@ class OffloadedShards(ShardStore):
         _, _, at = self._span(group, off, unit.layout.shard)
         own.copy_(lease.view(self.dtype, at, unit.layout.shard))
         self._swapper.discard(lease)  # unchanged: back to the pool without a write
-        self._top_up()  # its buffer is free again: read the next shard of the trace into it
+        self._ahead.top_up()  # its buffer is free again: read the next shard of the trace into it
         return own
 
     def shard_numel(self, unit: Unit) -> int:
@@ -414,7 +350,7 @@ class OffloadedShards(ShardStore):
     def after_step(self, group: ShardGroup) -> None:
         """Write the stepped master (cast to the shard dtype) once; nothing when the optimizer
         wrote it already (`holds_master`)."""
-        self._end_pass()
+        self._ahead.end_pass()
         if self.holds_master:
             return
         values = group.master.detach()
@@ -462,8 +398,8 @@ class OffloadedShards(ShardStore):
         """A buffer with master elements ``[start, start + numel)`` of ``group`` and the fp32 view of
         them (after any write of those pages in flight)."""
         assert self._swapper is not None and self.holds_master
-        self._end_pass()
-        if self._queue:
+        self._ahead.end_pass()
+        if self._ahead.queued:
             self._cancel_queue()  # the step owns the pool now: read-ahead of shards restarts in forward
         if self._mfile is not None:
             self._master_reads += 1
@@ -505,31 +441,15 @@ class OffloadedShards(ShardStore):
         return self._swapper.discard(lease)
 
     def _stream_shard(self, group: int, start: int, values: torch.Tensor) -> None:
-        """The stepped master range ``[start, start + values.numel())`` of ``group``, cast to the
-        shard dtype, into the shard file. Ranges arrive in element order (the optimizer steps each
-        group's sub-groups in order), so the shard file is written in whole buffers from the
-        region's start: page-aligned, never a page shared with a write still to come."""
+        """A stepped master range, cast into the shard file (`ShardStream`)."""
         assert self._swapper is not None
-        g = self._groups[group]
-        st = self._streams.setdefault(group, [0, None, 0])
-        if start != st[0]:
-            raise RuntimeError(f"master ranges of group {group} stored out of order ({start} after {st[0]})")
-        per = self.buffer_bytes // self._esize  # elements of one buffer, a whole number of pages
-        pos, n = 0, values.numel()
-        while pos < n:
-            e = start + pos
-            if st[1] is None:
-                st[1], st[2] = self._swapper.acquire_any().result(), e
-            k = min(n - pos, st[2] + per - e)
-            st[1].view(self.dtype, (e - st[2]) * self._esize, k).copy_(values[pos : pos + k])
-            pos += k
-            if e + k == st[2] + per or e + k == g.total:
-                off = self._base[group] + st[2] * self._esize
-                self._swapper.store_range(st[1], off, (e + k - st[2]) * self._esize)
-                self._shard_writes += 1
-                st[1] = None
-        st[0] = start + n
-        if st[0] == g.total:
+        stream = self._streams.get(group)
+        if stream is None:
+            g = self._groups[group]
+            stream = ShardStream(self._swapper, self._base[group], g.total, self.dtype)
+            self._streams[group] = stream
+        self._shard_writes += stream.write(start, values)
+        if stream.done:
             del self._streams[group]
 
     # -- introspection and lifetime -------------------------------------------------------------

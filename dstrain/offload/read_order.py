@@ -1,0 +1,128 @@
+"""`TraceReadAhead`: parameter shard reads run ahead along the order the last pass recorded.
+
+Stage 3 gathers each unit's parameters once per use (forward, then backward), in an order that is
+the same from one pass to the next unless the model's control flow changes. `OffloadedShards`
+records the order of its shard reads during a pass (from `begin_pass` to the step), adopts it as the
+*trace* of the next pass, and keeps one pool buffer reading ahead per future position of that trace.
+Each read-ahead is consumed by exactly one gather, so a shard is read once per gather. When the pass
+leaves the trace, read-ahead stops and the pass is recorded again; a shard already read ahead is
+still used when its unit comes (shards change only at the step).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from dstrain.offload.swapper import Lease
+from dstrain.zero.units import Unit
+
+__all__ = ["TraceReadAhead"]
+
+
+class TraceReadAhead:
+    """Read-ahead of one store's shards: ``read(unit)`` submits a read, ``discard(lease)`` hands a
+    buffer back unused, ``unit_of(index)`` finds a unit, ``capacity()`` is the pool's buffer count."""
+
+    def __init__(
+        self,
+        read: Callable[[Unit], concurrent.futures.Future[Lease]],
+        discard: Callable[[Lease], Any],
+        unit_of: Callable[[int], Unit | None],
+        capacity: Callable[[], int],
+    ) -> None:
+        self._read = read
+        self._discard = discard
+        self._unit_of = unit_of
+        self._capacity = capacity
+        # (position in `_trace`, unit index, read) in consumption order
+        self._queue: deque[tuple[int, int, concurrent.futures.Future[Lease]]] = deque()
+        self._trace: list[int] | None = None  # unit indices of the last whole pass's shard reads
+        self._recording: list[int] = []  # this pass's shard reads so far
+        self._cursor = 0  # position in `_trace` of the next read a gather will ask for
+        self._following = False  # this pass's reads match `_trace` so far
+        self._deviated = False
+        self._in_pass = False
+
+    @property
+    def queued(self) -> int:
+        """Reads submitted ahead and not consumed yet."""
+        return len(self._queue)
+
+    def cancel(self) -> None:
+        """Hand back read-ahead buffers unused (the order changed, or someone else needs the pool)."""
+        while self._queue:
+            _, _, fut = self._queue.popleft()
+            self._discard(fut.result())
+
+    def end_pass(self) -> None:
+        """The step started: reads from now until the next `begin_pass` are off the trace."""
+        self._in_pass = False
+        self._following = False
+
+    def begin_pass(self) -> None:
+        """Adopt the last pass's reads as the trace if it changed, and start reading its first shards."""
+        if self._recording and (self._trace is None or self._deviated):
+            self._trace = self._recording
+        self._recording = []
+        self._deviated = False
+        self._in_pass = True
+        self.cancel()  # nothing is queued between passes; a pass cut short may leave some
+        self._cursor = 0
+        self._following = self._trace is not None
+        self.top_up()
+
+    def _skip(self, pos: int) -> int:
+        """The first position >= ``pos`` of the trace whose unit will really be read (a persistent
+        unit that stays gathered is read once, in the first pass only)."""
+        assert self._trace is not None
+        while pos < len(self._trace):
+            unit = self._unit_of(self._trace[pos])
+            if unit is not None and not (unit.persistent and unit.gathered):
+                break
+            pos += 1
+        return pos
+
+    def top_up(self) -> None:
+        """Keep reads submitted for the next trace positions, one buffer each."""
+        if not self._following or self._trace is None:
+            return
+        pos = self._queue[-1][0] + 1 if self._queue else self._cursor
+        while len(self._queue) < self._capacity():
+            pos = self._skip(pos)
+            if pos >= len(self._trace):
+                break
+            unit = self._unit_of(self._trace[pos])
+            assert unit is not None
+            self._queue.append((pos, unit.index, self._read(unit)))
+            pos += 1
+
+    def take(self, unit: Unit) -> concurrent.futures.Future[Lease]:
+        """The read of ``unit``'s shard for the gather now asking for it: the read-ahead at this
+        trace position, else one already queued for the unit, else a new read (in a buffer freed by
+        giving up the furthest read-ahead). Records the read in this pass's order."""
+        if self._in_pass:
+            self._recording.append(unit.index)
+        if self._following and self._trace is not None:
+            self._cursor = self._skip(self._cursor)
+            if self._cursor < len(self._trace) and self._trace[self._cursor] == unit.index:
+                fut = None
+                if self._queue and self._queue[0][0] == self._cursor:
+                    fut = self._queue.popleft()[2]
+                self._cursor += 1
+                if fut is not None:
+                    return fut
+            else:  # the model took another path: stop reading ahead, re-record this pass
+                self._following = False
+                self._deviated = True
+        # off the trace (the order changed): a shard already read ahead is still valid (shards
+        # change only at the step) and is used; else it is read now
+        hit = next((e for e in self._queue if e[1] == unit.index), None)
+        if hit is not None:
+            self._queue.remove(hit)
+            return hit[2]
+        while len(self._queue) >= self._capacity():
+            self._discard(self._queue.pop()[2].result())
+        return self._read(unit)
