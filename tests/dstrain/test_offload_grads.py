@@ -167,3 +167,45 @@ def test_gradients_really_swapped(runs: list[dict[str, Any]], name: str) -> None
 def test_clipping_with_offloaded_gradients_is_refused(runs: list[dict[str, Any]]) -> None:
     for rank in runs:
         assert rank["clip_error"] == "gradient_clipping"
+
+
+def test_grad_store_sums_bitwise_and_unwritten_blocks_read_as_zero(tmp_path) -> None:
+    """One process, no engine: accumulations over ranges that share blocks equal the same add_ calls
+    on a resident buffer bit for bit; after `zero`, blocks not written again read as zeros although
+    the file still holds the last step's bytes; a closed store raises ClosedError."""
+    from dsio.errors import ClosedError
+    from dstrain.offload.grad_store import OffloadedGrads
+
+    store = OffloadedGrads(str(tmp_path), pinned_budget=256 << 10)
+    total = 3 * store.block_bytes // 4 + 777  # blocks of the file: 3 whole and a partial one
+    store.place(0, total)
+    ref = torch.zeros(total)
+    g = torch.Generator().manual_seed(0)
+    pieces = [(0, 5000), (5000, 20000), (25000, total - 25000)]  # units laid end to end
+    try:
+        for _micro in range(2):  # the second micro-step reads, adds and writes back
+            for start, n in pieces:
+                values = torch.randn(n, generator=g)
+                store.accumulate(0, start, values, 1.0 / 3)
+                ref[start : start + n].add_(values, alpha=1.0 / 3)
+        per = store.max_numel
+        for start in range(0, total, per):
+            n = min(per, total - start)
+            lease, view = store.fetch(0, start, n).result()
+            assert torch.equal(view, ref[start : start + n])
+            store.discard(lease).result()
+        assert store.statistics().read_modify_writes > 0
+        store.zero()  # the next step: only the first unit gets a gradient
+        ones = torch.ones(5000)
+        store.accumulate(0, 0, ones, 1.0)
+        expect = torch.zeros(total)
+        expect[:5000] = 1.0  # and zeros elsewhere: stale bytes of the last step are not a gradient
+        for start in range(0, total, per):
+            n = min(per, total - start)
+            lease, view = store.fetch(0, start, n).result()
+            assert torch.equal(view, expect[start : start + n])
+            store.discard(lease).result()
+    finally:
+        store.close()
+    with pytest.raises(ClosedError):
+        store.accumulate(0, 0, ones, 1.0)
