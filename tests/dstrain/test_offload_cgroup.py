@@ -8,7 +8,9 @@ neither can be created (an unprivileged user). Both ranks of the limited run joi
 building the model (the whole model is built on every rank before ``initialize``, as dstrain has no
 ``zero.Init``: that, the interpreter and a warm-up of torch, gloo and dsio are charged to the parent
 group; everything ``initialize`` and training allocate is charged to the limited one). The reference
-run trains the same model with nothing offloaded, outside any limit. The fp32 master is compared bit
+run then trains the same model with nothing offloaded in the same processes, after they moved back to
+the group they came from (pages are charged where they are first touched, so the limited run, which
+comes first, is measured alone). The fp32 master is compared bit
 for bit through a sha256 of each rank's master, read piecewise from the shard file in the limited run
 (gathering it would not fit the limit).
 
@@ -134,6 +136,15 @@ def _train(root: str | None, procs: str | None) -> dict[str, Any]:
     return out
 
 
+def _limited_then_free(root: str, procs: str, home: str) -> dict[str, Any]:
+    """The limited run inside the group, then (after moving back to the group this process came
+    from: new pages are charged there) the same training with nothing offloaded, no limit."""
+    limited = _train(root, procs)
+    with open(home, "w") as f:
+        f.write(str(os.getpid()))
+    return {"limited": limited, "free": _train(None, None)}
+
+
 def _warm_up(root: str) -> None:
     """Start the runtime before joining the group: torch's kernels and autograd on the same ops, a
     torch optimizer (its first construction imports torch._dynamo: ~68 MiB per process, measured), a
@@ -187,6 +198,9 @@ class _Group:
         if os.path.exists(os.path.join(self.path, "memory.swap.max")):
             self._write("memory.swap.max", 0)  # the limit must bind, not spill into swap
         self.peak_file, self.kind = "memory.peak", "v2 memory.max"
+        with open("/proc/self/cgroup") as f:
+            own = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), "/")
+        self.home = os.path.join(root + own.rstrip("/"), "cgroup.procs")
 
     def _v1(self, limit: int) -> None:
         root = _mount("cgroup", "memory")
@@ -200,6 +214,7 @@ class _Group:
         if os.path.exists(os.path.join(self.path, "memory.memsw.limit_in_bytes")):
             self._write("memory.memsw.limit_in_bytes", limit)
         self.peak_file, self.kind = "memory.max_usage_in_bytes", "v1 memory.limit_in_bytes"
+        self.home = os.path.join(root + own.rstrip("/"), "cgroup.procs")
 
     def _write(self, name: str, value: int) -> None:
         with open(os.path.join(self.path, name), "w") as f:
@@ -244,12 +259,12 @@ def test_run_larger_than_twice_the_memory_limit_matches_unconstrained(monkeypatc
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 17))
     try:
         root = tempfile.mkdtemp(prefix="offload-cgroup-", dir=os.environ.get("DSTRAIN_NVME_DIR"))
-        limited = spawn(_train, root, group.procs, world=2)
+        # both runs in the same two processes (one start-up): the limited one first, fresh
+        runs = spawn(_limited_then_free, root, group.procs, group.home, world=2)
         peak = group.peak()
     finally:
         group.remove()
-    free = spawn(_train, None, None, world=2)  # nothing offloaded, no limit
-    for got, ref in zip(limited, free, strict=True):
+    for got, ref in ((r["limited"], r["free"]) for r in runs):
         assert got["holds_master"] and got["master_resident"] == 0
         assert got["grads_offloaded"] and got["grad_resident"] == 0
         assert not ref["grads_offloaded"] and ref["master_resident"] > 0
