@@ -93,15 +93,48 @@ def worker_ds(a: argparse.Namespace) -> dict[str, Any]:
         "pipeline": {"activation_checkpoint_interval": 0},
     }
     engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=list(pipe.parameters()), config=cfg)
+    per = _time_ds_instructions(engine)
     it = iter(make_data(a.steps * a.gas, a.micro, a.dim))
     rss0 = _rss_kib()
-    losses, times = [], []
+    losses, times, phases = [], [], []
     for _ in range(a.steps):
         torch.distributed.barrier()
+        per.clear()
         t = time.perf_counter()
         losses.append(engine.train_batch(data_iter=it).item())
         times.append(time.perf_counter() - t)
-    return {"rank": rank, "losses": losses, "times": times, "rss_growth_kib": _rss_kib() - rss0}
+        phases.append(dict(per))
+    return {
+        "rank": rank,
+        "losses": losses,
+        "times": times,
+        "phases": phases,
+        "rss_growth_kib": _rss_kib() - rss0,
+    }
+
+
+_DS_STEP = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
+
+
+def _time_ds_instructions(engine: Any) -> dict[str, float]:
+    """Wrap DeepSpeed's instruction handlers (its ``_INSTRUCTION_MAP``, on this engine only) to sum the seconds
+    of each instruction kind, as dstrain's timeline does; the end-of-batch reductions and optimizer step are
+    summed as "step". Returns the dict the wrappers add to (cleared by the caller per step)."""
+    per: dict[str, float] = {}
+    table = dict(type(engine)._INSTRUCTION_MAP)
+    for cls, fn in table.items():
+        name = "step" if cls.__name__ in _DS_STEP else cls.__name__
+
+        def timed(self: Any, *args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(self, *args, **kwargs)
+            finally:
+                per[_name] = per.get(_name, 0.0) + time.perf_counter() - t0
+
+        table[cls] = timed
+    engine._INSTRUCTION_MAP = table  # an instance attribute: _exec_schedule looks it up on self
+    return per
 
 
 def worker_dstrain(a: argparse.Namespace) -> dict[str, Any]:
@@ -124,15 +157,20 @@ def worker_dstrain(a: argparse.Namespace) -> dict[str, Any]:
         "optimizer": _optimizer_cfg(),
     }
     engine, _, _, _ = dstrain.initialize(model=pipe, config=cfg)
+    engine.runner.trace = True  # per-instruction timeline: where each step's time goes on this stage
     it = iter(make_data(a.steps * a.gas, a.micro, a.dim))
     rss0 = _rss_kib()
-    losses, times, compute = [], [], []
+    losses, times, compute, phases = [], [], [], []
     for _ in range(a.steps):
         torch.distributed.barrier()
         t = time.perf_counter()
         losses.append(engine.train_batch(it).item())
         times.append(time.perf_counter() - t)
         compute.append(engine.runner.statistics().compute_seconds)
+        per: dict[str, float] = {}
+        for e in engine.runner.timeline():
+            per[e.what] = per.get(e.what, 0.0) + e.seconds
+        phases.append(per)
     st = engine.runner.statistics()
     p2p = sum(s.payload_bytes for s in (st.send_activation, st.send_grad) if s is not None)
     engine.close()
@@ -141,6 +179,7 @@ def worker_dstrain(a: argparse.Namespace) -> dict[str, Any]:
         "losses": losses,
         "times": times,
         "compute": compute,
+        "phases": phases,
         "rss_growth_kib": _rss_kib() - rss0,
         "saved_bytes_peak": st.peak_activation_bytes,
         "p2p_sent_bytes_per_step": p2p / a.steps,
@@ -214,6 +253,22 @@ def _med(xs: list[float]) -> tuple[float, float, float]:
     return statistics.median(xs), min(xs), max(xs)
 
 
+def _phases(reps: list[list[dict[str, Any]]], rank: int, steps: int) -> dict[str, float]:
+    """Median ms per step spent in each timeline entry (instruction kind or end-of-batch phase) on ``rank``,
+    step 0 dropped; "other" is the step time the timeline does not cover."""
+    per: dict[str, list[float]] = {}
+    for r in reps:
+        res = r[rank]
+        if "phases" not in res:
+            return {}
+        for i in range(1, steps):
+            ph = dict(res["phases"][i])
+            ph["other"] = res["times"][i] - sum(ph.values())
+            for k, v in ph.items():
+                per.setdefault(k, []).append(v * 1e3)
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
 def record_ds_losses(path: Path) -> None:
     """DeepSpeed's per-step losses on the anchor model (dim 64, 3 hidden layers, mbs 4, gas 4, 10 steps)."""
     a = argparse.Namespace(dim=64, layers=3, micro=4)
@@ -267,6 +322,7 @@ def bench(a: argparse.Namespace) -> None:
                     statistics.median(r[k]["rss_growth_kib"] for r in reps) / 1024 for k in range(2)
                 ],
             }
+            row["phases_ms_per_stage"] = [_phases(reps, k, a.steps) for k in range(2)]
             if m == "dstrain":
                 bubbles = []
                 for r in reps:
@@ -326,6 +382,25 @@ def bench(a: argparse.Namespace) -> None:
             + " / ".join(f"{x:.1f}" for x in r["rss_growth_mib_per_rank"])
             + f" | {bub} | {saved} | {p2p} |"
         )
+    cols = ("ForwardPass", "BackwardPass", "RecvActivation", "RecvGrad", "SendActivation", "SendGrad")
+    cols += ("LoadMicroBatch", "status", "drain", "step", "other")
+    phase_rows = [r for r in rows if r.get("phases_ms_per_stage") and r["phases_ms_per_stage"][0]]
+    if phase_rows:
+        lines += [
+            "",
+            "Where the step time goes, per stage: median ms per step in each instruction kind (dstrain: its "
+            "per-instruction timeline, `runner.trace`; DeepSpeed: its instruction handlers timed the same way, its "
+            "ReduceGrads/ReduceTiedGrads/OptimizerStep summed as step). A receive includes its wait; dstrain's "
+            "sends only post, DeepSpeed's block until received. status = dstrain's batch-status all-reduce; "
+            "other = step time not covered by any instruction.",
+            "",
+            "| M | method | stage | " + " | ".join(cols) + " |",
+            "| --- | --- | --- | " + " | ".join("---" for _ in cols) + " |",
+        ]
+        for r in phase_rows:
+            for k, ph in enumerate(r["phases_ms_per_stage"]):
+                cells = " | ".join(f"{ph[c]:.1f}" if c in ph else "-" for c in cols)
+                lines.append(f"| {r['gas']} | {r['method']} | {k} | {cells} |")
     lines += [
         "",
         "vs dstrain = this method's median step time / dstrain's (above 1: dstrain is faster). Bubble measured = "
