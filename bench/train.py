@@ -52,26 +52,7 @@ def build_model(args: argparse.Namespace) -> Any:
     import torch.nn.functional as F
     from torch import nn
 
-    class Block(nn.Module):
-        def __init__(self, d: int, heads: int) -> None:
-            super().__init__()
-            self.heads = heads
-            self.ln1 = nn.LayerNorm(d)
-            self.qkv = nn.Linear(d, 3 * d)
-            self.proj = nn.Linear(d, d)
-            self.ln2 = nn.LayerNorm(d)
-            self.fc = nn.Linear(d, 4 * d)
-            self.out = nn.Linear(4 * d, d)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            B, T, C = x.shape
-            q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)  # each (B, T, C)
-            q, k, v = (
-                t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v)
-            )  # (B, H, T, D)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
-            x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
+    from demo.model import Block  # the demo's transformer block: one definition for both
 
     class GPT(nn.Module):
         def __init__(self) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTShape", "batch", "corpus"]
+__all__ = ["GPT", "Block", "GPTShape", "batch", "corpus"]
 
 VOCAB = 256  # bytes
 
@@ -43,7 +43,7 @@ class GPTShape:
 
 
 class Block(nn.Module):
-    """Pre-norm attention + MLP."""
+    """Pre-norm attention + MLP (also bench/train.py's block, in the DeepSpeed venv too: torch only)."""
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
