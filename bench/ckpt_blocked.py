@@ -12,7 +12,12 @@ the checkpoint holds the weights plus Adam's m and v. Per rep, every method runs
 - ``sync``: ``engine.save_checkpoint(d)``; blocked = its wall time (the reference).
 - ``async, staged at call``: ``save_checkpoint(d, async_save=True)`` through a store whose save stages
   before returning (dsio's ``Checkpointer.save`` without ``background_staging``).
-- ``async, staged in background``: ``save_checkpoint(d, async_save=True)`` as the engine does it now.
+- ``async, background, whole-staging fence``: staged in the background, but the next optimizer step
+  waits for the whole staging (no touch order: the file is streamed in file order; the engine's
+  behaviour before per-sub-group gating).
+- ``async, staged in background``: ``save_checkpoint(d, async_save=True)`` as the engine does it now:
+  an offloading stepper steps each sub-group as soon as the save has read that sub-group's bytes,
+  and the save streams them in the order the step touches them.
 
 For async saves, blocked = ``EngineStatistics.checkpoint_blocked_seconds`` accumulated over the call
 and the ``steps_after`` steps that follow (the fence before the next optimizer step); the commit wait
@@ -39,7 +44,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._common import RESULTS, fmt, fs_of, machine, scratch_dir  # noqa: E402
 
-METHODS = ("sync", "async, staged at call", "async, staged in background")
+METHODS = (
+    "sync",
+    "async, staged at call",
+    "async, background, whole-staging fence",
+    "async, staged in background",
+)
 
 
 def _model(dim: int, layers: int) -> torch.nn.Module:
@@ -72,7 +82,16 @@ class _StageAtCall:
         self.inner = inner
         self.suffix = inner.suffix
 
-    def save(self, directory: Path, step: int, state: dict[str, Any], world: Any, *, background: bool) -> Any:
+    def save(
+        self,
+        directory: Path,
+        step: int,
+        state: dict[str, Any],
+        world: Any,
+        *,
+        background: bool,
+        touch_order: Any = None,
+    ) -> Any:
         from dstrain.checkpoint.store import PendingSave, rank_file_in, step_name
 
         ckpt = self.inner._checkpointer(directory)
@@ -89,6 +108,32 @@ class _StageAtCall:
         if not background:
             pending.wait()
         return pending
+
+    def load(self, *a: Any, **k: Any) -> Any:
+        return self.inner.load(*a, **k)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _WholeFence:
+    """The store with the touch order dropped: the next step waits for the whole staging."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.suffix = inner.suffix
+
+    def save(
+        self,
+        directory: Path,
+        step: int,
+        state: dict[str, Any],
+        world: Any,
+        *,
+        background: bool,
+        touch_order: Any = None,
+    ) -> Any:
+        return self.inner.save(directory, step, state, world, background=background)
 
     def load(self, *a: Any, **k: Any) -> Any:
         return self.inner.load(*a, **k)
@@ -126,7 +171,10 @@ def run_config(args: argparse.Namespace, offload: str, root: str) -> dict[str, A
         for method in METHODS:
             d = os.path.join(root, f"ck-{offload}-{METHODS.index(method)}")
             before = _train(engine, x, args.steps_before)
-            engine.store = _StageAtCall(store) if method == "async, staged at call" else store
+            engine.store = {
+                "async, staged at call": _StageAtCall(store),
+                "async, background, whole-staging fence": _WholeFence(store),
+            }.get(method, store)
             b0 = engine.statistics().checkpoint_blocked_seconds
             t0 = time.perf_counter()
             engine.save_checkpoint(d, async_save=method != "sync")
@@ -190,9 +238,11 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, info: dict[s
     lines += ["", "Target (issue 11): async save blocks training <= 5% of a synchronous save's time."]
     for r in results:
         med = statistics.median(r["ratios"]["async, staged in background"])
+        whole = statistics.median(r["ratios"]["async, background, whole-staging fence"])
         lines.append(
             f"- offload {r['offload']}: {100 * med:.1f}% ({'met' if med <= 0.05 else 'MISSED'}); "
-            f"staged at call (the old behaviour): {100 * statistics.median(r['ratios']['async, staged at call']):.1f}%"
+            f"whole-staging fence: {100 * whole:.1f}%; "
+            f"staged at call: {100 * statistics.median(r['ratios']['async, staged at call']):.1f}%"
         )
     return "\n".join(lines) + "\n"
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from dstrain.checkpoint.state import CountersPart, Part, RngPart, collect, restore
+from dstrain.checkpoint.gate import lend_gate, touch_order
+from dstrain.checkpoint.state import STREAMED, CountersPart, Part, RngPart, collect, restore
 from dstrain.checkpoint.store import CheckpointStore, PendingSave, load_any, step_name, validate_tag
 from dstrain.config import DSConfig
 from dstrain.dist.comm import CommStatistics
@@ -150,13 +151,16 @@ class Engine:
             start = time.perf_counter()
             self.zero.reduce_gradients()
             overflow = self._unscale_and_clip()
-            self._staging_fence()  # an async save may still be reading what the step changes
+            # an async save may still be reading what the step changes: a stepper that steps piece
+            # by piece waits for each piece; everything else waits for the whole staging
+            self._staging_fence(lend=not overflow)
             if overflow:
                 self.skipped_steps += 1
             else:
                 self.stepper.step()
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
+            self._staging_fence()  # before ZeRO rewrites the parameters
             self.zero.after_step(stepped=not overflow)
             self.zero.zero_grad()
             self.global_steps += 1
@@ -356,7 +360,10 @@ class Engine:
                 "client_state": client_state or {},
             },
         )
-        pending = self.store.save(directory, step, state, self.topology.world, background=async_save)
+        order = touch_order(self.stepper, self.module) if async_save else None
+        pending = self.store.save(
+            directory, step, state, self.topology.world, background=async_save, touch_order=order
+        )
         if async_save:  # staged while forward and backward run; the next step waits if unfinished
             self._pending_save = pending
             self._ckpt_blocked += time.perf_counter() - t0
@@ -365,10 +372,14 @@ class Engine:
         self._ckpt_blocked += time.perf_counter() - t0
         return path
 
-    def _staging_fence(self) -> None:
-        """Before the optimizer changes parameters and state: wait for an async save's staging."""
-        if self._pending_save is not None:
-            self._ckpt_blocked += self._pending_save.wait_staged()
+    def _staging_fence(self, lend: bool = False) -> None:
+        """Before the optimizer changes parameters and state: wait for an async save's staging, or
+        (``lend``) let a stepper that steps sub-group by sub-group wait for each one
+        (`dstrain.checkpoint.gate`); its waits are counted at the next full fence."""
+        pending = self._pending_save
+        if pending is None or (lend and lend_gate(self.stepper, pending)):
+            return
+        self._ckpt_blocked += pending.wait_staged()
 
     def wait_checkpoint(self) -> Path | None:
         """Finish an asynchronous save (a collective); returns its file, or None when none was pending."""
@@ -398,7 +409,7 @@ class Engine:
                 step = int(m.group(1))
             else:
                 raise CheckpointNotFoundError(f"no checkpoint tagged {tag!r} in {root}")
-        path, state = load_any(self.store, directory, step, self.topology.world)
+        path, state = load_any(self.store, directory, step, self.topology.world, lazy=STREAMED)
         saved = state.get("zero") or {}
         if saved.get("stage") != self.zero.stage or saved.get("world_size") != self.comm.world_size:
             raise DstrainError(

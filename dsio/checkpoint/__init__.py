@@ -10,6 +10,8 @@
 
 A state may hold ``LazyTensor`` sources (e.g. ``FileRegions`` of swap files) where it holds tensors:
 they are stored as ordinary tensors but streamed through a few fixed windows, never all in memory.
+``save(..., background_staging=True, touch_order=[[MemorySpan | FileSpan, ...], ...])`` streams them
+in the order the caller will change them; ``staging_capture.future(i)`` says when set ``i`` is free.
 
 ``dsio.checkpoint.dcp`` holds ``DsioStorageWriter`` / ``DsioStorageReader`` for
 ``torch.distributed.checkpoint`` (imported on first use).
@@ -25,12 +27,15 @@ from ..errors import (
     UnsupportedStateError,
 )
 from ._api import DEFAULT_IO, load, save
+from ._capture import Capture, FileSpan, MemorySpan, TouchOrder
 from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError
 from ._lazy import FileRegions, LazyTensor
+from ._stored import StoredTensor
 from .checkpointer import Checkpointer, CheckpointStatistics, SaveResult
 
 __all__ = [
     "DEFAULT_IO",
+    "Capture",
     "CheckpointCommitError",
     "CheckpointFormatError",
     "CheckpointLockedError",
@@ -42,9 +47,13 @@ __all__ = [
     "DsioStorageReader",
     "DsioStorageWriter",
     "FileRegions",
+    "FileSpan",
     "LatestNotUpdatedError",
     "LazyTensor",
+    "MemorySpan",
     "SaveResult",
+    "StoredTensor",
+    "TouchOrder",
     "UnsupportedStateError",
     "load",
     "save",

@@ -76,13 +76,14 @@ async def save(
 
 def restore(
     header: Header,
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, Any],
     *,
     device: str | torch.device,
     allow_pickle: bool,
     path: str,
 ) -> Any:
-    """The state recorded in a file's header, built around its loaded tensors."""
+    """The state recorded in a file's header, built around its loaded tensors (or tensors left in
+    the file: `StoredTensor`, CPU only)."""
     dev = torch.device(device)
     if dev.type != "cpu":
         tensors = {n: t.to(dev) for n, t in tensors.items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import mmap
 from typing import Any
 
 import crc32c
@@ -22,6 +23,7 @@ __all__ = [
     "FORMAT_KEY",
     "HEADER_CRC_KEY",
     "STATE_KEY",
+    "crc_extend",
     "crc_of",
     "dump_header_json",
     "header_crc",
@@ -68,3 +70,25 @@ def parse_checksums(meta: dict[str, str], names: list[str], path: str) -> dict[s
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointFormatError(f"{path}: checksum table is malformed or incomplete ({e!r})") from None
     return out
+
+
+_ZEROS: mmap.mmap | None = None  # read-only anonymous zero pages: no memory until (never) written
+
+
+def _zeros(n: int) -> memoryview:
+    global _ZEROS
+    if _ZEROS is None or len(_ZEROS) < n:
+        _ZEROS = mmap.mmap(-1, max(n, 1 << 20), prot=mmap.PROT_READ)
+    return memoryview(_ZEROS)[:n]
+
+
+def crc_extend(crc: int, piece_crc: int, piece_len: int) -> int:
+    """crc32c of ``A + B`` from ``crc`` = crc32c(A) and ``piece_crc`` = crc32c(B), ``piece_len`` = len(B).
+
+    crc32c(B, start) is affine in ``start`` with a linear part that depends on len(B) only, so
+    crc32c(B, a) = crc32c(0^n, a) ^ crc32c(0^n, 0) ^ crc32c(B, 0): two passes over zero pages (a
+    streamed save fills its windows out of file order and joins each tensor's pieces with this)."""
+    if piece_len == 0:
+        return crc
+    z = _zeros(piece_len)
+    return int(crc32c.crc32c(z, crc)) ^ int(crc32c.crc32c(z, 0)) ^ piece_crc

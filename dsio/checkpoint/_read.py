@@ -21,6 +21,7 @@ from ..file import AsyncFile
 from ..handle import AsyncIOHandle
 from ._format import Header, TensorEntry, parse_header, parse_header_length
 from ._integrity import crc_of, parse_checksums
+from ._stored import StoredFile, StoredTensor
 
 __all__ = ["read_file", "read_header"]
 
@@ -107,13 +108,22 @@ async def _all(futs: list, *, raise_first: bool = True) -> None:
 
 
 async def read_file(
-    handle: AsyncIOHandle, path: str, *, verify: bool = True, fd: int | None = None
-) -> tuple[Header, dict[str, torch.Tensor]]:
+    handle: AsyncIOHandle,
+    path: str,
+    *,
+    verify: bool = True,
+    fd: int | None = None,
+    lazy_from: int | None = None,
+    stored: StoredFile | None = None,
+) -> tuple[Header, dict[str, torch.Tensor | StoredTensor]]:
     """All tensors of ``path`` (in file order) and its header. ``verify`` checks crc32c where recorded.
 
     ``fd``, when given, is the already opened and checked file (``_fs.open_regular``) that
     ``path`` names: it is reopened through ``/proc/self/fd`` (the same inode, whatever ``path``
     names by now, and with O_DIRECT where the handle uses it); ``path`` is only used in errors.
+
+    ``lazy_from`` (with ``stored``, the open file): tensors of at least that many bytes are not
+    read but returned as `StoredTensor`s over ``stored`` (checked as their consumer reads them).
     """
     path = os.fspath(path)
     loop = asyncio.get_running_loop()
@@ -122,7 +132,7 @@ async def read_file(
         header = await read_header(f, path, size)
         ds = header.data_start
         sums = parse_checksums(header.metadata, [e.name for e in header.entries], path) if verify else None
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, torch.Tensor | StoredTensor] = {}
         checks: list[asyncio.Future[None]] = []
         ex = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dsio-ckpt-crc") if sums else None
 
@@ -153,8 +163,24 @@ async def read_file(
                         _typed(piece.clone(), e) if e.nbytes else torch.empty(e.shape, dtype=e.dtype)
                     )
 
+        left = tuple(header.entries)
+        if lazy_from is not None:
+            if stored is None:
+                raise ValueError("lazy_from needs the open file (stored)")
+            left = tuple(e for e in header.entries if e.nbytes < lazy_from)
+            for e in header.entries:
+                if e.nbytes >= lazy_from:
+                    out[e.name] = StoredTensor(
+                        stored,
+                        ds + e.begin,
+                        e.dtype,
+                        e.shape,
+                        name=e.name,
+                        crc32c=None if sums is None else sums[e.name],
+                        io=handle,
+                    )
         try:
-            reads = [asyncio.ensure_future(read_run(r)) for r in _runs(header.entries)]
+            reads = [asyncio.ensure_future(read_run(r)) for r in _runs(left)]
             await _all(reads)
             await _all(checks)
         finally:

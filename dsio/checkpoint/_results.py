@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["CheckpointStatistics", "SaveResult"]
+__all__ = ["CheckpointStatistics", "SaveResult", "snapshot"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,3 +57,36 @@ class CheckpointStatistics:
     """Size of the pinned staging region kept between saves."""
     last_stream_buffer_bytes: int = 0
     """Window memory of the last save when it streamed lazy sources (0 when it was staged whole)."""
+
+
+def snapshot(
+    saves: int,
+    failed: int,
+    loads: int,
+    in_flight: bool,
+    last: Mapping[str, Any],
+    tot: Mapping[str, Any],
+    staging_bytes: int,
+) -> CheckpointStatistics:
+    """A Checkpointer's counters (``last``: the last save's, ``tot``: the totals) as a snapshot."""
+    return CheckpointStatistics(
+        saves=saves,
+        failed_saves=failed,
+        loads=loads,
+        in_flight=in_flight,
+        last_step=last["step"],
+        last_wait_seconds=last["wait"],
+        last_staging_seconds=last["stage"],
+        last_blocked_seconds=last["blocked"],
+        last_write_seconds=last["write"],
+        last_bytes=last["bytes"],
+        last_throughput_bytes_per_s=last["tput"],
+        blocked_seconds_total=tot["blocked"],
+        staging_seconds_total=tot["stage"],
+        write_seconds_total=tot["write"],
+        bytes_written_total=tot["bytes"],
+        load_seconds_total=tot["load"],
+        bytes_read_total=tot["read"],
+        staging_buffer_bytes=staging_bytes,
+        last_stream_buffer_bytes=last.get("stream", 0),
+    )

@@ -11,17 +11,20 @@ checksums of a tensor spanning windows are continued window by window (crc32c is
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import ctypes
-import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import crc32c
 import torch
 
+from .._gather import wait_all
 from .._native import C as _C
+from ._capture import Capture, TouchOrder, plan_windows
 from ._format import TensorEntry
+from ._integrity import crc_extend
 from ._lazy import LazyTensor
 
 if TYPE_CHECKING:
@@ -43,10 +46,6 @@ def _crc_more(ptr: int, nbytes: int, value: int) -> int:
     return int(crc32c.crc32c(view, value))
 
 
-def _give_back(free: asyncio.Queue[torch.Tensor], buf: torch.Tensor, _done: object) -> None:
-    free.put_nowait(buf)
-
-
 async def write_streamed(
     io: AsyncIOHandle,
     f: AsyncFile,
@@ -58,19 +57,31 @@ async def write_streamed(
     executor: concurrent.futures.Executor,
     chunk_bytes: int = STREAM_CHUNK_BYTES,
     buffers: int = STREAM_BUFFERS,
+    touch_order: TouchOrder | None = None,
+    capture: Capture | None = None,
 ) -> dict[str, int]:
     """Write ``[data_start, file_size)`` of ``f`` from ``sources``; return each entry's crc32c.
 
-    Copies and checksums run on ``executor`` (a persistent pool: no thread is started or joined
-    on the event loop). Returns once every window is written (not fsynced). On failure, waits for
-    the writes in flight and raises the first error.
+    Windows are filled in file order, or, with a ``touch_order``, in the order its touch sets need
+    them (`dsio.checkpoint._capture`; a tensor's pieces filled out of order are checksummed alone
+    and joined with `crc_extend`); ``capture`` (one future per touch set) is resolved as the
+    windows holding each set's bytes are filled. Lazy reads of a few windows run concurrently;
+    copies and checksums run in window order on ``executor`` (one thread, kept between saves: no
+    thread is started or joined on the event loop). Returns once every window is written (not
+    fsynced). On failure, waits for the work in flight and raises the first error.
     """
     if chunk_bytes <= 0 or chunk_bytes % 4096:
         raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
     crcs = {e.name: 0 for e in entries}
-    if file_size <= data_start:
+    data_bytes = max(0, file_size - data_start)
+    plan = plan_windows(entries, sources, chunk_bytes, data_bytes, touch_order)
+    if capture is not None:
+        for i, left in enumerate(plan.remaining):
+            if left == 0:  # nothing of the state overlaps this set
+                capture.resolve(i)
+    if data_bytes == 0:
         return crcs
-    n_buf = max(1, min(buffers, -(-(file_size - data_start) // chunk_bytes)))
+    n_buf = max(1, min(buffers, len(plan.order)))
     mems = [_C.AlignedBuffer(chunk_bytes, True) for _ in range(n_buf)]
     free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
     for m in mems:
@@ -81,57 +92,98 @@ async def write_streamed(
         for n, t in sources.items()
         if isinstance(t, torch.Tensor)
     }
-    writes: list[asyncio.Future[int]] = []
+    starts = [e.begin for e in entries]
     loop = asyncio.get_running_loop()
-    first = 0
-    try:
-        pos = data_start
-        while pos < file_size:
-            end = min(pos + chunk_bytes, file_size)
-            buf = await free.get()
-            while first < len(entries) and data_start + entries[first].end <= pos:
-                first += 1
-            pieces: list[tuple[TensorEntry, int, int]] = []  # (entry, byte offset in tensor, bytes)
-            for e in entries[first:]:
-                lo, hi = max(data_start + e.begin, pos), min(data_start + e.end, end)
-                if lo >= end:
-                    break
-                if hi > lo:
-                    pieces.append((e, lo - data_start - e.begin, hi - lo))
-            # lazy bytes: read concurrently into their places in the window
-            reads = []
-            at = 0
-            for e, off, n in pieces:
+
+    def pieces_of(w: int) -> list[tuple[TensorEntry, int, int]]:
+        """(entry, byte offset in the tensor, bytes) of window ``w``, in file order."""
+        pos, end = w * chunk_bytes, min((w + 1) * chunk_bytes, data_bytes)
+        out = []
+        for e in entries[max(0, bisect.bisect_right(starts, pos) - 1) :]:
+            lo, hi = max(e.begin, pos), min(e.end, end)
+            if e.begin >= end:
+                break
+            if hi > lo:
+                out.append((e, lo - e.begin, hi - lo))
+        return out
+
+    # checksums: each tensor's in-order prefix continues incrementally; a piece filled ahead of
+    # its turn (windows follow the touch order) is checksummed alone and joined when its turn comes
+    done_to = {e.name: 0 for e in entries}
+    ahead: dict[str, dict[int, tuple[int, int]]] = {e.name: {} for e in entries}
+
+    def checksum(name: str, off: int, n: int, ptr: int) -> None:
+        if off != done_to[name]:
+            ahead[name][off] = (_crc_more(ptr, n, 0), n)
+            return
+        crcs[name] = _crc_more(ptr, n, crcs[name])
+        done_to[name] += n
+        waiting = ahead[name]
+        while done_to[name] in waiting:
+            c, k = waiting.pop(done_to[name])
+            crcs[name] = crc_extend(crcs[name], c, k)
+            done_to[name] += k
+
+    def fill(buf: torch.Tensor, pieces: list[tuple[TensorEntry, int, int]]) -> None:
+        base, at = buf.data_ptr(), 0
+        for e, off, n in pieces:
+            t = eager.get(e.name)
+            if t is not None:
+                if t.device.type == "cpu":
+                    _C.memcpy(base + at, t.data_ptr() + off, n)
+                else:  # e.g. CUDA: torch copies it over (windows cut at element boundaries)
+                    size = t.element_size()
+                    buf[at : at + n].view(t.dtype).copy_(t[off // size : (off + n) // size])
+            checksum(e.name, off, n, base + at)
+            at += n
+
+    async def window(
+        w: int, buf: torch.Tensor, turn: asyncio.Future[None], mine: asyncio.Future[None]
+    ) -> None:
+        try:
+            pieces = pieces_of(w)
+            reads, at = [], 0
+            for e, off, n in pieces:  # lazy bytes: read concurrently into their places
                 src = sources[e.name]
                 if isinstance(src, LazyTensor):
                     reads.append(src.read_into(io, off, buf[at : at + n]))
                 at += n
             if reads:
-                await asyncio.gather(*reads)
+                await wait_all([asyncio.ensure_future(r) for r in reads])
+            await turn  # copies and checksums run in plan order, one window at a time
+            filled = loop.run_in_executor(executor, fill, buf, pieces)
+            mine.set_result(None)
+            await filled
+            plan.filled(w, capture)
+            pos = data_start + w * chunk_bytes
+            await f.pwrite(buf[: min(chunk_bytes, file_size - pos)], pos)
+        finally:
+            if not mine.done():
+                mine.set_exception(_Skipped())
+                mine.exception()
+            free.put_nowait(buf)
 
-            def fill(buf: torch.Tensor = buf, pieces: list[tuple[TensorEntry, int, int]] = pieces) -> None:
-                base, at = buf.data_ptr(), 0
-                for e, off, n in pieces:
-                    t = eager.get(e.name)
-                    if t is not None:
-                        if t.device.type == "cpu":
-                            _C.memcpy(base + at, t.data_ptr() + off, n)
-                        else:  # e.g. CUDA: torch copies it over (windows cut at element boundaries)
-                            size = t.element_size()
-                            buf[at : at + n].view(t.dtype).copy_(t[off // size : (off + n) // size])
-                    crcs[e.name] = _crc_more(base + at, n, crcs[e.name])
-                    at += n
-
-            await loop.run_in_executor(executor, fill)
-            w = asyncio.ensure_future(f.pwrite(buf[: end - pos], pos))
-            w.add_done_callback(functools.partial(_give_back, free, buf))
-            writes.append(w)
-            pos = end
+    tasks: list[asyncio.Future[None]] = []
+    turn: asyncio.Future[None] = loop.create_future()
+    turn.set_result(None)
+    try:
+        for w in plan.order:
+            buf = await free.get()
+            if any(t.done() and not t.cancelled() and t.exception() is not None for t in tasks):
+                free.put_nowait(buf)
+                break  # a window failed: stop here, report it below
+            mine: asyncio.Future[None] = loop.create_future()
+            tasks.append(asyncio.ensure_future(window(w, buf, turn, mine)))
+            turn = mine
     finally:
-        if writes:
-            await asyncio.wait(writes)
-        errors = [w.exception() for w in writes if not w.cancelled()]  # retrieves every one
-    err = next((e for e in errors if e is not None), None)
-    if err is not None:
-        raise err
+        if tasks:
+            await asyncio.wait(tasks)
+    await wait_all(tasks)  # the first error, in window order
+    short = [e.name for e in entries if done_to[e.name] != e.nbytes or ahead[e.name]]
+    if short:  # a bug, never user input: every byte of every tensor is checksummed exactly once
+        raise RuntimeError(f"streamed checksums incomplete for {short[:3]}")
     return crcs
+
+
+class _Skipped(Exception):
+    """An earlier window failed before this one's copy was queued (never leaves this module)."""

@@ -31,10 +31,12 @@ from .._native import C as _C  # loaded on first use: import dsio.checkpoint wor
 from ..errors import IOFailedError
 from ..file import AsyncFile
 from ..handle import AsyncIOHandle
+from . import _stream
+from ._capture import Capture, TouchOrder
 from ._format import TensorEntry, encode_header, layout
 from ._integrity import ALGORITHM, CHECKSUMS_KEY, crc_of, hex32
 from ._lazy import LazyTensor
-from ._stream import STREAM_BUFFERS, STREAM_CHUNK_BYTES, write_streamed
+from ._stream import STREAM_BUFFERS, write_streamed
 
 __all__ = ["CHUNK_BYTES", "FileWriter", "Staging"]
 
@@ -133,8 +135,14 @@ class FileWriter:
         *,
         preallocate: bool = True,
         copy_threads: int = 2,
+        touch_order: TouchOrder | None = None,
+        capture: Capture | None = None,
     ) -> None:
         self.handle = handle
+        self.touch_order = touch_order
+        """For a streamed write: fill the windows in the order these touch sets need them."""
+        self.capture = capture
+        """Resolved set by set as the streamed write reads them (the caller resolves the rest)."""
         self.copy_threads = copy_threads
         self.path = path
         self.tensors = tensors
@@ -212,8 +220,9 @@ class FileWriter:
     async def _write_data(self) -> None:
         """Streamed: the whole data section through fixed windows; the checksums on the way."""
         self._file = self.handle.open(self.path, "w")
-        windows = min(STREAM_BUFFERS, max(1, -(-(self.file_size - self.data_start) // STREAM_CHUNK_BYTES)))
-        self.buffer_bytes = windows * STREAM_CHUNK_BYTES if self.file_size > self.data_start else 0
+        chunk = _stream.STREAM_CHUNK_BYTES  # read at call time (tests shrink it)
+        windows = min(STREAM_BUFFERS, max(1, -(-(self.file_size - self.data_start) // chunk)))
+        self.buffer_bytes = windows * chunk if self.file_size > self.data_start else 0
         self._crcs = await write_streamed(
             self.handle,
             self._file,
@@ -222,6 +231,9 @@ class FileWriter:
             self.data_start,
             self.file_size,
             executor=_pool("dsio-ckpt-stream", 1),
+            chunk_bytes=chunk,
+            touch_order=self.touch_order,
+            capture=self.capture,
         )
         self.tensors = {}  # the caller's tensors and sources are free from here on
 

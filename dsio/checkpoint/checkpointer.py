@@ -14,26 +14,24 @@ import torch
 
 from .. import _registry as _metrics  # the statistics registry, not the Prometheus layer
 from ..config import IOConfig
-from ..errors import CheckpointNotFoundError, ClosedError
+from ..errors import ClosedError
 from ..handle import AsyncIOHandle
 from . import _commit
 from ._api import DEFAULT_IO, file_metadata, restore
+from ._capture import Capture, TouchOrder
 from ._dist import Coordinator
 from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError
-from ._locate import open_rank_file, rank_file
+from ._finish import commit_or_discard, describe
+from ._load import read_rank_file
+from ._locate import rank_file
 from ._lock import DirectoryLock
-from ._read import read_file
-from ._results import CheckpointStatistics, SaveResult
+from ._results import CheckpointStatistics, SaveResult, snapshot
 from ._state import flatten
 from ._write import FileWriter, Staging
 
 __all__ = ["CheckpointStatistics", "Checkpointer", "SaveResult"]
 
 log = logging.getLogger("dsio.checkpoint")
-
-#: How often ``load()`` of the latest step re-resolves ``latest`` when retention removed the
-#: step it had chosen between choosing and opening it.
-_LOAD_RETRIES = 5
 
 # The commit's metadata work (manifest, renames, directory fsyncs, ``latest``) runs on a worker
 # thread through aiofiles, so no fsync ever stalls the event loop.
@@ -100,6 +98,8 @@ class Checkpointer:
         self._save_lock: asyncio.Lock | None = None
         self._inflight: asyncio.Task[SaveResult] | None = None
         self._staged: asyncio.Future[None] | None = None
+        self.staging_capture: Capture = Capture(0)
+        """The last save's per-touch-set futures (see `save`'s ``touch_order``)."""
         self._bg_wait = 0.0
         self._cleanup: asyncio.Future[None] | None = None
         self._doomed: list[str] = []
@@ -133,27 +133,14 @@ class Checkpointer:
         return step
 
     def statistics(self) -> CheckpointStatistics:
-        last, tot = self._last, self._tot
-        return CheckpointStatistics(
-            saves=self._saves,
-            failed_saves=self._failed,
-            loads=self._loads,
-            in_flight=self._inflight is not None and not self._inflight.done(),
-            last_step=last["step"],
-            last_wait_seconds=last["wait"],
-            last_staging_seconds=last["stage"],
-            last_blocked_seconds=last["blocked"],
-            last_write_seconds=last["write"],
-            last_bytes=last["bytes"],
-            last_throughput_bytes_per_s=last["tput"],
-            blocked_seconds_total=tot["blocked"],
-            staging_seconds_total=tot["stage"],
-            write_seconds_total=tot["write"],
-            bytes_written_total=tot["bytes"],
-            load_seconds_total=tot["load"],
-            bytes_read_total=tot["read"],
-            staging_buffer_bytes=self._staging.nbytes,
-            last_stream_buffer_bytes=self._last.get("stream", 0),
+        return snapshot(
+            self._saves,
+            self._failed,
+            self._loads,
+            self._inflight is not None and not self._inflight.done(),
+            self._last,
+            self._tot,
+            self._staging.nbytes,
         )
 
     # -- saving ----------------------------------------------------------------------------------
@@ -193,7 +180,7 @@ class Checkpointer:
                 await _commit_off_loop(self._become_writer_sync)()
             except BaseException as e:
                 error = e
-        verdict = await self._coord.broadcast(_describe(error))
+        verdict = await self._coord.broadcast(describe(error))
         if error is not None:
             raise error
         if verdict is not None:  # rank 0 could not become the writer: every rank refuses to save
@@ -204,7 +191,12 @@ class Checkpointer:
         self._writer_ready = True
 
     async def save(
-        self, step: int, state: Any, *, background_staging: bool = False
+        self,
+        step: int,
+        state: Any,
+        *,
+        background_staging: bool = False,
+        touch_order: TouchOrder | None = None,
     ) -> asyncio.Task[SaveResult]:
         """Stage ``state`` for step ``step`` and return the task that makes it durable.
 
@@ -213,6 +205,11 @@ class Checkpointer:
         caller must leave ``state``'s tensors and sources unchanged until ``await wait_staged()``
         returns (a training loop calls it right before its next optimizer step). Blocked time is
         then ``save()``'s own plus what ``wait_staged()`` waited.
+
+        ``touch_order`` (`dsio.checkpoint.MemorySpan` / `FileSpan` sets, in the order the caller
+        will change them) lets the caller change parts of ``state`` before staging is done: a
+        streamed save reads its windows in that order, and ``staging_capture.future(i)`` resolves
+        once nothing overlapping set ``i`` is read any more (all sets resolve when staging ends).
 
         Waits first for a save still in flight (and for a concurrent ``save()`` call on this
         Checkpointer to finish staging: two saves never share the staging region). Returns when
@@ -229,28 +226,47 @@ class Checkpointer:
         async with self._save_lock:
             await self._become_writer()
             await self._idle()
-            if background_staging:
-                return await self._stage_background(step, state, io, t0)
-            return await self._stage(step, state, io, t0)
+            capture = Capture(len(touch_order or ()))
+            self.staging_capture = capture
+            try:
+                if background_staging:
+                    return await self._stage_background(step, state, io, t0, touch_order, capture)
+                return await self._stage(step, state, io, t0)
+            finally:
+                if not background_staging:
+                    capture.resolve_all()
+
+    def _writer(
+        self,
+        step: int,
+        state: Any,
+        io: AsyncIOHandle,
+        tmpdir: str,
+        touch_order: TouchOrder | None,
+        capture: Capture | None,
+    ) -> FileWriter:
+        """This rank's file of ``step`` laid out (nothing copied yet)."""
+        tensors, tree = flatten(state, allow_pickle=self.allow_pickle)
+        os.makedirs(tmpdir, exist_ok=True)
+        meta = file_metadata(tree, {"dsio.step": str(step), "dsio.rank": str(self.rank)})
+        return FileWriter(
+            io,
+            os.path.join(tmpdir, rank_file(self.rank)),
+            tensors,
+            meta,
+            self._staging,
+            preallocate=self.preallocate,
+            copy_threads=self.copy_threads,
+            touch_order=touch_order,
+            capture=capture,
+        )
 
     async def _stage(self, step: int, state: Any, io: AsyncIOHandle, t0: float) -> asyncio.Task[SaveResult]:
         t_wait = time.perf_counter() - t0
-        rank = self._coord.rank
         tmpdir = os.path.join(self.directory, _commit.tmp_name(step))
         writer: FileWriter | None = None
         try:
-            tensors, tree = flatten(state, allow_pickle=self.allow_pickle)
-            os.makedirs(tmpdir, exist_ok=True)
-            meta = file_metadata(tree, {"dsio.step": str(step), "dsio.rank": str(rank)})
-            writer = FileWriter(
-                io,
-                os.path.join(tmpdir, rank_file(rank)),
-                tensors,
-                meta,
-                self._staging,
-                preallocate=self.preallocate,
-                copy_threads=self.copy_threads,
-            )
+            writer = self._writer(step, state, io, tmpdir, None, None)
             await writer.stage()
         except BaseException as e:
             if writer is not None:
@@ -273,24 +289,20 @@ class Checkpointer:
         return self._inflight
 
     async def _stage_background(
-        self, step: int, state: Any, io: AsyncIOHandle, t0: float
+        self,
+        step: int,
+        state: Any,
+        io: AsyncIOHandle,
+        t0: float,
+        touch_order: TouchOrder | None,
+        capture: Capture,
     ) -> asyncio.Task[SaveResult]:
         t_wait = time.perf_counter() - t0
         tmpdir = os.path.join(self.directory, _commit.tmp_name(step))
         try:
-            tensors, tree = flatten(state, allow_pickle=self.allow_pickle)
-            os.makedirs(tmpdir, exist_ok=True)
-            meta = file_metadata(tree, {"dsio.step": str(step), "dsio.rank": str(self.rank)})
-            writer = FileWriter(
-                io,
-                os.path.join(tmpdir, rank_file(self.rank)),
-                tensors,
-                meta,
-                self._staging,
-                preallocate=self.preallocate,
-                copy_threads=self.copy_threads,
-            )
+            writer = self._writer(step, state, io, tmpdir, touch_order, capture)
         except BaseException as e:  # nothing staged: tell the other ranks, then the caller
+            capture.resolve_all()
             task = asyncio.ensure_future(self._complete(step, None, tmpdir, 0.0, 0.0, e))
             task.add_done_callback(_retrieve)
             self._inflight = task
@@ -305,8 +317,10 @@ class Checkpointer:
                 await writer.stage()
             except BaseException as e:
                 await writer.abort()
+                capture.resolve_all()
                 staged.set_result(None)  # the state is free; the task reports the failure
                 return await self._complete(step, None, tmpdir, t_wait, blocked, e)
+            capture.resolve_all()
             staged.set_result(None)
             self._last.update(stage=writer.stage_seconds, stream=writer.buffer_bytes)
             self._tot["stage"] += writer.stage_seconds
@@ -356,8 +370,9 @@ class Checkpointer:
         failures = [v for v in verdicts if v is not None]
         outcome: tuple[str, int | None, str, int | None] | None = None
         if self.rank == 0:
-            self._doomed = []
-            outcome = await _commit_off_loop(self._commit_or_discard)(step, tmpdir, failures)
+            outcome, self._doomed = await _commit_off_loop(commit_or_discard)(
+                self.directory, self.world_size, self.keep_last, step, tmpdir, failures
+            )
             if self._doomed:  # deleting gigabytes takes a while: off the save's critical path
                 self._cleanup = asyncio.ensure_future(_commit_off_loop(_commit.remove_trees)(self._doomed))
         outcome = await self._coord.broadcast(outcome)
@@ -387,47 +402,6 @@ class Checkpointer:
             write_s,
         )
 
-    def _commit_or_discard(
-        self, step: int, tmpdir: str, failures: list[tuple[int | None, str]]
-    ) -> tuple[str, int | None, str, int | None] | None:
-        """Rank 0, on a worker thread: commit when every rank succeeded, else remove the partial
-        step. None = committed; else (kind, errno, message, previous latest)."""
-        if failures:
-            _remove_quietly(tmpdir)
-            err = next((e for e, _ in failures if isinstance(e, int)), None)
-            return ("failed", err, "; ".join(m for _, m in failures), None)
-        try:
-            files = []
-            for r in range(self.world_size):
-                name = rank_file(r)
-                files.append({"rank": r, "path": name, "bytes": os.path.getsize(os.path.join(tmpdir, name))})
-            manifest = {
-                "format": "dsio.checkpoint",
-                "version": 1,
-                "step": step,
-                "world_size": self.world_size,
-                "files": files,
-                "created_unix": time.time(),
-            }
-            _commit.write_manifest(tmpdir, manifest)
-            _commit.commit(self.directory, step)
-        except _commit.StepVisibleError as e:  # in place and listed after all: say exactly that
-            return ("latest", e.errno, repr(e), _latest_or_none(self.directory))
-        except Exception as e:  # e.g. ENOSPC writing the manifest: nothing of the step is visible
-            _remove_quietly(tmpdir)
-            return ("failed", getattr(e, "errno", None), f"rank 0 could not commit: {e!r}", None)
-        try:
-            _commit.write_latest(self.directory, step)
-        except Exception as e:  # the step is in place and listed: say so, and what latest names now
-            return ("latest", getattr(e, "errno", None), repr(e), _latest_or_none(self.directory))
-        try:
-            doomed = _commit.retire(self.directory, self.keep_last, protect={step})
-        except OSError as e:  # the new step is committed; old ones stay for the next attempt
-            log.warning("dsio.checkpoint: retention failed: %r", e)
-            doomed = []
-        self._doomed = doomed
-        return None
-
     async def _idle(self) -> None:
         """Wait (without raising) for the save in flight and the deletion of retired steps."""
         pending = [f for f in (self._inflight, self._cleanup) if f is not None and not f.done()]
@@ -451,30 +425,32 @@ class Checkpointer:
         device: str | torch.device = "cpu",
         verify: bool = True,
         allow_pickle: bool | None = None,
+        lazy_from: int | None = None,
     ) -> Any:
         """The state saved at ``step`` (default: the latest committed) by this rank.
+
+        ``lazy_from``: tensors of at least that many bytes stay on disk, as
+        `dsio.checkpoint.StoredTensor`s that their consumer reads piece by piece (checksums checked
+        as it reads; the file stays open until they are all gone). CPU only.
 
         Raises ``CheckpointNotFoundError`` when there is no such committed step (also when
         retention removes it while it is being opened),
         ``CheckpointMismatchError`` when it was written by a different world size,
         ``ChecksumError`` / ``CheckpointFormatError`` when its file is corrupt. Takes no lock.
         """
+        if lazy_from is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"lazy_from leaves tensors on disk for the CPU; got device={device!r}")
         t0 = time.perf_counter()
-        io = self._io()
-        for attempt in range(_LOAD_RETRIES):
-            chosen = self.latest_step() if step is None else step
-            if chosen is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint in {self.directory}")
-            try:
-                opened = open_rank_file(self.directory, chosen, self.rank, self.world_size)
-                break
-            except CheckpointNotFoundError:
-                if step is not None or attempt == _LOAD_RETRIES - 1:
-                    raise
-        try:
-            header, tensors = await read_file(io, opened.path, verify=verify, fd=opened.fd)
-        finally:
-            os.close(opened.fd)
+        opened, header, tensors = await read_rank_file(
+            self._io(),
+            self.directory,
+            step,
+            self.latest_step,
+            self.rank,
+            self.world_size,
+            verify=verify,
+            lazy_from=lazy_from,
+        )
         pickle_ok = self.allow_pickle if allow_pickle is None else allow_pickle
         state = restore(header, tensors, device=device, allow_pickle=pickle_ok, path=opened.path)
         self._loads += 1
@@ -513,29 +489,6 @@ class Checkpointer:
         with contextlib.suppress(Exception):
             if not getattr(self, "_closed", True):
                 self.close()
-
-
-def _describe(error: BaseException | None) -> tuple[str, int | None, str | None, int | None, str] | None:
-    """A picklable summary of why rank 0 could not become the writer (None: it did)."""
-    if error is None:
-        return None
-    if isinstance(error, CheckpointLockedError):
-        return ("locked", error.pid, error.host, None, str(error))
-    return ("error", None, None, getattr(error, "errno", None), repr(error))
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        _commit.remove_trees([path])
-    except OSError as e:  # the partial step stays as *.tmp: the next writer removes it
-        log.warning("dsio.checkpoint: could not remove %s: %r", path, e)
-
-
-def _latest_or_none(root: str) -> int | None:
-    try:
-        return _commit.read_latest(root)
-    except Exception:
-        return None
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -4,6 +4,11 @@ An offloading part's ``checkpoint_state()`` returns `SwapRegions` where its ``st
 return tensors: the checkpoint writer reads each one window at a time from the swap file, after the
 swap writes it names have finished, so the state is never materialized. `materialize` turns them
 into tensors for a writer that cannot stream (``torch.save``).
+
+Loading goes the other way: a streamed load leaves big tensors in the checkpoint file
+(``dsio.checkpoint.StoredTensor``); a part that can take them (``load_checkpoint_state``) copies each
+piece straight where it belongs with `read_lazy` (an offloaded optimizer: into its swap buffers), and
+`verify_lazy` then checks that every byte it used matched the file's checksums.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dsio.checkpoint import FileRegions, LazyTensor
 if TYPE_CHECKING:
     from dsio.handle import AsyncIOHandle
 
-__all__ = ["SwapRegions", "has_lazy", "materialize"]
+__all__ = ["SwapRegions", "has_lazy", "materialize", "read_lazy", "verify_lazy"]
 
 
 class SwapRegions(FileRegions):
@@ -38,13 +43,15 @@ class SwapRegions(FileRegions):
     ) -> None:
         super().__init__(regions, dtype, shape)
         self.after = list(after)
+        self._ready: asyncio.Future[Any] | None = None  # every reader waits for the same writes
 
     async def read_into(self, io: AsyncIOHandle, offset: int, out: torch.Tensor) -> None:
         if self.after:
-            pending, self.after = self.after, []
-            await asyncio.gather(
-                *(asyncio.wrap_future(f) for f in pending)
-            )  # a failed swap write fails the save
+            if self._ready is None:  # windows are read concurrently: all of them wait on this one
+                self._ready = asyncio.ensure_future(
+                    asyncio.gather(*(asyncio.wrap_future(f) for f in self.after))
+                )
+            await asyncio.shield(self._ready)  # a failed swap write fails the save
         await super().read_into(io, offset, out)
 
 
@@ -82,3 +89,50 @@ def materialize(value: Any) -> Any:
             return await walk(value)
 
     return run_sync(read_all())
+
+
+def read_lazy(src: LazyTensor, offset: int, out: torch.Tensor) -> None:
+    """Fill ``out`` (a contiguous CPU tensor) with bytes ``[offset, offset + out's bytes)`` of ``src``
+    (blocking; the read runs on dsio's loop, with the source's own handle where it has one)."""
+    from dsio._bridge import run_sync
+
+    raw = out.view(torch.uint8).reshape(-1)
+    if raw.numel() == 0:
+        return
+    io = getattr(src, "io", None)
+
+    async def read() -> None:
+        if io is not None:
+            await src.read_into(io, offset, raw)
+            return
+        from dsio.checkpoint import DEFAULT_IO
+        from dsio.handle import AsyncIOHandle
+
+        async with AsyncIOHandle(DEFAULT_IO) as h:
+            await src.read_into(h, offset, raw)
+
+    run_sync(read())
+
+
+def verify_lazy(value: Any) -> None:
+    """Check the checksum of every stored tensor in a nested state (reading what its consumer did
+    not read in order); raises ``dsio.checkpoint.ChecksumError`` on a mismatch."""
+    from dsio._bridge import run_sync
+
+    stored: list[Any] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, LazyTensor):
+            if callable(getattr(v, "verify", None)):
+                stored.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list | tuple):
+            for x in v:
+                walk(x)
+
+    walk(value)
+    for t in stored:
+        if not t.verified:
+            run_sync(t.verify())

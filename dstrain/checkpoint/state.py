@@ -20,12 +20,17 @@ from typing import Any, Protocol
 
 import torch
 
+from dstrain.checkpoint.sources import has_lazy, materialize, verify_lazy
 from dstrain.errors import DstrainError
 
-__all__ = ["FORMAT", "CountersPart", "Part", "RngPart", "collect", "restore"]
+__all__ = ["FORMAT", "STREAMED", "CountersPart", "Part", "RngPart", "collect", "restore"]
 
 FORMAT = 2
 """Version of the layout above (1 was the single-dict layout of dstrain's own commit protocol)."""
+
+STREAMED = ("stepper", "zero", "module")
+"""Entries a load may leave in the checkpoint file (big tensors as ``dsio.checkpoint.StoredTensor``):
+the parts stream or read them in `restore`; ``module`` (the full state dict, for export) is not read."""
 
 
 class Part(Protocol):
@@ -89,7 +94,10 @@ def collect(parts: Mapping[str, Part | None], extra: Mapping[str, Any]) -> dict[
 def restore(
     parts: Mapping[str, Part | None], state: Mapping[str, Any], *, where: str, skip: set[str]
 ) -> None:
-    """Hand each part its entry (parts in ``skip``, or absent on either side, are left alone)."""
+    """Hand each part its entry (parts in ``skip``, or absent on either side, are left alone).
+
+    An entry loaded with tensors left in the file (`STREAMED`) goes to the part's
+    ``load_checkpoint_state`` where it has one (it streams them), else it is read into memory first."""
     if state.get("format") != FORMAT:
         raise DstrainError(f"{where}: unknown checkpoint format {state.get('format')!r} (expected {FORMAT})")
     missing = [k for k, p in parts.items() if p is not None and k not in skip and k not in state]
@@ -98,4 +106,10 @@ def restore(
     for key, part in parts.items():
         if part is None or key in skip or state[key] is None:
             continue
-        part.load_state_dict(state[key])
+        entry = state[key]
+        streamed = getattr(part, "load_checkpoint_state", None)
+        if callable(streamed) and has_lazy(entry):
+            streamed(entry)  # reads the stored tensors piece by piece where they belong
+            verify_lazy(entry)
+        else:
+            part.load_state_dict(materialize(entry))

@@ -28,9 +28,10 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ import torch.distributed as dist
 from dstrain.checkpoint.sources import materialize
 from dstrain.dist.comm import Comm
 from dstrain.errors import CheckpointNotFoundError, DstrainError
+
+if TYPE_CHECKING:
+    from dsio.checkpoint import Capture, TouchOrder
 
 __all__ = [
     "CheckpointStore",
@@ -55,6 +59,9 @@ log = logging.getLogger(__name__)
 
 _STEP = re.compile(r"^step-(\d{9,})$")
 
+LAZY_BYTES = 1 << 20
+"""A streamed load leaves tensors of at least this many bytes in the file."""
+
 
 def step_name(step: int) -> str:
     """The directory of a committed step (dsio.checkpoint's naming)."""
@@ -66,25 +73,53 @@ class PendingSave:
     it is committed; `wait` returns this rank's committed file."""
 
     def __init__(
-        self, path: Path, finish: Callable[[], Path], staged: Callable[[], float] | None = None
+        self,
+        path: Path,
+        finish: Callable[[], Path],
+        staged: Callable[[], float] | None = None,
+        capture: Capture | None = None,
     ) -> None:
         self.path = path
         """Where this rank's file will be once committed."""
         self._finish: Callable[[], Path] | None = finish
         self._staged = staged
+        self._capture = capture if staged is not None else None
         self._result: Path | None = None
+        self._unreported = 0.0
         self.blocked_seconds = 0.0
-        """Time `wait_staged` blocked its caller."""
+        """Time `wait_staged` and `wait_captured` blocked their caller."""
+
+    @property
+    def gated(self) -> bool:
+        """Staging is still running and reports its progress per touch set (`wait_captured`)."""
+        return self._staged is not None and self._capture is not None and len(self._capture) > 0
+
+    def wait_captured(self, index: int) -> float:
+        """Block until the save no longer reads touch set ``index`` of the touch order it was given
+        (``dsio.checkpoint.Checkpointer.save``); returns the seconds waited. Errors stay with `wait`."""
+        if self._capture is None or index >= len(self._capture):
+            return self.wait_staged()
+        fut = self._capture.future(index)
+        if fut.done():
+            return 0.0
+        t0 = time.perf_counter()
+        fut.result()
+        waited = time.perf_counter() - t0
+        self.blocked_seconds += waited
+        self._unreported += waited
+        return waited
 
     def wait_staged(self) -> float:
         """Block until the save no longer reads the state (its tensors, its swap files); returns the
-        seconds waited (0 when staging was already done). Errors stay with `wait`."""
+        seconds waited, plus what `wait_captured` waited since the last call (0 when staging was
+        already done). Errors stay with `wait`."""
         staged, self._staged = self._staged, None
+        waited, self._unreported = self._unreported, 0.0
         if staged is None:
-            return 0.0
-        waited = staged()
-        self.blocked_seconds += waited
-        return waited
+            return waited
+        t = staged()
+        self.blocked_seconds += t
+        return waited + t
 
     def wait(self) -> Path:
         """Block until the step is committed on every rank (raises the save's error, on every rank)."""
@@ -103,13 +138,24 @@ class CheckpointStore(Protocol):
     """Extension of this store's rank files."""
 
     def save(
-        self, directory: Path, step: int, state: dict[str, Any], world: Comm, *, background: bool
+        self,
+        directory: Path,
+        step: int,
+        state: dict[str, Any],
+        world: Comm,
+        *,
+        background: bool,
+        touch_order: TouchOrder | None = None,
     ) -> PendingSave:
-        """Capture ``state`` and start writing it; with ``background`` False, finish before returning."""
+        """Capture ``state`` and start writing it; with ``background`` False, finish before returning.
+        ``touch_order``: what the caller will change next, in order (see `PendingSave.wait_captured`)."""
         ...
 
-    def load(self, directory: Path, step: int, world: Comm) -> tuple[Path, dict[str, Any]]:
-        """This rank's (file, state) of committed step ``step``."""
+    def load(
+        self, directory: Path, step: int, world: Comm, *, lazy: tuple[str, ...] = ()
+    ) -> tuple[Path, dict[str, Any]]:
+        """This rank's (file, state) of committed step ``step``; the top-level entries named in
+        ``lazy`` may keep big tensors in the file (``dsio.checkpoint.StoredTensor``)."""
         ...
 
     def close(self) -> None:
@@ -202,12 +248,24 @@ class DsioStore:
         return ckpt
 
     def save(
-        self, directory: Path, step: int, state: dict[str, Any], world: Comm, *, background: bool
+        self,
+        directory: Path,
+        step: int,
+        state: dict[str, Any],
+        world: Comm,
+        *,
+        background: bool,
+        touch_order: TouchOrder | None = None,
     ) -> PendingSave:
         ckpt = self._checkpointer(directory)
-        # background: returns once the file is laid out, staging runs on dsio's loop meanwhile;
-        # else: returns once staged (lazy sources streamed), and is committed below
-        task = self._run(ckpt.save(step, state, background_staging=background))
+        # background: returns once the file is laid out, staging runs on dsio's loop meanwhile
+        # (a streamed state in ``touch_order``'s order); else: returns once staged, committed below
+        task = self._run(
+            ckpt.save(
+                step, state, background_staging=background, touch_order=touch_order if background else None
+            )
+        )
+        capture = ckpt.staging_capture
         expected = directory / step_name(step) / f"rank-{world.rank:05d}{self.suffix}"
 
         async def committed() -> Any:
@@ -220,17 +278,21 @@ class DsioStore:
         def staged() -> float:
             return float(self._run(ckpt.wait_staged()))
 
-        pending = PendingSave(expected, finish, staged if background else None)
+        pending = PendingSave(expected, finish, staged if background else None, capture)
         if not background:
             pending.wait()
         return pending
 
-    def load(self, directory: Path, step: int, world: Comm) -> tuple[Path, dict[str, Any]]:
+    def load(
+        self, directory: Path, step: int, world: Comm, *, lazy: tuple[str, ...] = ()
+    ) -> tuple[Path, dict[str, Any]]:
         ckpt = self._checkpointer(directory)
         try:
-            state = self._run(ckpt.load(step))
+            state = self._run(ckpt.load(step, lazy_from=LAZY_BYTES if lazy else None))
         except self._ckpt_mod.CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(str(e)) from e
+        if lazy and isinstance(state, dict):  # only the entries named stay in the file
+            state = {k: v if k in lazy else materialize(v) for k, v in state.items()}
         path = rank_file_in(directory / step_name(step), world.rank)
         return path or directory / step_name(step), state
 
@@ -278,8 +340,16 @@ class TorchSaveStore:
         self.allow_pickle = allow_pickle
 
     def save(
-        self, directory: Path, step: int, state: dict[str, Any], world: Comm, *, background: bool
+        self,
+        directory: Path,
+        step: int,
+        state: dict[str, Any],
+        world: Comm,
+        *,
+        background: bool,
+        touch_order: TouchOrder | None = None,
     ) -> PendingSave:
+        # ``touch_order`` needs no handling: the state is snapshotted before this returns
         tmp_dir = directory / (step_name(step) + ".tmp")
         name = f"rank-{world.rank:05d}{self.suffix}"
         tmp_dir.mkdir(parents=True, exist_ok=True)
@@ -329,7 +399,9 @@ class TorchSaveStore:
             pending.wait()
         return pending
 
-    def load(self, directory: Path, step: int, world: Comm) -> tuple[Path, dict[str, Any]]:
+    def load(
+        self, directory: Path, step: int, world: Comm, *, lazy: tuple[str, ...] = ()
+    ) -> tuple[Path, dict[str, Any]]:
         path = directory / step_name(step) / f"rank-{world.rank:05d}{self.suffix}"
         if not path.is_file():
             raise CheckpointNotFoundError(f"no checkpoint file {path}")
@@ -409,9 +481,10 @@ def default_store() -> CheckpointStore:
 
 
 def load_any(
-    store: CheckpointStore, directory: Path, step: int | None, world: Comm
+    store: CheckpointStore, directory: Path, step: int | None, world: Comm, *, lazy: tuple[str, ...] = ()
 ) -> tuple[Path, dict[str, Any]]:
-    """Load step ``step`` (default: the latest) with the store that wrote it (``.pt`` or dsio's)."""
+    """Load step ``step`` (default: the latest) with the store that wrote it (``.pt`` or dsio's).
+    ``lazy``: top-level entries whose big tensors may stay in a dsio file (read by `restore`)."""
     if step is None:
         step = latest_step(directory)
         if step is None:
@@ -427,7 +500,7 @@ def load_any(
             TorchSaveStore(allow_pickle=pickle) if found.suffix == ".pt" else DsioStore(allow_pickle=pickle)
         )
         try:
-            return other.load(directory, step, world)
+            return other.load(directory, step, world)  # all in memory: `other` closes its handle
         finally:
             other.close()
-    return store.load(directory, step, world)
+    return store.load(directory, step, world, lazy=lazy)

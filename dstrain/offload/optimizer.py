@@ -33,12 +33,13 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dstrain.checkpoint.sources import read_lazy
 from dstrain.errors import ConfigError, NotImplementedConfigError
 from dstrain.offload.device_copy import DeviceStager
 from dstrain.offload.sub_groups import CUT, SubGroup, plan_sub_groups
@@ -177,6 +178,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 sg.v = torch.zeros(sg.numel, dtype=torch.float32)
         self._ahead: deque[list[Any]] = deque()  # [sub-group, state lease future, master future]
         self._stores: list[concurrent.futures.Future[None]] = []  # the last step's writes
+        self._gate: Callable[[int], float] | None = None  # an async save's wait, lent for one step
         self._stall = self._step_s = 0.0
         self._hits = self._misses = 0
         self._count = 0
@@ -265,6 +267,7 @@ class OffloadAdam(torch.optim.Optimizer):
         for st in self._steps:
             st.add_(1)
         kernel = torch._fused_adamw_ if self.adamw else torch._fused_adam_
+        gate, self._gate = self._gate, None
         self._in_step = True
         if self._swapper is not None:
             self.prepare()
@@ -293,6 +296,8 @@ class OffloadAdam(torch.optim.Optimizer):
                 p, grad = sg.slices()
             # one path for every device: state (and a swapped master) to the gradient's device,
             # stepped there by that device's fused kernel, copied back (nothing moves on a CPU run)
+            if gate is not None:  # an async save may still be reading this sub-group's bytes
+                gate(pos)
             p_d, m_d, v_d = self._stager.to_device(grad.device, [p, m, v])
             beta1, beta2 = g["betas"]
             kernel(
@@ -406,6 +411,29 @@ class OffloadAdam(torch.optim.Optimizer):
                 }
         return {"state": state, "param_groups": self._groups_state(index)}
 
+    def checkpoint_touch_order(self) -> list[list[Any]]:
+        """What the next `step` changes, sub-group by sub-group in its order
+        (``dsio.checkpoint.MemorySpan`` / ``FileSpan`` sets): the master range (where it is in
+        memory) and the m, v slot of the swap file (with ``device="nvme"``)."""
+        from dsio.checkpoint import FileSpan, MemorySpan
+
+        out = []
+        for sg in self._subs:
+            spans: list[Any] = []
+            if self._master is None:
+                spans.append(MemorySpan.of(sg.param.detach().view(-1)[sg.start : sg.start + sg.numel]))
+            if self._swapper is not None:
+                spans.append(FileSpan(self._swapper.path, sg.offset, 2 * align_up(sg.numel * _F32)))
+            elif sg.m is not None and sg.v is not None:
+                spans += [MemorySpan.of(sg.m), MemorySpan.of(sg.v)]
+            out.append(spans)
+        return out
+
+    def gate_next_step(self, wait: Callable[[int], float]) -> None:
+        """Make the next `step` call ``wait(i)`` before it changes the bytes of touch set ``i`` of
+        `checkpoint_touch_order` (an async save still streaming them: ``PendingSave.wait_captured``)."""
+        self._gate = wait
+
     def _groups_state(self, index: dict[int, int]) -> list[dict[str, Any]]:
         """``param_groups`` of torch's Adam state-dict format (``index``: id(param) -> position)."""
         groups = []
@@ -428,8 +456,17 @@ class OffloadAdam(torch.optim.Optimizer):
             "decoupled_weight_decay": self.adamw,
         }
 
+    def load_checkpoint_state(self, state_dict: dict[str, Any]) -> None:
+        """`load_state_dict` of a streamed load: ``exp_avg`` / ``exp_avg_sq`` may be tensors left in
+        the checkpoint file (``dsio.checkpoint.StoredTensor``); each sub-group's range is read
+        straight into its swap buffer (or its host m, v) and written to its slot, so the state is
+        never all in memory. Each tensor is read in order, so its checksum is checked on the way
+        (``dstrain.checkpoint.restore`` then checks that every byte was)."""
+        self.load_state_dict(state_dict)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch's Adam format (from this optimizer or a non-offloaded one)."""
+        """Load torch's Adam format (from this optimizer or a non-offloaded one); ``exp_avg`` and
+        ``exp_avg_sq`` may also be lazy sources (`load_checkpoint_state`)."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
             len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups, strict=True)
@@ -447,21 +484,27 @@ class OffloadAdam(torch.optim.Optimizer):
             self._cancel_ahead()
         for sg in self._subs:
             entry = by_param[id(sg.param)]
-            if entry is None:
-                m = v = torch.zeros(sg.numel)
-            else:
-                m = entry["exp_avg"].reshape(-1)[sg.start : sg.start + sg.numel]
-                v = entry["exp_avg_sq"].reshape(-1)[sg.start : sg.start + sg.numel]
+            if entry is not None:
                 steps[sg.group] = float(entry["step"])
+            lease = None
             if self._swapper is None:
-                sg.m.copy_(m)  # type: ignore[union-attr]
-                sg.v.copy_(v)  # type: ignore[union-attr]
+                assert sg.m is not None and sg.v is not None
+                vm, vv = sg.m, sg.v
             else:
                 lease = self._swapper.acquire(sg.index).result()
                 lease.tensor[: 2 * align_up(sg.numel * _F32)].zero_()
                 vm, vv = self._views(lease, sg)
-                vm.copy_(m)
-                vv.copy_(v)
+            for out, key in ((vm, "exp_avg"), (vv, "exp_avg_sq")):
+                if entry is None:
+                    out.zero_()
+                    continue
+                src = entry[key]
+                if isinstance(src, torch.Tensor):
+                    out.copy_(src.reshape(-1)[sg.start : sg.start + sg.numel])
+                else:  # left in the checkpoint file: this range, read straight into place
+                    read_lazy(src, sg.start * _F32, out)
+            if lease is not None:
+                assert self._swapper is not None
                 self._swapper.store(lease)
         for st, s in zip(self._steps, steps, strict=True):
             st.fill_(s or 0.0)

@@ -88,6 +88,43 @@ def test_save_streams_swapped_state_without_materializing_it(tmp_path, one_threa
         other.close()
 
 
+def test_load_streams_swapped_state_without_materializing_it(tmp_path, one_thread) -> None:
+    """Loading into an NVMe-offloaded run reads Adam's m and v from the checkpoint file straight into
+    the swap buffers, a sub-group at a time (checksums checked on the way): the peak RSS grows by a
+    small fraction of that state, while reading it into memory first grew by all of it."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    engine, opt = _engine(str(swap))
+    try:
+        state_bytes = 2 * 4 * sum(p.numel() for p in engine.module.parameters())
+        master_bytes = state_bytes // 2  # the fp32 master (stage 1) is loaded into memory, as it lives there
+        engine_losses(engine, 2)
+        engine.save_checkpoint(tmp_path / "ck")
+        expected = opt.state_dict()["state"]
+    finally:
+        engine.close()
+    loaded, loaded_opt = _engine(str(swap), seed=3)
+    try:
+        engine_losses(loaded, 1)  # swap buffers, I/O handles, the checkpoint store: all created
+        loaded.load_checkpoint(tmp_path / "ck")  # the first load opens the directory's Checkpointer
+        if not _reset_peak():
+            pytest.skip("this kernel cannot reset VmHWM (/proc/self/clear_refs)")
+        before, _ = _rss()
+        loaded.load_checkpoint(tmp_path / "ck")
+        _, peak = _rss()
+        growth = peak - before
+        assert loaded_opt.statistics().swapper.written_bytes >= state_bytes  # through the swap file
+        got = loaded_opt.state_dict()["state"]
+    finally:
+        loaded.close()
+    # the fp32 master is read into memory (it lives there at stage 1) and the ZeRO strategy's
+    # all-gather copies it once more; m and v add only the reads' buffers (in memory: >= 135 MB more)
+    assert growth < 2 * master_bytes + state_bytes / 4, (growth, master_bytes, state_bytes)
+    for i, entry in expected.items():
+        assert torch.equal(got[i]["exp_avg"].view(-1), entry["exp_avg"].view(-1))
+        assert torch.equal(got[i]["exp_avg_sq"].view(-1), entry["exp_avg_sq"].view(-1))
+
+
 def test_async_save_is_staged_during_forward_backward_and_resumes_bitwise(tmp_path, one_thread) -> None:
     """The step after an async save waits for its staging (the state is streamed from the swap file,
     which that step rewrites); the checkpoint then resumes exactly where it was taken."""

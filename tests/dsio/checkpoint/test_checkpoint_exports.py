@@ -7,6 +7,7 @@ def test_public_surface():
     assert sorted(C.__all__) == sorted(
         [
             "DEFAULT_IO",
+            "Capture",
             "CheckpointCommitError",
             "CheckpointFormatError",
             "CheckpointLockedError",
@@ -18,9 +19,13 @@ def test_public_surface():
             "DsioStorageReader",
             "DsioStorageWriter",
             "FileRegions",
+            "FileSpan",
             "LatestNotUpdatedError",
             "LazyTensor",
+            "MemorySpan",
             "SaveResult",
+            "StoredTensor",
+            "TouchOrder",
             "UnsupportedStateError",
             "load",
             "save",

@@ -15,7 +15,7 @@ import torch
 
 import dsio
 import dsio.checkpoint as C
-from dsio.checkpoint import _fs, _read
+from dsio.checkpoint import _fs, _load, _read
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -114,7 +114,7 @@ def test_step_deleted_after_open_still_loads(tmp_path, monkeypatch):
             shutil.rmtree(tmp_path / "step-000000001")  # retention's deletion, after the open
             return await real(*a, **kw)
 
-        monkeypatch.setattr(C.checkpointer, "read_file", delete_then_read)
+        monkeypatch.setattr(_load, "read_file", delete_then_read)  # Checkpointer.load's reader
         reader = C.Checkpointer(tmp_path)
         try:
             assert (await reader.load(step=1))["step"] == 1
