@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime as _dt
+import json
 import mmap
 import os
 import platform
@@ -149,3 +150,17 @@ def result_path(kind: str, ext: str = "md") -> str:
     day = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     os.makedirs(RESULTS, exist_ok=True)
     return os.path.join(RESULTS, f"{day}-{socket.gethostname()}-{kind}.{ext}")
+
+
+def write_labelled_result(kind: str, label: str, meta: dict, md: str, payload: dict) -> str:
+    """Write ``bench/results/<kind>[-<label>]-<day>.md`` and ``.json`` (``{"meta": meta, **payload}``),
+    print the report, and return the stem."""
+    day = meta["date"].split()[0]
+    stem = os.path.join(RESULTS, kind + (f"-{label}" if label else "") + f"-{day}")
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, **payload}, f, indent=1)
+    print(md)
+    print(f"written: {stem}.md (+ .json)")
+    return stem

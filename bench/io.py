@@ -43,7 +43,6 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dsio  # noqa: E402
 from bench._common import (  # noqa: E402
-    RESULTS,
     deepspeed_python,
     drop_caches_verified,
     fmt,
@@ -52,6 +51,7 @@ from bench._common import (  # noqa: E402
     result_path,
     scratch_dir,
     summarize,
+    write_labelled_result,
 )
 from bench.baselines import fio  # noqa: E402
 from dsio._native import native  # noqa: E402
@@ -382,7 +382,9 @@ def main() -> None:
     ap.add_argument("--skip-deepspeed", action="store_true")
     ap.add_argument("--skip-fio", action="store_true")
     ap.add_argument("--skip-tuned", action="store_true", help="skip the tuned-vs-tuned sweep")
-    ap.add_argument("--tuned-reps", type=int, default=2)
+    ap.add_argument(
+        "--tuned-reps", type=int, default=3, help="reps of the tuned sweep (each visits every point)"
+    )
     ap.add_argument("--read-path", action="store_true", help="only the issue-17 read-path matrix")
     ap.add_argument("--sizes-mib", default="512,2048", help="--read-path tensor sizes")
     ap.add_argument("--runs", type=int, default=5, help="--read-path: interleaved runs")
@@ -424,14 +426,7 @@ def main_read_path(args: argparse.Namespace, meta: dict) -> None:
         + (f" Label: **{args.label}**." if args.label else "")
     )
     md = report_read_path(data, meta, header)
-    day = meta["date"].split()[0]
-    stem = os.path.join(RESULTS, "io-read-path" + (f"-{args.label}" if args.label else "") + f"-{day}")
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "args": vars(args), **data}, f, indent=1)
-    print(md)
-    print(f"written: {stem}.md (+ .json)")
+    write_labelled_result("io-read-path", args.label, meta, md, {"args": vars(args), **data})
 
 
 def main_io(args: argparse.Namespace, meta: dict) -> None:
@@ -492,17 +487,22 @@ def main_io(args: argparse.Namespace, meta: dict) -> None:
                 bar.set_postfix_str(f"rep {rep + 1}: {name}")
                 fn(res[name])
                 bar.update()
-    for r in runners.values():
-        r.close()
     if uv is not None:
         uv.close()
         uv.loop.close()
-    for p in (seq_path, ops_path):
-        unlink(p)
+    unlink(ops_path)
 
     md = report(res, meta, args)
     if not args.skip_tuned:
         from bench.io_tuned import report_tuned, run_tuned
+
+        ref_runner = runners.get("io_uring") or next(iter(runners.values()))
+
+        def reference() -> tuple[float, float]:
+            """The main table's "dsio <backend>, locked buffer" method, once, next to the sweep's point."""
+            o: dict[str, list[float]] = defaultdict(list)
+            ref_runner.seq(locked, seq_path, o)
+            return o["write_new"][0], o["read"][0]
 
         with tqdm(desc="tuned sweep", unit="step") as tbar:
             tuned = run_tuned(
@@ -512,6 +512,8 @@ def main_io(args: argparse.Namespace, meta: dict) -> None:
                 DS_PY,
                 DS_SCRIPT,
                 progress=lambda s: (tbar.set_postfix_str(s), tbar.update()),
+                buf=locked,  # the main table's buffer: a second 1 GiB locked buffer is one difference less
+                reference=reference,
             )
         main_defaults = {
             (side, op): v
@@ -524,6 +526,9 @@ def main_io(args: argparse.Namespace, meta: dict) -> None:
         }
         md += report_tuned(tuned, size, main_defaults)
         res["tuned"] = tuned  # type: ignore[assignment]
+    for r in runners.values():
+        r.close()
+    unlink(seq_path)
     kind = "io" + (f"-{args.label}" if args.label else "")
     out = result_path(kind)
     with open(out, "w") as f:

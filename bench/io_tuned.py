@@ -9,21 +9,30 @@ DeepSpeed alternate rep by rep, and which goes first alternates too (one dsio ha
 DeepSpeed process, with its locked buffer, alive at a time). Each side's best median per
 operation is reported with the settings that won it.
 
-The first quiet run's sweep (bench/results/2026-11-30-vm-io-quiet.md) sat below dsio's own default
-run (best 1.84/1.48 vs 2.12/1.88 GB/s write/read) with every point within ~15% of the others. It
-differed from the main table in four ways, each removed here: dsio's default (QD 64) was in no
-point; all 12 dsio handles (24 engine threads, 12 rings) stayed open for the whole sweep; dsio
-always ran right before DeepSpeed within a pair; and each file was read right after it was written,
-with no fsync in between (the main table fsyncs: this disk has a write-back cache). Which of them
-cost what was not isolated (the machine was loaded when this changed); the table now shows each
-side's default point of the sweep beside the main table's default run, so a re-run says whether
-the two methods agree.
+Order: reps outside, points inside. Every rep visits every point (the starting point rotates
+from rep to rep, and which side goes first alternates), so a drift of this disk over the ~10
+minutes of a sweep spreads over all points instead of landing on the last ones. Before this,
+each point ran all its reps back to back and dsio's default was the last point: in the quiet
+run of 18:28 (bench/results/2026-11-30-vm-io-quiet.md) it measured 1.63/1.39 GB/s against
+1.87/1.65 for the main table's default run, while the same run's main table had already drifted
+to 1.55/1.23 in its own third rep. A freshly created handle per point, a second event loop,
+the buffer's content, an overwrite before the read and a sync after the unlink were each
+measured against the main table's method in one process, interleaved, under load (bench/results/
+io-tuned-sweep-diagnosis-2026-11-30.md): none moved the medians beyond their rep-to-rep range,
+except a second, freshly allocated 1 GiB locked buffer (1.45/1.31 vs 1.83/1.49 in one 10-rep
+run, not reproduced in two others); the sweep now uses the caller's buffer (the main table's)
+when given one, so that factor is gone too.
+
+``reference`` (bench/io.py passes the main table's own runner: its handle, its buffer) runs
+right next to dsio's default point in every rep, so the report shows the default point and the
+main table's method measured in the same minutes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -78,14 +87,27 @@ def run_tuned(
     ds_script: str,
     progress: Callable[[str], None] = lambda s: None,
     sweep: Sequence[Point] = SWEEP,
+    buf: torch.Tensor | None = None,
+    reference: Callable[[], tuple[float, float]] | None = None,
 ) -> dict:
-    """{"results": {side: {op: {label: [GB/s per rep]}}}, "cold": bool, "defaults": {side: label}}."""
+    """Run the sweep; ``{"results": {side: {op: {label: [GB/s per rep]}}}, "cold", "defaults",
+    "reference"}``.
+
+    ``buf``: a locked, 4096-aligned uint8 tensor of ``size`` bytes to write from and read into
+    (default: one allocated here). ``reference``: called once per rep right next to dsio's
+    default point (before it in even reps, after it in odd ones); returns (write, read) GB/s of
+    the caller's own method, stored under ``"reference"``.
+    """
     path = os.path.join(directory, "tuned.bin")
-    mem = native().AlignedBuffer(size, True)
-    buf = torch.frombuffer(mem, dtype=torch.uint8)
-    buf.fill_(5)
+    if buf is None:
+        mem = native().AlignedBuffer(size, True)
+        buf = torch.frombuffer(mem, dtype=torch.uint8)
+        buf.fill_(5)
+    elif buf.nbytes != size or buf.data_ptr() % 4096:
+        raise ValueError(f"buf must be a 4096-aligned tensor of exactly size={size} bytes")
     loop = asyncio.new_event_loop()
     out: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    ref: dict[str, list[float]] = {"write": [], "read": []}
     cold = True
 
     def fresh() -> None:
@@ -93,53 +115,69 @@ def run_tuned(
             os.unlink(path)
         os.sync()
 
+    def measure_dsio(h: dsio.AsyncIOHandle, name: str) -> None:
+        nonlocal cold
+        fresh()
+        t0 = time.perf_counter()
+        loop.run_until_complete(h.pwrite(buf, path))
+        out["dsio"]["write"][name].append(size / (time.perf_counter() - t0) / 1e9)
+        _fsync(path)
+        cold &= drop_caches_verified(path)
+        t0 = time.perf_counter()
+        loop.run_until_complete(h.pread(buf, path))
+        out["dsio"]["read"][name].append(size / (time.perf_counter() - t0) / 1e9)
+
+    def measure_ds(server: DeepSpeedServer, name: str) -> None:
+        nonlocal cold
+        fresh()
+        out["DeepSpeed"]["write"][name].append(server.call("write", path, 0, size)["gbps"])
+        _fsync(path)
+        cold &= drop_caches_verified(path)
+        out["DeepSpeed"]["read"][name].append(server.call("read", path, 0, size)["gbps"])
+
+    def measure_reference() -> None:
+        assert reference is not None
+        w, r = reference()
+        ref["write"].append(w)
+        ref["read"].append(r)
+
     try:
-        for cfg in sweep:
-            name = label(*cfg)
-            # The main table's IOConfig with only the swept fields changed (its pools too: a locked,
-            # aligned buffer is never staged, so they cost nothing here).
-            h = dsio.AsyncIOHandle(
-                dataclasses.replace(
-                    dsio.IOConfig(),
-                    intra_op_parallelism=cfg[0],
-                    overlap_events=cfg[1],
-                    block_size=cfg[2],
-                    queue_depth=cfg[3],
+        for rep in range(reps):
+            # Rotate the starting point: spread over the sweep (or step by one when reps outnumber
+            # points), so no point always runs first or last.
+            start = rep * len(sweep) // reps if reps <= len(sweep) else rep % len(sweep)
+            order = list(sweep[start:]) + list(sweep[:start])
+            for i, cfg in enumerate(order):
+                name = label(*cfg)
+                progress(f"tuned sweep: rep {rep + 1}/{reps}, {name}")
+                # The main table's IOConfig with only the swept fields changed (its pools too: a
+                # locked, aligned buffer is never staged, so they cost nothing here).
+                h = dsio.AsyncIOHandle(
+                    dataclasses.replace(
+                        dsio.IOConfig(),
+                        intra_op_parallelism=cfg[0],
+                        overlap_events=cfg[1],
+                        block_size=cfg[2],
+                        queue_depth=cfg[3],
+                    )
                 )
-            )
-            server = None
-            if ds_python:
-                extra = ["--threads", str(cfg[0]), "--block-size", str(cfg[2]), "--queue-depth", str(cfg[3])]
-                server = DeepSpeedServer(
-                    ds_python, ds_script, size, extra + (["--overlap-events"] if cfg[1] else [])
-                )
-            try:
-                for rep in range(reps):
-                    progress(f"tuned sweep: {name}, rep {rep + 1}/{reps}")
-                    sides = ["dsio", "DeepSpeed"] if server is not None else ["dsio"]
-                    if rep % 2:
-                        sides.reverse()  # neither side always runs right after the other's writes
-                    for side in sides:
-                        fresh()
-                        if side == "dsio":
-                            t0 = time.perf_counter()
-                            loop.run_until_complete(h.pwrite(buf, path))
-                            out[side]["write"][name].append(size / (time.perf_counter() - t0) / 1e9)
-                            _fsync(path)
-                            cold &= drop_caches_verified(path)
-                            t0 = time.perf_counter()
-                            loop.run_until_complete(h.pread(buf, path))
-                            out[side]["read"][name].append(size / (time.perf_counter() - t0) / 1e9)
-                        else:
-                            assert server is not None
-                            out[side]["write"][name].append(server.call("write", path, 0, size)["gbps"])
-                            _fsync(path)
-                            cold &= drop_caches_verified(path)
-                            out[side]["read"][name].append(server.call("read", path, 0, size)["gbps"])
-            finally:
-                loop.run_until_complete(h.aclose())
-                if server is not None:
-                    server.close()
+                server = None
+                try:
+                    if ds_python:
+                        extra = ["--threads", str(cfg[0]), "--block-size", str(cfg[2])]
+                        extra += ["--queue-depth", str(cfg[3])] + (["--overlap-events"] if cfg[1] else [])
+                        server = DeepSpeedServer(ds_python, ds_script, size, extra)
+                    steps: list[Callable[[], None]] = [functools.partial(measure_dsio, h, name)]
+                    if reference is not None and cfg == DSIO_DEFAULT:
+                        steps.insert(rep % 2, measure_reference)
+                    if server is not None:
+                        steps.insert((rep + i) % 2 * len(steps), functools.partial(measure_ds, server, name))
+                    for step in steps:
+                        step()
+                finally:
+                    loop.run_until_complete(h.aclose())
+                    if server is not None:
+                        server.close()
     finally:
         loop.close()
         if os.path.exists(path):
@@ -148,6 +186,8 @@ def run_tuned(
         "results": {k: {o: dict(v) for o, v in d.items()} for k, d in out.items()},
         "cold": cold,
         "defaults": {side: label(*p) for side, p in DEFAULTS.items()},
+        "reference": ref if reference is not None else None,
+        "order": "reps outside, points inside (rotating)",
     }
 
 
@@ -167,7 +207,11 @@ def report_tuned(data: dict, size: int, main_defaults: dict[tuple[str, str], flo
         + ("" if data["cold"] else " (WARM: the cache drop did not take)")
         + "; grid: threads 1-2 x overlap on/off x (block, QD) in (1 MiB, 32), (1 MiB, 128), (8 MiB, 32), "
         "plus each side's default configuration; every point: write (timed), fsync, drop the cache, read; "
-        "the two sides alternate (and alternate who goes first) rep by rep."
+        + (
+            "every rep visits every point (starting point rotating), the two sides alternating who goes first."
+            if data.get("order")
+            else "the two sides alternate (and alternate who goes first) rep by rep."
+        )
     )
     lines += [
         "",
@@ -186,9 +230,91 @@ def report_tuned(data: dict, size: int, main_defaults: dict[tuple[str, str], flo
                 f"| {side} | {op} | {fmt(xs)} | {name} | {fmt(d) if d else 'not in sweep'} | "
                 f"{f'{main:.2f}' if main else '-'} |"
             )
+    ref = data.get("reference")
+    if ref and ref.get("write") and "dsio" in res:
+        lines.append(
+            "\ndsio's default point in the sweep vs the main table's method (its handle and buffer), "
+            "run next to it in every rep:"
+        )
+        for op in ("write", "read"):
+            d = res["dsio"].get(op, {}).get(defaults["dsio"])
+            if d and ref.get(op):
+                lines.append(
+                    f"- {op}: sweep point {fmt(d)}, main-table method {fmt(ref[op])} GB/s: "
+                    f"{median(d) / median(ref[op]):.2f}x"
+                )
     for op in ("write", "read"):
         if ("dsio", op) in best and ("DeepSpeed", op) in best:
             lines.append(
                 f"\ntuned dsio / tuned DeepSpeed, {op}: {best['dsio', op] / best['DeepSpeed', op]:.2f}x"
             )
     return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    """Only the sweep, with bench/io.py's main-table method as the reference next to dsio's default.
+
+    ``python -m bench.io_tuned [--points defaults|all] [--reps 3] [--label under-load]``; results go to
+    bench/results/io-tuned[-LABEL]-<date>.md (+ .json).
+    """
+    import argparse
+    import sys
+
+    from bench import io as bench_io
+    from bench._common import deepspeed_python, machine, scratch_dir, write_labelled_result
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--size-gib", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--points", choices=("defaults", "all"), default="all")
+    ap.add_argument("--skip-deepspeed", action="store_true")
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    directory = args.dir or scratch_dir()
+    os.makedirs(directory, exist_ok=True)
+    size = int(args.size_gib * (1 << 30)) // MIB * MIB
+    ds_python = None if args.skip_deepspeed else deepspeed_python(None)
+    sweep = [DSIO_DEFAULT, DEEPSPEED_DEFAULT] if args.points == "defaults" else SWEEP
+    mem = native().AlignedBuffer(size, True)
+    buf = torch.frombuffer(mem, dtype=torch.uint8)
+    buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))  # as bench/io.py's `locked`
+    loop = asyncio.new_event_loop()
+    runner = bench_io.DsioRunner(loop, dsio.IOConfig(backend="io_uring"))
+    seq_path = os.path.join(directory, "seq.bin")
+
+    def reference() -> tuple[float, float]:
+        o: dict[str, list[float]] = defaultdict(list)
+        runner.seq(buf, seq_path, o)
+        return o["write_new"][0], o["read"][0]
+
+    t0 = time.perf_counter()
+    try:
+        data = run_tuned(
+            directory,
+            size,
+            args.reps,
+            ds_python,
+            bench_io.DS_SCRIPT,
+            lambda s: print(s, file=sys.stderr),
+            sweep=sweep,
+            buf=buf,
+            reference=reference,
+        )
+    finally:
+        runner.close()
+        loop.close()
+        if os.path.exists(seq_path):
+            os.unlink(seq_path)
+    meta = machine()
+    md = f"# Tuned sweep, {meta['date']}\n\nMachine: " + ", ".join(f"{k} {v}" for k, v in meta.items())
+    md += f"\nPoints: {args.points}; {args.reps} reps; took {time.perf_counter() - t0:.0f} s"
+    md += (
+        f"; label: **{args.label}**" if args.label else ""
+    ) + f"; load average at the end {os.getloadavg()}.\n"
+    md += report_tuned(data, size)
+    write_labelled_result("io-tuned", args.label, meta, md, {"args": vars(args), **data})
+
+
+if __name__ == "__main__":
+    main()

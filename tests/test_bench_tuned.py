@@ -40,13 +40,57 @@ def test_each_point_measures_a_handle_with_its_own_settings(tmp_path, monkeypatc
     monkeypatch.setattr(io_tuned.dsio, "AsyncIOHandle", handle)
     sweep = [io_tuned.DSIO_DEFAULT, (1, False, MIB, 32)]
     data = io_tuned.run_tuned(str(tmp_path), 4 * MIB, 2, None, "", sweep=sweep)
-    assert seen == sweep
+    # Reps outside, points inside, the starting point rotating: no point always runs last.
+    assert seen == sweep + sweep[::-1]
     dsio_res = data["results"]["dsio"]
     for op in ("write", "read"):
         assert set(dsio_res[op]) == {io_tuned.label(*p) for p in sweep}
         assert all(len(v) == 2 and all(x > 0 for x in v) for v in dsio_res[op].values())
     assert data["defaults"]["dsio"] == io_tuned.label(*io_tuned.DSIO_DEFAULT)
     assert not os.path.exists(tmp_path / "tuned.bin")
+
+
+def test_reference_runs_next_to_the_default_point_on_the_callers_buffer(tmp_path, monkeypatch):
+    """bench/io.py's main-table method is measured in the same minutes as the sweep's default point,
+    and the sweep writes from the caller's buffer (no second locked buffer)."""
+    import torch
+
+    from dsio._native import native
+
+    size = 4 * MIB
+    buf = torch.frombuffer(native().AlignedBuffer(size, True), dtype=torch.uint8)
+    buf.fill_(9)
+    events: list[str] = []
+    real = dsio.AsyncIOHandle
+
+    class Spy(real):  # type: ignore[misc,valid-type]
+        async def pwrite(self, tensor, path, offset=None, *, fsync=False):  # noqa: ANN001
+            assert tensor.data_ptr() == buf.data_ptr()
+            c = self.config
+            events.append(f"point {c.intra_op_parallelism},{c.queue_depth}")
+            return await super().pwrite(tensor, path, offset, fsync=fsync)
+
+    monkeypatch.setattr(io_tuned.dsio, "AsyncIOHandle", Spy)
+
+    def reference() -> tuple[float, float]:
+        events.append("reference")
+        return 1.0, 2.0
+
+    other = (1, False, MIB, 32)
+    data = io_tuned.run_tuned(
+        str(tmp_path), size, 3, None, "", sweep=[io_tuned.DSIO_DEFAULT, other], buf=buf, reference=reference
+    )
+    d = f"point {io_tuned.DSIO_DEFAULT[0]},{io_tuned.DSIO_DEFAULT[3]}"
+    assert events.count("reference") == 3
+    for i, e in enumerate(events):
+        if e == "reference":  # always adjacent to the default point
+            assert d in events[max(i - 1, 0) : i + 2]
+    assert data["reference"] == {"write": [1.0, 1.0, 1.0], "read": [2.0, 2.0, 2.0]}
+    assert (buf == 9).all()  # read back what it wrote
+    md = io_tuned.report_tuned(data, size)
+    assert "main-table method 1.00 (1.00-1.00) GB/s" in md
+    with pytest.raises(ValueError):
+        io_tuned.run_tuned(str(tmp_path), size + MIB, 1, None, "", sweep=[other], buf=buf)
 
 
 def test_report_names_the_best_point_and_shows_the_default_beside_the_main_run():
