@@ -123,7 +123,7 @@ class OneBitReducer:
             return self._default.reduce(flat, comm, out=out, async_op=async_op)
         self.skipped += 1
         flat.mul_(comm.world_size)  # undo the 1/dp loss pre-scale: the local gradient at full scale
-        if out is not None:  # stage 1 with a reduce-scatter: this rank's slice of its local gradient
+        if out is not None:  # a reduce-scatter caller (the Reducer protocol; full_grad routes never ask)
             out.copy_(flat.view(comm.world_size, -1)[comm.rank])
         return _Done()
 
