@@ -197,7 +197,10 @@ class OffloadedShards(ShardStore):
         need = align_up(largest * self._esize) + 2 * ALIGN
         grad_bytes = 4 * sum(u.layout.shard for u in units)  # this rank's fp32 gradient shards
         on_cpu = all(u.full.device.type == "cpu" for u in units)  # on a GPU they stay in its memory
-        offload_grads = self._host_budget is not None and grad_bytes > self._host_budget and on_cpu
+        over = self._host_budget is not None and grad_bytes > self._host_budget
+        if over and not on_cpu:
+            log.info("offload: fp32 gradient shards (%d bytes) stay in the GPU's memory", grad_bytes)
+        offload_grads = over and on_cpu
         own_master = self.holds_master and self.dtype != torch.float32
         # the shard pool keeps at least one buffer; the gradient and master files share the rest with it
         share = max(0, self._budget - need - STAGING_BYTES) // (1 + offload_grads + own_master)
