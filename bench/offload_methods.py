@@ -162,7 +162,9 @@ parameters) it silently keeps them in memory, and with ``max_in_cpu: 0`` its pre
 DEFAULT_METHODS = list(METHODS)
 
 
-def expected_bytes(method: Method, params: int, world: int = 2) -> tuple[dict[str, float], str]:
+def expected_bytes(
+    method: Method, params: int, world: int = 2, *, grads_on_nvme: bool = False
+) -> tuple[dict[str, float], str]:
     """({kind: bytes per step, both directions, all ranks}, the formula with the numbers plugged in).
 
     fp32 everywhere. Each rank holds P / world of every tensor. dstrain keeps the fp32 master in the
@@ -172,7 +174,10 @@ def expected_bytes(method: Method, params: int, world: int = 2) -> tuple[dict[st
     step when the optimizer is on NVMe too), written once after the step. DeepSpeed's
     optimizer swapper moves the fp32 master, m, v and the fp32 gradient: 16 bytes read and 16 written
     per element (measured: its processes' /proc/<pid>/io bytes equal this on the 110M GPT).
-    Sub-groups are padded to 4 KiB in dstrain's files (a few KiB per sub-group, below the rounding)."""
+    Sub-groups are padded to 4 KiB in dstrain's files (a few KiB per sub-group, below the rounding).
+    ``grads_on_nvme``: dstrain also swapped the fp32 gradient shards (parameters and optimizer on
+    NVMe with ``offload_pinned_bytes`` below them): each written once per step (one micro-step) and
+    read once in the step, 4 B each way."""
     shard = params / world
     out: dict[str, float] = {}
     parts: list[str] = []
@@ -192,5 +197,11 @@ def expected_bytes(method: Method, params: int, world: int = 2) -> tuple[dict[st
         parts.append(
             f"param ({reads} reads: fwd + bwd gathers{' + master in the step' if reads == 3 else ''}, 1 write): "
             f"{reads + 1} x 4 B x {shard:,.0f} x {world} ranks = {out['param'] / 1e6:,.0f} MB"
+        )
+    if grads_on_nvme and method.impl != "deepspeed":
+        out["grad"] = 2 * 4 * shard * world
+        parts.append(
+            f"grad (the budget holds no gradient shards: 1 write + 1 read): 2 x 4 B x {shard:,.0f} x "
+            f"{world} ranks = {out['grad'] / 1e6:,.0f} MB"
         )
     return out, "; ".join(parts)

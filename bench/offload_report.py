@@ -68,10 +68,14 @@ def summarize(runs: list[dict[str, Any]], probes: list[dict[str, Any]]) -> dict[
                 for i in range(len(ok[0]["ranks"]))
             ],
         }
-        expected, formula = expected_bytes(METHODS[method], params, world=len(ok[0]["ranks"]))
+        r0 = ok[0]["ranks"][0]
+        # dstrain put the gradients on NVMe too (offload_pinned_bytes below the gradient shards)
+        grads = any(k.startswith("grad_") for k in r0)
+        expected, formula = expected_bytes(
+            METHODS[method], params, world=len(ok[0]["ranks"]), grads_on_nvme=grads
+        )
         row["expected_bytes_per_step"] = sum(expected.values())
         row["formula"] = formula
-        r0 = ok[0]["ranks"][0]
         swap_keys = sorted(k for k in r0 if k.endswith("_bytes_per_step") and not k.startswith("disk_"))
         if swap_keys:  # dstrain's own counters, by kind and direction
             row["swap_bytes_per_step"] = {

@@ -104,7 +104,7 @@ def offload_counters(*sources: Any) -> dict[str, float] | None:
         return None
     out: dict[str, float] = {"stall_s": 0.0, "hits": 0, "misses": 0, "pinned_bytes": 0}
     for sw in swappers.values():
-        kind = "param" if "param" in str(sw.kind) else "optimizer"
+        kind = str(sw.kind) if str(sw.kind) in ("param", "grad", "master") else "optimizer"
         out[f"{kind}_read_bytes"] = out.get(f"{kind}_read_bytes", 0) + sw.read_bytes
         out[f"{kind}_written_bytes"] = out.get(f"{kind}_written_bytes", 0) + sw.written_bytes
         out["pinned_bytes"] += getattr(sw, "pinned_bytes", 0)

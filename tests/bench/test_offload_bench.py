@@ -99,6 +99,9 @@ def test_expected_bytes_formulas() -> None:
     assert theirs == {"optimizer": 32 * p}
     both, text = expected_bytes(METHODS["dstrain-paramopt-nvme"], p)
     assert both == {"optimizer": 16 * p, "param": 16 * p} and "param" in text
+    # gradients on NVMe too (the budget below the gradient shards): written once, read once, 4 B each
+    allin, text = expected_bytes(METHODS["dstrain-paramopt-nvme"], p, grads_on_nvme=True)
+    assert allin == {"optimizer": 16 * p, "param": 16 * p, "grad": 8 * p} and "grad" in text
     assert expected_bytes(METHODS["dstrain-cpu"], p)[0] == {}
 
 
@@ -140,6 +143,9 @@ def test_counters_walk_nested_snapshots_once() -> None:
         "optimizer_read_bytes": 10, "optimizer_written_bytes": 20, "param_read_bytes": 100, "param_written_bytes": 50,
     }  # fmt: skip
     assert offload_counters(object(), Src(None)) is None
+    # gradient swaps are their own kind, not lumped into the optimizer's
+    g = offload_counters(Src(Eng(zero=opt, offload=[Sw("grad", "/c", 1000, 2000, 3)])))
+    assert g is not None and g["grad_read_bytes"] == 1000 and g["optimizer_read_bytes"] == 10
 
 
 def test_cli_refuses_unknown_names() -> None:
