@@ -39,9 +39,14 @@ from typing import Any
 
 import torch
 
-from dstrain.checkpoint.sources import read_lazy
 from dstrain.errors import ConfigError, NotImplementedConfigError
 from dstrain.offload.device_copy import DeviceStager
+from dstrain.offload.optimizer_state import (
+    groups_state,
+    load_adam_state,
+    swapped_state,
+    touch_order,
+)
 from dstrain.offload.sub_groups import CUT, SubGroup, plan_sub_groups
 from dstrain.offload.swapper import STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
 
@@ -381,53 +386,15 @@ class OffloadAdam(torch.optim.Optimizer):
         return {"state": state, "param_groups": self._groups_state(index)}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """`state_dict` for a checkpoint: with ``device="nvme"`` each ``exp_avg`` / ``exp_avg_sq``
-        is a lazy source over its slots of the swap file (``dstrain.checkpoint.SwapRegions``), read
-        piecewise by the checkpoint writer once this step's swap writes are done, never
-        materialized. The swap file must not change until the save's staging is done (the engine
-        waits for that before the next step)."""
-        if self._swapper is None or not self._count:
-            return self.state_dict()
-        from dstrain.checkpoint.sources import SwapRegions
-
-        path, after = self._swapper.path, list(self._stores)
-        params = [p for g in self.param_groups for p in g["params"]]
-        index = {id(p): i for i, p in enumerate(params)}
-        pieces: dict[int, tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]] = {}
-        for sg in self._subs:  # sub-groups of a tensor are consecutive, in element order
-            m, v = pieces.setdefault(index[id(sg.param)], ([], []))
-            m.append((path, sg.offset, sg.numel * _F32))
-            v.append((path, sg.offset + align_up(sg.numel * _F32), sg.numel * _F32))
-        state: dict[int, dict[str, Any]] = {}
-        for sg in self._subs:
-            i = index[id(sg.param)]
-            if i not in state:
-                m, v = pieces[i]
-                shape = tuple(sg.param.shape)
-                state[i] = {
-                    "step": self._steps[sg.group].clone().cpu(),
-                    "exp_avg": SwapRegions(m, torch.float32, shape, after=after),
-                    "exp_avg_sq": SwapRegions(v, torch.float32, shape, after=after),
-                }
-        return {"state": state, "param_groups": self._groups_state(index)}
+        """`state_dict` for a checkpoint: with ``device="nvme"`` each ``exp_avg`` / ``exp_avg_sq`` is
+        a lazy source over its slots of the swap file, streamed by the writer once this step's swap
+        writes are done (`dstrain.offload.optimizer_state.swapped_state`)."""
+        return swapped_state(self)
 
     def checkpoint_touch_order(self) -> list[list[Any]]:
-        """What the next `step` changes, sub-group by sub-group in its order
-        (``dsio.checkpoint.MemorySpan`` / ``FileSpan`` sets): the master range (where it is in
-        memory) and the m, v slot of the swap file (with ``device="nvme"``)."""
-        from dsio.checkpoint import FileSpan, MemorySpan
-
-        out = []
-        for sg in self._subs:
-            spans: list[Any] = []
-            if self._master is None:
-                spans.append(MemorySpan.of(sg.param.detach().view(-1)[sg.start : sg.start + sg.numel]))
-            if self._swapper is not None:
-                spans.append(FileSpan(self._swapper.path, sg.offset, 2 * align_up(sg.numel * _F32)))
-            elif sg.m is not None and sg.v is not None:
-                spans += [MemorySpan.of(sg.m), MemorySpan.of(sg.v)]
-            out.append(spans)
-        return out
+        """What the next `step` changes, per sub-group in its order (``dsio.checkpoint`` spans: the
+        master range where it is in memory, the m, v slot of the swap file)."""
+        return touch_order(self)
 
     def gate_next_step(self, wait: Callable[[int], float]) -> None:
         """Make the next `step` call ``wait(i)`` before it changes the bytes of touch set ``i`` of
@@ -435,26 +402,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._gate = wait
 
     def _groups_state(self, index: dict[int, int]) -> list[dict[str, Any]]:
-        """``param_groups`` of torch's Adam state-dict format (``index``: id(param) -> position)."""
-        groups = []
-        for g in self.param_groups:
-            # torch's own Adam(W) group keys too: loaded into a torch optimizer, it must keep
-            # stepping with the fused kernel (a group without "fused" falls back to another loop)
-            packed = {**self._torch_keys(), **{k: v for k, v in g.items() if k != "params"}}
-            packed["params"] = [index[id(p)] for p in g["params"]]
-            groups.append(packed)
-        return groups
-
-    def _torch_keys(self) -> dict[str, Any]:
-        return {
-            "amsgrad": False,
-            "maximize": False,
-            "foreach": None,
-            "capturable": False,
-            "differentiable": False,
-            "fused": True,
-            "decoupled_weight_decay": self.adamw,
-        }
+        return groups_state(self, index)
 
     def load_checkpoint_state(self, state_dict: dict[str, Any]) -> None:
         """`load_state_dict` of a streamed load: ``exp_avg`` / ``exp_avg_sq`` may be tensors left in
@@ -467,50 +415,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's Adam format (from this optimizer or a non-offloaded one); ``exp_avg`` and
         ``exp_avg_sq`` may also be lazy sources (`load_checkpoint_state`)."""
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(
-            len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups, strict=True)
-        ):
-            raise ValueError("optimizer state has a different number of param groups or tensors")
-        params = [p for g in self.param_groups for p in g["params"]]
-        saved_ids = [i for g in groups for i in g["params"]]
-        by_param = {id(p): state_dict["state"].get(i) for p, i in zip(params, saved_ids, strict=True)}
-        for g, saved in zip(self.param_groups, groups, strict=True):
-            for k, v in saved.items():
-                if k != "params":
-                    g[k] = tuple(v) if k == "betas" else v
-        steps: list[float | None] = [None] * len(self.param_groups)
-        if self._swapper is not None:
-            self._cancel_ahead()
-        for sg in self._subs:
-            entry = by_param[id(sg.param)]
-            if entry is not None:
-                steps[sg.group] = float(entry["step"])
-            lease = None
-            if self._swapper is None:
-                assert sg.m is not None and sg.v is not None
-                vm, vv = sg.m, sg.v
-            else:
-                lease = self._swapper.acquire(sg.index).result()
-                lease.tensor[: 2 * align_up(sg.numel * _F32)].zero_()
-                vm, vv = self._views(lease, sg)
-            for out, key in ((vm, "exp_avg"), (vv, "exp_avg_sq")):
-                if entry is None:
-                    out.zero_()
-                    continue
-                src = entry[key]
-                if isinstance(src, torch.Tensor):
-                    out.copy_(src.reshape(-1)[sg.start : sg.start + sg.numel])
-                else:  # left in the checkpoint file: this range, read straight into place
-                    read_lazy(src, sg.start * _F32, out)
-            if lease is not None:
-                assert self._swapper is not None
-                self._swapper.store(lease)
-        for st, s in zip(self._steps, steps, strict=True):
-            st.fill_(s or 0.0)
-        self._count = max(self._count, 1 if any(steps) else 0)
-        if self._swapper is not None:
-            self._swapper.drain()
+        load_adam_state(self, state_dict)
 
     def statistics(self) -> OffloadOptimizerStatistics:
         sw = self._swapper.statistics() if self._swapper is not None else self._closed_stats
