@@ -5,18 +5,19 @@ hold this rank's fp32 gradient shards (parameters and optimizer state both on NV
 parameter store makes one of these and `Stage3Zero` keeps no full-size gradient buffer. Instead:
 
 - each unit's reduce-scattered gradient is accumulated into the file as soon as it arrives
-  (`accumulate`): the unit's current values are read where this accumulation already wrote them
-  (zeros elsewhere), ``add_``-ed in a unit-sized temporary with exactly the call the in-memory path
-  makes on its slice of the gradient buffer (same shapes, same lanes: bitwise the same sums), then
-  written back block by block (write-behind; a later read of those pages waits for the write);
+  (`accumulate`): the unit's pages are read where this accumulation already wrote them (zeros
+  elsewhere; at its first micro-step that is at most the page it shares with each neighbour),
+  ``add_``-ed with exactly the call the in-memory path makes on its slice of the gradient buffer
+  (same shapes, same lanes: bitwise the same sums), then written back whole (write-behind; a
+  later read of those pages waits for the write, on dsio's loop thread);
 - `OffloadAdam` reads each sub-group's gradient range back in the optimizer step (`fetch`), read
   ahead like its state;
-- `zero` forgets every block: the next accumulation starts from zeros without touching the disk.
+- `zero` forgets every page: the next accumulation starts from zeros without touching the disk.
 
-The file is cut into page-aligned blocks of ``block_bytes``; a block is *valid* once this
-accumulation wrote it. Blocks never written since `zero` read as zeros (a parameter unused this
-step has a zero gradient, as in memory). Everything goes through one `Swapper` (dsio handle on
-dsio's loop thread, bounded pinned pool), the machinery of the parameter and optimizer swaps.
+A page is *valid* once this accumulation wrote it; pages never written since `zero` read as zeros
+(a parameter unused this step has a zero gradient, as in memory). Everything goes through one
+`Swapper` (dsio handle on dsio's loop thread, bounded pinned pool), the machinery of the parameter
+and optimizer swaps.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class GradStoreStatistics:
     accumulations: int
     """Unit gradients accumulated into the file."""
     read_modify_writes: int
-    """Blocks read back before a write (written earlier in the same accumulation)."""
+    """Runs of pages read back before a write (written earlier in the same accumulation)."""
     fetches: int
     """Gradient ranges read for the optimizer."""
     stall_seconds: float
@@ -74,7 +75,6 @@ class OffloadedGrads:
                 f"and dsio's staging pool",
             )
         self.buffer_bytes = size
-        self.block_bytes = size
         self._budget = pinned_budget
         self._swapper: Swapper | None = Swapper(
             nvme_path, "grad", buffer_bytes=size, buffer_count=count, io_config=io_config
@@ -82,7 +82,7 @@ class OffloadedGrads:
         self._closed_stats: SwapperStatistics | None = None
         self._base: dict[int, int] = {}  # group -> region offset in the file
         self._total: dict[int, int] = {}
-        self._valid: dict[int, list[bool]] = {}  # group -> per block: written since `zero`
+        self._valid: dict[int, bytearray] = {}  # group -> per page: written since `zero`
         self._accumulations = self._rmw = self._fetches = 0
         self._hits = self._misses = 0
         self._stall = 0.0
@@ -102,7 +102,7 @@ class OffloadedGrads:
         sw = self._live()
         self._base[group] = sw.reserve_region(total * _F32)
         self._total[group] = total
-        self._valid[group] = [False] * (-(-total * _F32 // self.block_bytes))
+        self._valid[group] = bytearray(align_up(total * _F32) // ALIGN)  # per page
 
     def _live(self) -> Swapper:
         if self._swapper is None:
@@ -111,17 +111,25 @@ class OffloadedGrads:
             raise ClosedError("the gradient store is closed")
         return self._swapper
 
-    def _blocks(self, group: int, start: int, numel: int) -> range:
-        lo = start * _F32 // self.block_bytes
-        hi = -(-(start + numel) * _F32 // self.block_bytes)
-        return range(lo, hi)
+    def _pages(self, start: int, numel: int) -> tuple[int, int]:
+        """The pages ``[first, end)`` of a group's region holding elements ``[start, start + numel)``."""
+        return start * _F32 // ALIGN, -(-(start + numel) * _F32 // ALIGN)
 
-    def _block_span(self, group: int, b: int) -> tuple[int, int, int, int]:
-        """(file offset, bytes, first element, elements) of block ``b`` of ``group``."""
-        per = self.block_bytes // _F32
-        first = b * per
-        n = min(per, self._total[group] - first)
-        return self._base[group] + b * self.block_bytes, align_up(n * _F32), first, n
+    def _valid_runs(self, group: int, p0: int, p1: int, want: bool) -> list[tuple[int, int]]:
+        """Maximal runs ``[p, q)`` of pages in ``[p0, p1)`` whose written-since-`zero` flag is
+        ``want``, each at most a buffer long."""
+        valid, most = self._valid[group], self.buffer_bytes // ALIGN
+        runs, p = [], p0
+        while p < p1:
+            if bool(valid[p]) != want:
+                p += 1
+                continue
+            q = p
+            while q < p1 and bool(valid[q]) == want and q - p < most:
+                q += 1
+            runs.append((p, q))
+            p = q
+        return runs
 
     def _wait(self, fut: concurrent.futures.Future[Any]) -> Any:
         if not fut.done():
@@ -134,41 +142,37 @@ class OffloadedGrads:
 
     def accumulate(self, group: int, start: int, values: torch.Tensor, alpha: float) -> None:
         """Gradient elements ``[start, start + values.numel())`` of ``group`` += ``values * alpha``,
-        with the arithmetic of ``buffer[start:end].add_(values, alpha=alpha)`` on a resident buffer."""
+        with the arithmetic of ``buffer[start:end].add_(values, alpha=alpha)`` on a resident buffer.
+
+        The unit's pages are read only where this accumulation already wrote them (its first
+        micro-step reads at most the page it shares with each neighbour), then written whole."""
         sw = self._live()
         n = values.numel()
-        valid = self._valid[group]
-        blocks = self._blocks(group, start, n)
-        tmp = torch.zeros(n, dtype=torch.float32)  # (n,) this unit's running sum, zeros where unwritten
-        for b in blocks:
-            if valid[b]:
-                off, nbytes, first, count = self._block_span(group, b)
-                lease = self._wait(sw.fetch_range(off, nbytes))
-                lo, hi = max(first, start), min(first + count, start + n)
-                tmp[lo - start : hi - start].copy_(lease.view(torch.float32, (lo - first) * _F32, hi - lo))
-                sw.discard(lease)
-        tmp.add_(values.reshape(-1), alpha=alpha)  # the same call, on the same shapes, as in memory
-        for b in blocks:
-            off, nbytes, first, count = self._block_span(group, b)
-            lo, hi = max(first, start), min(first + count, start + n)
-            if valid[b]:
-                if lo > first or hi < first + count:  # other units' elements of this block: keep them
-                    lease = self._wait(sw.fetch_range(off, nbytes))
-                    self._rmw += 1
-                else:
-                    lease = self._wait(sw.acquire_any())
-            else:
-                lease = self._wait(sw.acquire_any())
-                lease.tensor[:nbytes].zero_()  # not written since `zero`: every other element is 0
-            lease.view(torch.float32, (lo - first) * _F32, hi - lo).copy_(tmp[lo - start : hi - start])
-            sw.store_range(lease, off, nbytes)  # write-behind
-            valid[b] = True
+        base, total = self._base[group], self._total[group]
+        p0, p1 = self._pages(start, n)
+        first = p0 * ALIGN // _F32  # element at the first page's start
+        span = min((p1 - p0) * ALIGN // _F32, total - first)
+        buf = torch.zeros(span, dtype=torch.float32)  # (span,) the unit's pages, zeros where unwritten
+        for p, q in self._valid_runs(group, p0, p1, True):
+            lease = self._wait(sw.fetch_range(base + p * ALIGN, (q - p) * ALIGN))
+            e0, e1 = p * ALIGN // _F32 - first, min(q * ALIGN // _F32 - first, span)
+            buf[e0:e1].copy_(lease.view(torch.float32, 0, e1 - e0))
+            sw.discard(lease)
+            self._rmw += 1
+        buf[start - first : start - first + n].add_(values.reshape(-1), alpha=alpha)  # as in memory
+        per = self.buffer_bytes // _F32
+        for c in range(0, span, per):
+            k = min(per, span - c)
+            lease = self._wait(sw.acquire_any())
+            lease.view(torch.float32, 0, k).copy_(buf[c : c + k])
+            sw.store_range(lease, base + (first + c) * _F32, k * _F32)  # write-behind
+        self._valid[group][p0:p1] = b"\x01" * (p1 - p0)
         self._accumulations += 1
 
     def zero(self) -> None:
-        """Every gradient is zero again (nothing is written: unwritten blocks read as zeros)."""
+        """Every gradient is zero again (nothing is written: unwritten pages read as zeros)."""
         for flags in self._valid.values():
-            flags[:] = [False] * len(flags)
+            flags[:] = bytes(len(flags))
 
     # -- reads (in the optimizer step) ------------------------------------------------------------
 
@@ -176,11 +180,10 @@ class OffloadedGrads:
         self, group: int, start: int, numel: int
     ) -> concurrent.futures.Future[tuple[Lease, torch.Tensor]]:
         """A buffer holding gradient elements ``[start, start + numel)`` of ``group`` (after any
-        write of those pages still in flight; zeros for blocks not written since `zero`) and the
+        write of those pages still in flight; zeros for pages not written since `zero`) and the
         fp32 view of them. Hand it back with `discard`."""
         sw = self._live()
-        base = self._base[group]
-        lo = base + start * _F32
+        lo = self._base[group] + start * _F32
         first = lo - lo % ALIGN
         at = lo - first
         nbytes = align_up(at + numel * _F32)
@@ -188,8 +191,11 @@ class OffloadedGrads:
             raise ValueError(
                 f"a gradient range of {numel} elements exceeds a swap buffer ({self.buffer_bytes} B)"
             )
-        unwritten = [b for b in self._blocks(group, start, numel) if not self._valid[group][b]]
-        spans = [self._block_span(group, b) for b in unwritten]
+        p0, p1 = self._pages(start, numel)
+        stale = [
+            (max(p * ALIGN // _F32, start), min(q * ALIGN // _F32, start + numel))
+            for p, q in self._valid_runs(group, p0, p1, False)
+        ]
         inner = sw.fetch_range(first, nbytes)
         out: concurrent.futures.Future[tuple[Lease, torch.Tensor]] = concurrent.futures.Future()
 
@@ -200,8 +206,7 @@ class OffloadedGrads:
                 return
             lease = f.result()
             view = lease.view(torch.float32, at, numel)
-            for _, _, bfirst, bcount in spans:  # stale bytes of an earlier step: zeros
-                a, z = max(bfirst, start), min(bfirst + bcount, start + numel)
+            for a, z in stale:  # bytes of an earlier step: zeros
                 view[a - start : z - start].zero_()
             out.set_result((lease, view))
 

@@ -170,18 +170,18 @@ def test_clipping_with_offloaded_gradients_is_refused(runs: list[dict[str, Any]]
 
 
 def test_grad_store_sums_bitwise_and_unwritten_blocks_read_as_zero(tmp_path) -> None:
-    """One process, no engine: accumulations over ranges that share blocks equal the same add_ calls
-    on a resident buffer bit for bit; after `zero`, blocks not written again read as zeros although
+    """One process, no engine: accumulations over ranges that share pages equal the same add_ calls
+    on a resident buffer bit for bit; after `zero`, pages not written again read as zeros although
     the file still holds the last step's bytes; a closed store raises ClosedError."""
     from dsio.errors import ClosedError
     from dstrain.offload.grad_store import OffloadedGrads
 
     store = OffloadedGrads(str(tmp_path), pinned_budget=256 << 10)
-    total = 3 * store.block_bytes // 4 + 777  # blocks of the file: 3 whole and a partial one
+    total = 3 * store.buffer_bytes // 4 + 777  # 3 buffers' worth and a partial one
     store.place(0, total)
     ref = torch.zeros(total)
     g = torch.Generator().manual_seed(0)
-    pieces = [(0, 5000), (5000, 20000), (25000, total - 25000)]  # units laid end to end
+    pieces = [(0, 5000), (5000, 20003), (25003, total - 25003)]  # units laid end to end, pages shared
     try:
         for _micro in range(2):  # the second micro-step reads, adds and writes back
             for start, n in pieces:
