@@ -16,8 +16,8 @@ The pipeline's default p2p on NCCL is ``"staged"`` (`dstrain.pipe.transport.Tran
 messages over a gloo group of the pipeline ranks, CUDA payloads copied through host memory, the batch status
 all-reduced on the GPU. The native transport (``"transport": "nccl"``: CUDA tensors, a group per direction,
 order-matched) timed out on 2x H200 on 2026-11-30 (the first header never arrived) while it posted receives
-ahead; it now posts them just in time (`dstrain.pipe.transport.Transport.post_ahead`), and its test runs the
-fp32, tied/variable-length and failing-stage cases on it.
+ahead; it now posts them just in time (`dstrain.pipe.transport.Transport.post_ahead`), and its tests run the
+fp32 and tied/variable-length cases, and the failing stage, on it.
 """
 
 from __future__ import annotations
@@ -367,28 +367,35 @@ def test_nccl_failing_stage_ends_both_ranks(nccl: list[dict[str, Any]]) -> None:
 
 
 def _native() -> dict[str, Any]:
-    out: dict[str, Any] = {"fp32": _train(False, transport="nccl", timeout=20)}
-    out["tied"] = _tied("nccl")
-    out["raises"] = _raises("nccl")
-    return out
+    return {"fp32": _train(False, transport="nccl", timeout=20), "tied": _tied("nccl")}
 
 
 def test_native_nccl_transport_equals_single_gpu() -> None:
     """The native NCCL transport (CUDA tensors over a group per direction, receives posted just in time):
-    fp32 equals one GPU, tied weights with a new sequence length every micro-batch, a failing stage ends both
-    ranks. On 2026-11-30 it hung on 2x H200 (the first header never arrived) while receives were posted
-    ahead: a gradient receive pending on stage 0's GPU during its first forward, whose lazily loaded
-    kernels synchronize the device (see `Transport.post_ahead`). Every wait is bounded (p2p_timeout 20 s,
-    the whole run 240 s)."""
+    fp32 equals one GPU, and tied weights with a new sequence length every micro-batch train like one GPU.
+    On 2026-11-30 it hung on 2x H200 (the first header never arrived) while receives were posted ahead: a
+    gradient receive pending on stage 0's GPU during its first forward, whose lazily loaded kernels
+    synchronize the device (see `Transport.post_ahead`). Every wait is bounded (p2p_timeout 20 s, the run
+    240 s)."""
     out = spawn_bounded(_native, timeout=240, backend="nccl")
-    for rank, r in enumerate(out):
+    for r in out:
         res = r["fp32"]
         assert res["losses"] == pytest.approx(res["ref_losses"], rel=1e-6, abs=1e-6), res
         assert res["max_param_diff"] <= 1e-6, res
         t = r["tied"]
         assert t["max_param_diff"] <= 1e-5 and t["identical"], t
-        f = r["raises"]
-        assert f["pipeline_error"] and f["unchanged"] and f["seconds"] < 60, f
-        assert f["error"] == ("PipelineAbortedError", "PipelineError")[rank], f
     assert out[0]["fp32"]["losses"] == out[1]["fp32"]["losses"]
     assert out[0]["tied"]["metadata_messages"] > 6
+
+
+def _native_raises() -> dict[str, Any]:
+    return _raises("nccl")
+
+
+def test_native_nccl_failing_stage_ends_both_ranks() -> None:
+    """On the native transport a stage that raises mid-batch ends both ranks with a PipelineError, no step
+    taken; the direction groups are aborted (sends left unmatched by the failure must not block the exit)."""
+    out = spawn_bounded(_native_raises, timeout=180, backend="nccl")
+    for rank, f in enumerate(out):
+        assert f["pipeline_error"] and f["unchanged"] and f["seconds"] < 60, f
+        assert f["error"] == ("PipelineAbortedError", "PipelineError")[rank], f
