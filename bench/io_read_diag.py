@@ -9,6 +9,16 @@ completed by the device and their mean size (/proc/diskstats deltas); requests i
 device, sampled every 2 ms (/sys/block/DEV/inflight); dsio's engine counters (request latency
 histogram, pieces, submit/wait syscalls, prefault work). With --strace, the syscall counts of one
 DeepSpeed read and one dsio read (strace -f -c). Prints JSON lines and a markdown summary.
+
+With --timeline, every dsio read records the engine's per-piece timeline (when each piece was
+submitted and completed, on which worker; when each staging copy started and ended, on which
+thread) and the JSON line gains its summary (``timeline_summary``): the share of the read's wall
+time with no piece in flight at the engine, the time-weighted mean in flight, the copier's busy
+share and the share of copy time during which nothing was in flight (the disk idle behind a copy).
+"dsio ..., worker copy" cases are the A/B baseline of the copier thread (the reaping worker copies
+each piece itself, as before it); ", memcpy" cases copy with glibc's memcpy instead of streaming
+stores; "worker copy, memcpy" is the pipeline as it was before the copier. ", at 64" cases read a
+file whose data starts at offset 64, where a torch tensor's body (64 mod 4096) goes O_DIRECT.
 """
 
 from __future__ import annotations
@@ -41,9 +51,21 @@ CASES = (
     "dsio touched",
     "dsio touched, loop copy",
     "dsio touched, per-buffer",
+    "dsio touched, worker copy",
+    "dsio touched, worker copy, memcpy",
+    "dsio touched, 1 copier",
+    "dsio touched, memcpy",
     "dsio fresh",
     "dsio fresh, loop copy",
     "dsio fresh, per-buffer",
+    "dsio fresh, worker copy",
+    "dsio fresh, worker copy, memcpy",
+    "dsio fresh, 1 copier",
+    "dsio fresh, memcpy",
+    "dsio fresh, hugepage",
+    "dsio fresh aligned, hugepage",
+    "dsio touched, at 64",
+    "dsio fresh, at 64",
     "dsio fresh, prefault off",
     "dsio fresh aligned",
     "dsio fresh aligned, prefault off",
@@ -70,6 +92,61 @@ def diskstats(dev: str) -> tuple[int, int]:
     return 0, 0
 
 
+TRACE_SUBMIT, TRACE_COMPLETE, TRACE_COPY_START, TRACE_COPY_END = 0, 1, 2, 3
+
+
+def timeline_summary(events: list[tuple[int, int, int, int]], t_start_ns: int, t_end_ns: int) -> dict:
+    """What the per-piece timeline says about one read (events from ``Engine.trace_take``)."""
+    if not events:
+        return {}
+    events = sorted(events)
+    wall = max(1, t_end_ns - t_start_ns)
+    inflight = copying = 0
+    last = t_start_ns
+    idle_ns = weighted = copy_ns = copy_idle_ns = 0
+    max_idle_gap = cur_gap = 0
+    submits_during_copy = 0
+    copy_threads: set[int] = set()
+    for t, kind, thread, _pos in events:
+        dt = t - last
+        weighted += inflight * dt
+        if inflight == 0:
+            idle_ns += dt
+            cur_gap += dt
+            max_idle_gap = max(max_idle_gap, cur_gap)
+        else:
+            cur_gap = 0
+        if copying:
+            copy_ns += dt
+            if inflight == 0:
+                copy_idle_ns += dt
+        last = t
+        if kind == TRACE_SUBMIT:
+            inflight += 1
+            submits_during_copy += copying > 0
+        elif kind == TRACE_COMPLETE:
+            inflight -= 1
+        elif kind == TRACE_COPY_START:
+            copying += 1
+            copy_threads.add(thread)
+        elif kind == TRACE_COPY_END:
+            copying -= 1
+    tail = max(0, t_end_ns - last)  # after the last event: completion reaching the caller
+    pieces = sum(1 for e in events if e[1] == TRACE_SUBMIT)
+    return {
+        "pieces": pieces,
+        "engine_idle_share": round((idle_ns + tail) / wall, 3),
+        "inflight_mean": round(weighted / wall, 1),
+        "max_idle_gap_ms": round(max_idle_gap / 1e6, 2),
+        "copy_busy_share": round(copy_ns / wall, 3),
+        "copy_with_nothing_in_flight_share": round(copy_idle_ns / max(1, copy_ns), 3),
+        "submits_during_copy": submits_during_copy,
+        "copy_threads": sorted(copy_threads),
+        "first_submit_ms": round((events[0][0] - t_start_ns) / 1e6, 2),
+        "after_last_event_ms": round(tail / 1e6, 2),
+    }
+
+
 class InflightSampler(threading.Thread):
     def __init__(self, dev: str) -> None:
         super().__init__(daemon=True)
@@ -82,8 +159,10 @@ class InflightSampler(threading.Thread):
             time.sleep(0.002)
 
 
-def measure(case: str, loop, h, ds, path: str, size: int, locked, touched, dev: str) -> dict:
-    cold = drop_caches_verified(path)
+def measure(
+    case: str, loop, h, ds, path: str, size: int, locked, touched, dev: str, timeline: bool = False
+) -> dict:
+    cold = drop_caches_verified(path + ".at64" if case.endswith("at 64") else path)
     # The A/B of the prefault thread: the same read with the threshold out of reach.
     transfer.PREFAULT_MIN_BYTES = 1 << 62 if case.endswith("prefault off") else PREFAULT_DEFAULT
     # The A/B of the native staging copy: "loop copy" copies pool -> tensor on the loop thread.
@@ -91,6 +170,12 @@ def measure(case: str, loop, h, ds, path: str, size: int, locked, touched, dev: 
     # The A/B of ring staging: "per-buffer" is one engine request per pool buffer (the loop
     # hands each buffer back) instead of one request cycling block_size slots in the workers.
     transfer.RING_STAGING = not case.endswith("per-buffer")
+    # The A/B of the copier thread: "worker copy" makes the reaping worker copy each piece itself.
+    # The A/B of streaming stores for those copies: "memcpy" uses glibc's memcpy.
+    h._engine.copy_streaming = "memcpy" not in case
+    # The A/B of huge pages for fresh destinations (prefault advises MADV_HUGEPAGE first).
+    h._engine.prefault_hugepage = case.endswith("hugepage")
+    h._engine.copy_threads = 0 if "worker copy" in case else (1 if case.endswith("1 copier") else 2)
     if case.startswith("dsio fresh aligned"):
         dest = torch.frombuffer(native().AlignedBuffer(size, False), dtype=torch.uint8)
     elif case.startswith("dsio fresh"):
@@ -106,10 +191,18 @@ def measure(case: str, loop, h, ds, path: str, size: int, locked, touched, dev: 
         r = ds.call("read", path, 0, size)
         dt, own = r["seconds"], {"minflt": r["minflt"], "utime": r["utime"], "stime": r["stime"]}
     else:
+        if timeline:
+            h._engine.trace_start(4 * (size // h._engine.block_size + 64))
         t0 = time.perf_counter()
-        loop.run_until_complete(h.pread(dest, path))
+        t0_ns = time.monotonic_ns()
+        # "at 64": the tensor sits at file offset 64 (a second file), so a torch tensor at 64 mod
+        # 4096 has (address - offset) % 4096 == 0: its whole body goes O_DIRECT, nothing staged.
+        at = 64 if case.endswith("at 64") else 0
+        loop.run_until_complete(h.pread(dest, path + ".at64" if at else path, at))
+        t1_ns = time.monotonic_ns()
         dt = time.perf_counter() - t0
         own = None
+        events = h._engine.trace_take() if timeline else []
     s.stop = True
     s.join()
     d1 = diskstats(dev)
@@ -124,6 +217,9 @@ def measure(case: str, loop, h, ds, path: str, size: int, locked, touched, dev: 
         "device_mean_kib": sectors * 512 / reqs / 1024 if reqs else 0.0,
         "inflight_median": median(s.samples) if s.samples else 0,
         "inflight_max": max(s.samples) if s.samples else 0,
+        "device_idle_samples_share": round(sum(1 for x in s.samples if x == 0) / len(s.samples), 3)
+        if s.samples
+        else 0.0,
     }
     if own is not None:
         out.update(own)
@@ -155,7 +251,10 @@ def measure(case: str, loop, h, ds, path: str, size: int, locked, touched, dev: 
             prefault_skipped_mib=(st1["prefault"]["resident_bytes"] - st0["prefault"]["resident_bytes"])
             / 2**20,
             prefault_s=(st1["prefault"]["busy_ns"] - st0["prefault"]["busy_ns"]) / 1e9,
+            copy_backlog_max=st1["copy"]["backlog_max"],
         )
+        if timeline:
+            out["timeline_summary"] = timeline_summary(events, t0_ns, t1_ns)
     return out
 
 
@@ -203,6 +302,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--ds-python", default=None)
     ap.add_argument("--strace", action="store_true")
+    ap.add_argument("--timeline", action="store_true", help="per-piece timeline summary of each dsio read")
     ap.add_argument("--cases", default=None, help="semicolon-separated subset of: " + "; ".join(CASES))
     args = ap.parse_args()
     cases = CASES if args.cases is None else tuple(c.strip() for c in args.cases.split(";"))
@@ -214,6 +314,8 @@ def main() -> None:
     size = args.size_mib << 20
     path = os.path.join(d, f"diag-{args.size_mib}.bin")
     _prepare(path, 0, size)
+    if any(c.endswith("at 64") for c in cases):
+        _prepare(path + ".at64", 64, size)
     dev = block_device(path)
     ds_py = deepspeed_python(args.ds_python)
     ds = DeepSpeedServer(ds_py, DS_SCRIPT, size) if ds_py else None
@@ -227,7 +329,7 @@ def main() -> None:
             for case in cases:
                 if case.startswith("DeepSpeed") and ds is None:
                     continue
-                rec = measure(case, loop, h, ds, path, size, locked, touched, dev)
+                rec = measure(case, loop, h, ds, path, size, locked, touched, dev, args.timeline)
                 print(json.dumps(rec), flush=True)
                 rows.append(rec)
     finally:
@@ -238,6 +340,8 @@ def main() -> None:
         for name, text in strace_counts(ds_py, path, size).items():
             print(f"\n## strace -f -c: {name}\n{text}")
     os.unlink(path)
+    if os.path.exists(path + ".at64"):
+        os.unlink(path + ".at64")
 
 
 if __name__ == "__main__":

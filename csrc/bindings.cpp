@@ -62,6 +62,22 @@ PYBIND11_MODULE(_C, m) {
           "Populate [ptr, ptr+nbytes) on the prefault thread; a token for prefault_cancel (0: nothing queued)")
       .def(
           "prefault_cancel", [](Engine& e, uint64_t token) { e.prefaulter.cancel(token); }, py::arg("token"))
+      .def("trace_start", &Engine::trace_start, py::arg("capacity"),
+           "Record a per-piece timeline of up to `capacity` events (0: stop); read it with trace_take")
+      .def("trace_take", &Engine::trace_take, py::call_guard<py::gil_scoped_release>(),
+           "Stop tracing; the events as (t_ns, kind, thread, pos): kind 0 submit, 1 complete, 2 copy start, "
+           "3 copy end; thread = worker index, 100 = the copier; pos = byte position in the request")
+      .def_property("copy_threads", &Engine::copy_threads, &Engine::set_copy_threads,
+                    "Copier threads that copy staged reads out (default: one per worker); 0: the reaping "
+                    "worker copies each piece itself (the benchmarks' A/B baseline)")
+      .def_property(
+          "copy_streaming", [](const Engine& e) { return e.copy_streaming_.load(); },
+          [](Engine& e, bool on) { e.copy_streaming_.store(on); },
+          "Staged reads copy out with non-temporal stores (True) or memcpy (False): an A/B switch")
+      .def_property(
+          "prefault_hugepage", [](const Engine& e) { return e.prefaulter.hugepage.load(); },
+          [](Engine& e, bool on) { e.prefaulter.hugepage.store(on); },
+          "Prefaulting advises MADV_HUGEPAGE on fresh 2 MiB steps first (an A/B switch, default off)")
       .def("reap", &Engine::reap)
       .def("notify_stream", &Engine::notify_stream, py::arg("stream"), py::arg("tag"))
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
@@ -83,6 +99,7 @@ PYBIND11_MODULE(_C, m) {
         cp["pieces"] = e.copies_.load();
         cp["bytes"] = e.copy_bytes_.load();
         cp["busy_ns"] = e.copy_ns_.load();
+        cp["backlog_max"] = e.copy_backlog_max_.load();
         d["copy"] = cp;
         d["submit_syscalls"] = e.submit_syscalls();
         d["wait_syscalls"] = e.wait_syscalls();
@@ -94,6 +111,7 @@ PYBIND11_MODULE(_C, m) {
         pf["cancelled_bytes"] = p.cancelled_bytes.load();
         pf["busy_ns"] = p.busy_ns.load();
         pf["last_errno"] = p.last_errno.load();
+        pf["hugepage_bytes"] = p.hugepage_bytes.load();
         d["prefault"] = pf;
         return d;
       });

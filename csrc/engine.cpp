@@ -1,5 +1,6 @@
 #include "engine.hpp"
 
+#include "copy.hpp"
 #include "cuda.hpp"
 
 #include <sys/eventfd.h>
@@ -48,6 +49,7 @@ Engine::Engine(const std::string& backend, uint64_t block_size, unsigned queue_d
   // Backends are created here, in the caller's thread, so a refusal surfaces as an exception.
   for (unsigned i = 0; i < parallelism; ++i) {
     auto w = std::make_unique<Worker>();
+    w->id = i;
     if (backend == "io_uring")
       w->backend.reset(make_io_uring(queue_depth));
     else if (backend == "aio")
@@ -62,6 +64,7 @@ Engine::Engine(const std::string& backend, uint64_t block_size, unsigned queue_d
     for (unsigned s = 0; s < queue_depth; ++s) w->free.push_back(queue_depth - 1 - s);
     workers_.push_back(std::move(w));
   }
+  copy_threads_.store(parallelism);
   efd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (efd_ < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
   for (auto& w : workers_) {
@@ -99,8 +102,8 @@ void Engine::submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offs
 
 void Engine::submit_staged(int op, int fd, uintptr_t user, uint64_t nbytes, int64_t offset, uint64_t tag,
                            const std::vector<uintptr_t>& slots) {
-  if (op != static_cast<int>(Op::Read) && op != static_cast<int>(Op::Write))
-    throw std::invalid_argument("a staged transfer is a read (0) or a write (1)");
+  // Reads only: staged writes go one request per pool buffer (copy_src), measured faster.
+  if (op != static_cast<int>(Op::Read)) throw std::invalid_argument("a staged (ring) transfer is a read (0)");
   if (slots.empty()) throw std::invalid_argument("a staged transfer needs at least one staging slot");
   if (user == 0 && nbytes != 0) throw std::invalid_argument("a staged transfer needs the caller's memory");
   auto* r = new Request();
@@ -110,7 +113,7 @@ void Engine::submit_staged(int op, int fd, uintptr_t user, uint64_t nbytes, int6
   r->buf = nullptr;
   r->nbytes = nbytes;
   r->offset = offset;
-  (r->op == Op::Read ? r->copy_dst : r->copy_src) = reinterpret_cast<char*>(user);
+  r->copy_dst = reinterpret_cast<char*>(user);
   r->ring = true;
   r->stage_free.reserve(slots.size());
   for (auto it = slots.rbegin(); it != slots.rend(); ++it) r->stage_free.push_back(reinterpret_cast<char*>(*it));
@@ -232,6 +235,7 @@ void Engine::run(Worker& w) {
         copy_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
       }
       s.t_submit_ns = now_ns();
+      trace(kTraceSubmit, static_cast<int>(w.id), s.pos);
       be.prepare(slot, r->op, r->fd, s.buf, s.len, s.off);
       if (r->copy_src != nullptr && s.full != 0) flush();
     }
@@ -271,7 +275,17 @@ void Engine::run(Worker& w) {
       }
       stats[static_cast<int>(s.req->op)].piece_hist[bucket_for(now_ns() - s.t_submit_ns)].fetch_add(
           1, std::memory_order_relaxed);
-      piece_done(s.req, c.result, s);
+      trace(kTraceComplete, static_cast<int>(w.id), s.pos);
+      if (s.req->copy_dst != nullptr && s.full != 0 && c.result >= 0 && static_cast<uint64_t>(c.result) == s.len) {
+        if (copy_threads_.load(std::memory_order_relaxed) != 0) {
+          defer_copy(s, c.result);  // read in full: the copier copies it out and completes it
+        } else {
+          copy_out(s, static_cast<int>(w.id));  // A/B baseline: the reaping worker copies
+          piece_done(s.req, c.result, s);
+        }
+      } else {
+        piece_done(s.req, c.result, s);
+      }
       w.free.push_back(c.slot);
       --inflight;
     }
@@ -294,15 +308,7 @@ void Engine::piece_done(Request* r, int64_t res, const Slot& s) {
     }
     r->done.fetch_add(static_cast<uint64_t>(res), std::memory_order_relaxed);
   } else {
-    if (r->copy_dst != nullptr && s.full != 0) {
-      // The whole piece is in the staging buffer: copy it out here, in this worker, GIL-free.
-      // The request (and so the caller's lease and destination) is held until finish().
-      uint64_t t0 = now_ns();
-      std::memcpy(r->copy_dst + s.pos, s.start, s.full);
-      copies_.fetch_add(1, std::memory_order_relaxed);
-      copy_bytes_.fetch_add(s.full, std::memory_order_relaxed);
-      copy_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-    }
+    // (A staged read's piece reaches here from the copier, already copied out.)
     r->done.fetch_add(static_cast<uint64_t>(res), std::memory_order_relaxed);
   }
   if (r->ring) {
@@ -314,6 +320,94 @@ void Engine::piece_done(Request* r, int64_t res, const Slot& s) {
     qcv_.notify_all();
   }
   if (r->outstanding.fetch_sub(1) == 1) finish(r);
+}
+
+void Engine::defer_copy(const Slot& s, int64_t res) {
+  size_t backlog;
+  {
+    std::lock_guard<std::mutex> g(kmu_);
+    if (copiers_.size() < copy_threads_.load() && !copier_stop_) {
+      unsigned idx = static_cast<unsigned>(copiers_.size());
+      copiers_.emplace_back([this, idx] { run_copier(idx); });
+    }
+    copyq_.push_back(CopyJob{s, res});
+    backlog = copyq_.size();
+  }
+  // All, not one: a parked copier (index >= copy_threads) would swallow a lone notification.
+  kcv_.notify_all();
+  uint64_t seen = copy_backlog_max_.load(std::memory_order_relaxed);
+  while (backlog > seen && !copy_backlog_max_.compare_exchange_weak(seen, backlog)) {
+  }
+}
+
+// The copier thread: copies each staged read piece from its staging buffer to the caller's
+// memory (GIL-free), then completes the piece (returning a ring slot to the next piece). The
+// workers never wait for it: they keep every free slot in flight while it copies.
+void Engine::run_copier(unsigned idx) {
+  for (;;) {
+    CopyJob j;
+    {
+      std::unique_lock<std::mutex> lk(kmu_);
+      // Copier idx works while idx < copy_threads (copier 0 always drains what was queued).
+      kcv_.wait(lk, [&] { return copier_stop_ || (!copyq_.empty() && (idx == 0 || idx < copy_threads_.load())); });
+      if (copyq_.empty()) return;  // stopping and drained
+      j = copyq_.front();
+      copyq_.pop_front();
+    }
+    // Every piece read in full is copied, even when another piece of its request failed: the
+    // caller gets the bytes that did arrive (a short read's prefix), as before the copier.
+    copy_out(j.slot, kCopierThread);
+    piece_done(j.slot.req, j.res, j.slot);
+  }
+}
+
+void Engine::set_copy_threads(unsigned n) {
+  {
+    std::lock_guard<std::mutex> g(kmu_);
+    copy_threads_.store(n);
+  }
+  kcv_.notify_all();
+}
+
+void Engine::copy_out(const Slot& s, int thread) {
+  trace(kTraceCopyStart, thread, s.pos);
+  uint64_t t0 = now_ns();
+  if (copy_streaming_.load(std::memory_order_relaxed))
+    copy_stream(s.req->copy_dst + s.pos, s.start, s.full);
+  else
+    std::memcpy(s.req->copy_dst + s.pos, s.start, s.full);
+  copies_.fetch_add(1, std::memory_order_relaxed);
+  copy_bytes_.fetch_add(s.full, std::memory_order_relaxed);
+  copy_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+  trace(kTraceCopyEnd, thread, s.pos);
+}
+
+void Engine::trace(int kind, int thread, uint64_t pos) {
+  TraceEvent* buf = trace_buf_.load(std::memory_order_acquire);
+  if (buf == nullptr) return;
+  uint64_t i = trace_n_.fetch_add(1, std::memory_order_relaxed);
+  if (i < trace_cap_.load(std::memory_order_relaxed)) buf[i] = TraceEvent{now_ns(), kind, thread, pos};
+}
+
+void Engine::trace_start(uint64_t capacity) {
+  std::lock_guard<std::mutex> g(tmu_);
+  trace_buf_.store(nullptr, std::memory_order_release);
+  if (capacity == 0) return;
+  trace_bufs_.emplace_back(new TraceEvent[capacity]);
+  trace_n_.store(0);
+  trace_cap_.store(capacity);
+  trace_buf_.store(trace_bufs_.back().get(), std::memory_order_release);
+}
+
+std::vector<std::tuple<uint64_t, int, int, uint64_t>> Engine::trace_take() {
+  std::lock_guard<std::mutex> g(tmu_);
+  std::vector<std::tuple<uint64_t, int, int, uint64_t>> out;
+  TraceEvent* buf = trace_buf_.exchange(nullptr, std::memory_order_acq_rel);
+  if (buf == nullptr) return out;
+  uint64_t n = std::min(trace_n_.load(), trace_cap_.load());
+  out.reserve(n);
+  for (uint64_t i = 0; i < n; ++i) out.emplace_back(buf[i].t_ns, buf[i].kind, buf[i].thread, buf[i].pos);
+  return out;
 }
 
 void Engine::finish(Request* r) {
@@ -428,6 +522,14 @@ void Engine::shutdown() {
   prefaulter.stop();
   for (auto& w : workers_)
     if (w->thread.joinable()) w->thread.join();
+  {
+    // Workers are gone and every piece is reaped; the copier finishes what it holds, then exits.
+    std::lock_guard<std::mutex> g(kmu_);
+    copier_stop_ = true;
+  }
+  kcv_.notify_all();
+  for (auto& t : copiers_)
+    if (t.joinable()) t.join();
   std::lock_guard<std::mutex> g(qmu_);
   joined_ = true;
   for (auto& w : workers_) {

@@ -54,8 +54,8 @@ struct Request {
   char* buf;
   uint64_t nbytes;
   int64_t offset;
-  // Reads only: once a piece has been read in full into buf, a worker copies it to the same
-  // position under copy_dst (GIL-free, before the request can complete). 0: no copy.
+  // Reads only: once a piece has been read in full into buf, the copier thread copies it to the
+  // same position under copy_dst (GIL-free, before the request can complete). 0: no copy.
   char* copy_dst = nullptr;
   // Writes only: each piece is copied from the same position under copy_src into buf by the
   // worker that carved it, just before it is submitted. 0: no copy.
@@ -87,13 +87,14 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // copy_dst (reads only, 0 = none): each piece read in full into buf is memcpy'd to the same
-  // position under copy_dst by the worker that reaped it, before the request completes. A piece
+  // position under copy_dst by the engine's copier thread (the reaping worker hands it over and
+  // goes on submitting), before the request completes. A piece
   // that failed or came back short is never copied. copy_src (writes only, 0 = none): each piece
   // is copied from the same position under copy_src into buf by its worker just before submission.
   void submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offset, uint64_t tag,
               uintptr_t copy_dst = 0, uintptr_t copy_src = 0);
-  // A staged transfer as one request: ``user`` is the caller's memory (the destination of a read,
-  // the source of a write), ``slots`` staging buffers of at least block_size bytes each (aligned
+  // A staged read as one request: ``user`` is the caller's memory (the destination),
+  // ``slots`` staging buffers of at least block_size bytes each (aligned
   // for O_DIRECT), cycled by the workers piece by piece (see Request::stage_free). The caller keeps
   // user memory and slots alive until the request completes.
   void submit_staged(int op, int fd, uintptr_t user, uint64_t nbytes, int64_t offset, uint64_t tag,
@@ -120,6 +121,21 @@ class Engine {
   std::atomic<uint64_t> submitted_{0}, finished_{0}, pieces_{0}, short_{0};
   // Staging copies done by the workers (see submit's copy_dst / copy_src): pieces, bytes, time spent.
   std::atomic<uint64_t> copies_{0}, copy_bytes_{0}, copy_ns_{0};
+  // Most pieces ever waiting for the copier at once (read back-pressure on the staging ring).
+  std::atomic<uint64_t> copy_backlog_max_{0};
+  // Per-piece timeline for diagnosis (bench/io_read_diag.py --timeline): off unless trace_start.
+  void trace_start(uint64_t capacity);
+  // How many copier threads copy staged read pieces out (started on first use; default: one per
+  // worker). 0 is the benchmarks' A/B baseline: the reaping worker copies each piece itself (the
+  // pre-copier behaviour: no submission or reaping while it copies). Raising it later starts more.
+  void set_copy_threads(unsigned n);
+  // Staged read copies write the caller's memory with streaming (non-temporal) stores (true) or
+  // with memcpy (false): see copy.hpp. An A/B switch for the benchmarks.
+  std::atomic<bool> copy_streaming_{true};
+  unsigned copy_threads() const { return copy_threads_.load(); }
+  // The recorded events (t_ns, kind, thread, byte position in its request), and tracing stops.
+  // Call when no transfer is in flight (the buffer is kept until close, so a late writer is safe).
+  std::vector<std::tuple<uint64_t, int, int, uint64_t>> trace_take();
   uint64_t submit_syscalls() const;
   uint64_t wait_syscalls() const;
 
@@ -135,6 +151,7 @@ class Engine {
     uint64_t pos = 0;       // the piece's byte position within its request
   };
   struct Worker {
+    unsigned id = 0;
     std::unique_ptr<Backend> backend;
     std::thread thread;
     std::vector<Slot> slots;
@@ -146,6 +163,16 @@ class Engine {
   void enqueue(Request* r);
   void piece_done(Request* r, int64_t res, const Slot& s);
   void finish(Request* r);
+  // A read piece read in full into a staging buffer goes to the copier: the worker hands it over
+  // and goes straight back to reaping and submitting, so the disk never waits for a copy.
+  struct CopyJob {
+    Slot slot;
+    int64_t res;
+  };
+  void defer_copy(const Slot& s, int64_t res);
+  void copy_out(const Slot& s, int thread);  // staging -> copy_dst for one piece, timed and traced
+  void run_copier(unsigned idx);
+  void trace(int kind, int thread, uint64_t pos);
 
   std::string backend_name_;
   uint64_t block_size_;
@@ -169,6 +196,29 @@ class Engine {
   std::vector<Result> completed_;
 
   std::vector<std::unique_ptr<Worker>> workers_;
+
+  // The copier: staging -> caller copies of reads, off the workers' submit/reap loop.
+  std::mutex kmu_;
+  std::condition_variable kcv_;
+  std::deque<CopyJob> copyq_;
+  bool copier_stop_ = false;
+  std::vector<std::thread> copiers_;
+  std::atomic<unsigned> copy_threads_{1};
+
+  struct TraceEvent {
+    uint64_t t_ns;
+    int kind;
+    int thread;
+    uint64_t pos;
+  };
+  std::atomic<TraceEvent*> trace_buf_{nullptr};
+  std::atomic<uint64_t> trace_cap_{0}, trace_n_{0};
+  std::vector<std::unique_ptr<TraceEvent[]>> trace_bufs_;  // kept until close (see trace_take)
+  std::mutex tmu_;
 };
+
+// Timeline event kinds (trace_take) and the copier's thread id in them (workers are 0..n-1).
+enum TraceKind : int { kTraceSubmit = 0, kTraceComplete = 1, kTraceCopyStart = 2, kTraceCopyEnd = 3 };
+constexpr int kCopierThread = 100;
 
 }  // namespace dsio

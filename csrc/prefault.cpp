@@ -145,6 +145,9 @@ void Prefaulter::run() {
       continue;
     }
     uint64_t t0 = now_ns();
+    if (hugepage.load(std::memory_order_relaxed) && (from & (kStep - 1)) == 0 && len == kStep &&
+        madvise(reinterpret_cast<void*>(from), len, MADV_HUGEPAGE) == 0)
+      hugepage_bytes.fetch_add(len, std::memory_order_relaxed);
     int rc;
     do rc = madvise(reinterpret_cast<void*>(from), len, MADV_POPULATE_WRITE);
     while (rc != 0 && (errno == EINTR || errno == EAGAIN));

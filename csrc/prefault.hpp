@@ -45,6 +45,11 @@ class Prefaulter {
   std::atomic<uint64_t> cancelled_bytes{0};  // bytes left when their range was cancelled
   std::atomic<uint64_t> busy_ns{0};          // thread time spent populating (summed over threads)
   std::atomic<int> last_errno{0};
+  // Before populating a step that is not resident, advise MADV_HUGEPAGE on its 2 MiB-aligned part
+  // (THP "madvise" mode): one huge-page fault instead of 512 small ones. An A/B switch (default
+  // off): with defrag=madvise the kernel may compact memory synchronously to find a huge page.
+  std::atomic<bool> hugepage{false};
+  std::atomic<uint64_t> hugepage_bytes{0};  // bytes advised MADV_HUGEPAGE
 
   // One queued range: the threads claim its 2 MiB steps through `pos`, in order, so every byte
   // is accounted exactly once (populated, resident or cancelled).

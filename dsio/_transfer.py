@@ -74,16 +74,17 @@ def cancel_prefault(disp: Dispatcher, token: int) -> None:
 #: thread (a whole chunk at a time, GIL released, loop blocked) instead of in the engine's workers.
 LOOP_THREAD_COPY = False
 
-#: A staged transfer is one engine request cycling through the pool buffers it could take
-#: (``Engine.submit_staged``): the workers hand each block_size staging slot from a finished piece
-#: to the next one, so the event loop is out of the pipeline (one completion per transfer, not one
-#: round trip per pool buffer). Benchmarks' A/B switch: False restores one request per pool buffer.
+#: A staged *read* is one engine request cycling through the pool buffers it could take
+#: (``Engine.submit_staged``): the workers read each block_size piece into a free staging slot and
+#: hand it to the engine's copier threads, which copy it out and give the slot to the next piece, so
+#: neither the event loop nor a copy stands between two submissions. Benchmarks' A/B switch: False
+#: restores one request per pool buffer.
+#:
+#: Staged *writes* always go one request per pool buffer: each worker copies a piece in just before
+#: submitting it, and the pool's other buffers are filled (copied ahead) while earlier ones are on
+#: the disk. The ring was measured slower for writes (quiet, 1 GiB ordinary tensor, new file +
+#: fsync, 4 interleaved reps: ring 0.92 GB/s vs per-buffer 1.64), so writes do not take it.
 RING_STAGING = True
-
-#: Staged *writes* take the ring only when this is also True. Measured on this 2-core VM, quiet, 1 GiB
-#: ordinary tensor, new file + fsync, 4 interleaved reps: ring 0.92 GB/s vs per-buffer 1.64 GB/s (reads into
-#: a touched tensor: ring 1.38 vs per-buffer 1.32, equal within noise), so writes stay per-buffer.
-RING_STAGING_WRITES = False
 
 
 class FileRef:
@@ -229,13 +230,7 @@ async def transfer(
             if body_len and body_ptr % ALIGNMENT == 0:
                 submit(ref.fd, body_ptr, body_len, body_start, None)
                 counters.direct += body_len
-            elif (
-                body_len
-                and RING_STAGING
-                and (op == READ or RING_STAGING_WRITES)
-                and not LOOP_THREAD_COPY
-                and _ring_ok(disp, pool)
-            ):
+            elif body_len and RING_STAGING and op == READ and not LOOP_THREAD_COPY and _ring_ok(disp, pool):
                 await _staged_ring(disp, pool, ref, op, body_ptr, body_len, body_start, keep, futs)
                 counters.staged += body_len
             elif body_len:
@@ -327,10 +322,10 @@ async def _staged_ring(
     keep: object,
     futs: list[asyncio.Future],
 ) -> None:
-    """The staged body as one engine request: take one pool buffer (waiting if none is free) and
-    every other free one the transfer can use, cut them into block_size slots, and let the
-    workers stream the whole body through them (read into a slot, copy it out; or copy in,
-    write). The buffers come back when the request is done."""
+    """A staged read's body as one engine request: take one pool buffer (waiting if none is free)
+    and every other free one the transfer can use, cut them into block_size slots, and let the
+    workers stream the whole body through them (read into a slot; the copier copies it out and
+    frees the slot). The buffers come back when the request is done."""
     bs = int(disp.engine.block_size)
     leases = [await pool.acquire()]
     try:

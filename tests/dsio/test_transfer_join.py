@@ -32,7 +32,6 @@ OFF = 100  # unaligned: a buffered head and tail around the O_DIRECT body
 def staging(request, monkeypatch):
     """Both staged paths: one ring request (default), or one request per pool buffer."""
     monkeypatch.setattr(transfer, "RING_STAGING", request.param == "ring")
-    monkeypatch.setattr(transfer, "RING_STAGING_WRITES", request.param == "ring")
     return request.param
 
 
