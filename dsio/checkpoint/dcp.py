@@ -27,18 +27,15 @@ validated (plain file name, offsets within the file) before a byte is read.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import enum
 import io
 import os
 import pickle
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -57,12 +54,12 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .._bridge import run_sync
-from .._native import C as _C  # dsio._native is the one module that loads the native core
 from ..config import IOConfig
 from ..errors import CheckpointFormatError, ChecksumError
 from ..handle import AsyncIOHandle
 from . import _fs
 from ._api import DEFAULT_IO
+from ._dcp_records import _no_zip_crc32, _savable, _Sink
 from ._format import DTYPES, dtype_name
 from ._integrity import crc_of
 from ._read import _placed
@@ -93,63 +90,6 @@ def _done(value: Any) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
-
-
-# -- torch.save records written straight into the region -------------------------------------------
-class _Sink:
-    """A write-only file for ``torch.save``: counts bytes, or copies them into memory at ``ptr``."""
-
-    def __init__(self, ptr: int = 0, limit: int = -1) -> None:
-        self.ptr, self.limit, self.pos = ptr, limit, 0
-
-    def write(self, data: Any) -> int:
-        mv = memoryview(data).cast("B")
-        n = mv.nbytes
-        if self.limit >= 0:
-            if self.pos + n > self.limit:
-                raise RuntimeError("torch.save produced more bytes than it did a moment ago")
-            if n:
-                _C.memcpy(self.ptr + self.pos, _addr(mv), n)
-        self.pos += n
-        return n
-
-    def flush(self) -> None:
-        pass
-
-
-def _addr(mv: memoryview) -> int:
-    # torch hands the writer (read-only) views of its own memory: take the address without a copy.
-    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
-
-
-@contextlib.contextmanager
-def _no_zip_crc32() -> Iterator[None]:
-    """torch.save without its CRC-32 pass (zlib, ~0.4 GB/s here); every item carries a crc32c."""
-    cfg = getattr(getattr(torch, "utils", None), "serialization", None)
-    save_cfg = getattr(getattr(cfg, "config", None), "save", None)
-    if save_cfg is None or not hasattr(save_cfg, "compute_crc32"):
-        yield
-        return
-    prev = save_cfg.compute_crc32
-    save_cfg.compute_crc32 = False
-    try:
-        yield
-    finally:
-        save_cfg.compute_crc32 = prev
-
-
-def _savable(t: torch.Tensor) -> torch.Tensor:
-    """What stock DCP would save: a CPU tensor whose storage is exactly its elements."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if (
-        not t.is_contiguous()
-        or t.storage_offset() != 0
-        or t.untyped_storage().nbytes() != t.numel() * t.element_size()
-    ):
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t
 
 
 class DsioStorageWriter(StorageWriter):
