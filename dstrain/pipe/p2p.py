@@ -3,33 +3,36 @@
 One `Sender` / `Receiver` pair per direction and kind (activations flow to the next stage, gradients to the
 previous one). A message is, in this order on the wire::
 
-    header   int64[128]: magic, kind (DATA/ABORT), micro-batch, metadata words (0: unchanged), ack (messages
-             received on the reverse channel), labels fingerprint, sequence number, 0, then up to 120 words of
-             metadata inline (an ABORT carries its error text there as bytes)
-    fillers  zeros of the previous shapes, only when the receiver had posted them ahead (see below)
+    header   int64[128] (sent as 1024 bytes): magic, kind (DATA/ABORT), micro-batch, metadata words (0:
+             unchanged), ack (messages received on the reverse channel), labels fingerprint, sequence number,
+             0, then up to 120 words of metadata inline (an ABORT carries its error text there as bytes)
     metadata int64[n], only when the metadata changed and did not fit in the header
     payload  each tensor
 
-Receives are posted ahead: as soon as message ``k`` is consumed the header of ``k + 1`` is posted, and when
-the metadata was unchanged at ``k`` the payload of ``k + 1`` is posted too, with ``k``'s shapes (on gloo a
-send only moves once its receive is posted, so this is what lets transfers overlap compute). A transport
-without ``post_ahead`` (NCCL) posts the very same receives, in the same order, when `Receiver.recv` is called
-instead (see `dstrain.pipe.transport.Transport.post_ahead` for why). Both ends apply
-the same rule, so when shapes change right after a stable run the sender first fills the receiver's
-speculative buffers with zeros of the old shapes (one wasted transfer per change), then sends the real
-payload: variable sequence lengths work, and no receive is ever left dangling. Because every receive the
-receiver posts is matched by the next send in order, the protocol needs no tags: the same code runs on gloo
+Receives are posted ahead: as soon as message ``k`` is consumed the receive of ``k + 1`` is posted (on gloo a
+send only moves once its receive is posted, so this is what lets transfers overlap compute). When the metadata
+was unchanged at ``k``, both ends expect ``k + 1`` to keep it too, and the header and payload travel FUSED, as
+one message: the header's 1024 bytes, then each tensor in ``k``'s shape at a 64-byte aligned offset
+(`fused_layout`), received into one buffer whose views are the tensors. One send and one wait per micro-batch,
+as DeepSpeed's bare tensor sends, instead of a header and a payload apart. When the shapes do change after
+such a run, the fused message carries the new header with zeros in the old payload's place (the fillers of
+the receive posted ahead: one wasted transfer per change), then the metadata and payload follow apart:
+variable sequence lengths work, and no receive is ever left dangling. A transport without ``post_ahead``
+(NCCL) posts the very same receives, in the same order, when `Receiver.recv` is called instead (see
+`dstrain.pipe.transport.Transport.post_ahead` for why). Because every receive the receiver posts is matched
+by the next send in order, with the same byte count, the protocol needs no tags: the same code runs on gloo
 (tags keep the parts apart as well) and on NCCL (order alone), through a `dstrain.pipe.transport.Transport`.
 
 Every wait has a timeout (`P2PTimeoutError`). A failing rank sends ABORT in place of its next message on each
-outgoing channel (plus the fillers the receiver may have posted); the receiver raises `PipelineAbortedError`
-naming the origin and its error, and forwards it. Sends are never waited on during a batch except when the
-peer acknowledged receiving them (so a failed peer never blocks its neighbours); the rest are waited on once
-the batch is known to have succeeded everywhere.
+outgoing channel (fused with zeros where the receiver posted a fused receive); the receiver raises
+`PipelineAbortedError` naming the origin and its error, and forwards it. Sends are never waited on during a
+batch except when the peer acknowledged receiving them (so a failed peer never blocks its neighbours); the
+rest are waited on once the batch is known to have succeeded everywhere.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +49,8 @@ _DATA, _ABORT = 1, 2
 _FIXED = 8  # header words before the inline metadata
 _HEADER_WORDS = 128
 _INLINE = _HEADER_WORDS - _FIXED
+_HEADER_BYTES = _HEADER_WORDS * 8
+_ALIGN = 64  # byte alignment of each tensor inside a fused message (any dtype can view it)
 _DTYPES = (
     torch.float32,
     torch.float16,
@@ -74,6 +79,16 @@ class TensorMeta:
         if t.dtype not in _CODE:
             raise TypeError(f"cannot send a {t.dtype} tensor between pipeline stages")
         return TensorMeta(t.dtype, tuple(t.shape), bool(t.requires_grad))
+
+
+def fused_layout(metas: tuple[TensorMeta, ...]) -> tuple[list[tuple[int, int]], int]:
+    """Where each tensor lies in a fused message (header first): ``[(byte offset, bytes)]`` and the total."""
+    spans, pos = [], _HEADER_BYTES
+    for m in metas:
+        n = math.prod(m.shape) * torch.empty((), dtype=m.dtype).element_size()
+        spans.append((pos, n))
+        pos += -(-n // _ALIGN) * _ALIGN
+    return spans, pos
 
 
 def encode_meta(metas: tuple[TensorMeta, ...]) -> list[int]:
@@ -107,9 +122,9 @@ class P2PStatistics:
     metadata_messages: int
     """Messages whose metadata changed and was sent."""
     speculative_hits: int
-    """Messages whose payload receive was posted before their header arrived (receiver side)."""
+    """Messages whose payload arrived fused with their header, in the shapes posted ahead (receiver side)."""
     wasted_bytes: int
-    """Zero payloads sent to fill speculative receives after a shape change."""
+    """Zeros sent in a fused message's payload place after a shape change (or with an ABORT)."""
     wait_seconds: float
     """Time blocked waiting (receiver: for messages; sender: for acknowledged or final sends)."""
 
@@ -167,50 +182,75 @@ class Sender(_Channel):
         self._pending: list[tuple[int, list[Any], list[torch.Tensor]]] = []
         self.aborted = False
 
-    def _post_header(self, words: list[int], inline: list[int], keep: list[Any], works: list[Any]) -> None:
+    @staticmethod
+    def _header_words(words: list[int], inline: list[int]) -> torch.Tensor:
         header = torch.zeros(_HEADER_WORDS, dtype=torch.int64)
         header[: len(words)] = torch.tensor(words, dtype=torch.int64)
         if inline:
             header[_FIXED : _FIXED + len(inline)] = torch.tensor(inline, dtype=torch.int64)
-        header = header.to(self._wire)
-        keep.append(header)
-        works.append(self._isend(header, 0))
+        return header
 
-    def _post_fillers(self, keep: list[Any], works: list[Any]) -> None:
-        """Zeros of the last shapes, when the receiver posted those receives ahead (our last message was
-        unchanged): every receive it posted is matched, in order."""
-        if not (self._stable and self._last is not None):
+    @property
+    def _fused(self) -> bool:
+        """The receiver posted one fused receive (header + the last shapes' payload): our last message kept
+        its metadata. Both ends apply this rule."""
+        return self._stable and self._last is not None
+
+    def _post_head(
+        self,
+        words: list[int],
+        inline: list[int],
+        payload: list[torch.Tensor] | None,
+        keep: list[Any],
+        works: list[Any],
+    ) -> None:
+        """Post the header. Fused (see `_fused`): one message of the header and, in the last shapes' places,
+        ``payload`` (unchanged metadata) or zeros (changed metadata, or an ABORT: fillers of the receive
+        posted ahead). Otherwise the header alone."""
+        header = self._header_words(words, inline)
+        if not self._fused:
+            header = header.view(torch.uint8).to(self._wire)  # bytes, as the receiver posts them
+            keep.append(header)
+            works.append(self._isend(header, 0))
             return
-        for m in self._last:
-            dummy = torch.zeros(m.shape, dtype=m.dtype, device=self._wire)
-            keep.append(dummy)
-            works.append(self._isend(dummy, 2))
-            self._stats["wasted_bytes"] += dummy.numel() * dummy.element_size()
+        assert self._last is not None
+        spans, total = fused_layout(self._last)
+        buf = torch.zeros(total, dtype=torch.uint8, device=self._wire)
+        buf[:_HEADER_BYTES].view(torch.int64).copy_(header)
+        if payload is not None:
+            for t, (off, n) in zip(payload, spans, strict=True):
+                buf[off : off + n].view(t.dtype).copy_(t.reshape(-1))
+                self._stats["payload_bytes"] += n
+        else:
+            self._stats["wasted_bytes"] += sum(n for _, n in spans)
+        keep.append(buf)
+        works.append(self._isend(buf, 0))
 
     def send(
         self, tensors: tuple[torch.Tensor, ...], *, micro_batch: int, ack: int, fingerprint: int = -1
     ) -> None:
         """Post message ``micro_batch`` (the tensors are detached, made contiguous and kept until released)."""
         metas = tuple(TensorMeta.of(t) for t in tensors)
-        payload = [t.detach().to(self._wire).contiguous() for t in tensors]
         changed = metas != self._last
         meta_words = encode_meta(metas) if changed else []
         inline = meta_words if len(meta_words) <= _INLINE else []
         keep: list[Any] = []
         works: list[Any] = []
         words = _header(_DATA, micro_batch, len(meta_words), ack, fingerprint, self._seq)
-        self._post_header(words, inline, keep, works)
+        fused = self._fused and not changed
+        self._post_head(words, inline, [t.detach() for t in tensors] if fused else None, keep, works)
         if changed:
             self._stats["metadata_messages"] += 1
-            self._post_fillers(keep, works)
             if not inline:
                 meta = torch.tensor(meta_words, dtype=torch.int64, device=self._wire)
                 keep.append(meta)
                 works.append(self._isend(meta, 1))
-        for t in payload:
-            keep.append(t)
-            works.append(self._isend(t, 2))
-            self._stats["payload_bytes"] += t.numel() * t.element_size()
+        if not fused:
+            for t in tensors:
+                t = t.detach().to(self._wire).contiguous()
+                keep.append(t)
+                works.append(self._isend(t, 2))
+                self._stats["payload_bytes"] += t.numel() * t.element_size()
         self._pending.append((self._seq, works, keep))
         self._stats["messages"] += 1
         self._stable = not changed
@@ -246,8 +286,7 @@ class Sender(_Channel):
         inline = torch.frombuffer(bytearray(padded), dtype=torch.int64).tolist() if padded else []
         keep: list[Any] = []
         works: list[Any] = []
-        self._post_header(_header(_ABORT, -1, len(text), 0, -1, self._seq), inline, keep, works)
-        self._post_fillers(keep, works)
+        self._post_head(_header(_ABORT, -1, len(text), 0, -1, self._seq), inline, None, keep, works)
         self._pending.append((self._seq, works, keep))  # kept alive; never waited on
         self._seq += 1
 
@@ -273,17 +312,19 @@ class Receiver(_Channel):
         super().__init__(**kwargs)
         self._remaining = 0
         self._header: tuple[torch.Tensor, Any] | None = None
-        self._spec: list[tuple[torch.Tensor, Any]] | None = None
+        self._spans: list[tuple[int, int]] | None = None
+        """Set when the posted header receive is fused with the last shapes' payload (see `Sender`)."""
         self.received = 0
         """Messages fully received so far (what this side acknowledges to the peer)."""
 
     def _post_ahead(self) -> None:
-        header = torch.empty(_HEADER_WORDS, dtype=torch.int64, device=self._wire)
-        self._header = (header, self._irecv(header, 0))
-        self._spec = None
-        if self._stable and self._last is not None:
-            bufs = [torch.empty(m.shape, dtype=m.dtype, device=self._wire) for m in self._last]
-            self._spec = [(b, self._irecv(b, 2)) for b in bufs]
+        self._spans = None
+        if self._stable and self._last is not None:  # one receive: header + payload in the last shapes
+            self._spans, total = fused_layout(self._last)
+            buf = torch.empty(total, dtype=torch.uint8, device=self._wire)
+        else:
+            buf = torch.empty(_HEADER_BYTES, dtype=torch.uint8, device=self._wire)
+        self._header = (buf, self._irecv(buf, 0))
 
     def expect(self, messages: int) -> None:
         """Post the receives of the first of ``messages`` messages that make up the coming batch."""
@@ -306,25 +347,23 @@ class Receiver(_Channel):
             self._post_ahead()  # just in time: the same receives a post-ahead transport posted earlier
         if self._header is None:
             raise PipelineError(f"{self.name}: recv of micro-batch {micro_batch} with nothing posted")
-        header_t, work = self._header
+        buf, work = self._header
+        spans, self._spans = self._spans, None
         self._header = None
         self._wait(work, f"header of micro-batch {micro_batch}")
-        header = header_t.tolist()  # (128,) on the host
+        header = buf[:_HEADER_BYTES].view(torch.int64).tolist()  # (128,) on the host
         magic, kind, mb, n_meta, ack, fingerprint, _, _ = header[:_FIXED]
         if magic != _MAGIC:
             raise PipelineError(f"{self.name}: corrupt header from rank {self.peer}: {header[:_FIXED]}")
-        spec, self._spec = self._spec, None
-        if kind == _ABORT:  # the sender also filled our speculative receives: they complete on their own
+        if kind == _ABORT:  # a fused receive got zeros in the payload's place: nothing else is posted
             inline = torch.tensor(header[_FIXED:], dtype=torch.int64).numpy().tobytes()
             raise PipelineAbortedError(inline[:n_meta].decode(errors="replace"))
         if mb != micro_batch:
             raise PipelineError(
                 f"{self.name}: expected micro-batch {micro_batch} from rank {self.peer}, got {mb} (schedules differ)"
             )
-        if n_meta:
-            for _, w in spec or []:  # zeros filling our speculative receives: discard
-                self._wait(w, "filler payload")
-            spec = None
+        if n_meta:  # a fused receive held zeros in the payload's place (fillers): discarded
+            spans = None
             if n_meta <= _INLINE:
                 words = header[_FIXED : _FIXED + n_meta]
             else:
@@ -337,21 +376,27 @@ class Receiver(_Channel):
             if self._last is None:
                 raise PipelineError(f"{self.name}: first message from rank {self.peer} carried no metadata")
             metas = self._last
-        if spec is not None:
+        if spans is not None:  # the payload came with the header, in the shapes posted ahead
             self._stats["speculative_hits"] += 1
-            posted = spec
+            parts = [
+                buf[off : off + n].view(m.dtype).view(m.shape)
+                for (off, n), m in zip(spans, metas, strict=True)
+            ]
         else:
-            bufs = (torch.empty(m.shape, dtype=m.dtype, device=self._wire) for m in metas)
-            posted = [(b, self._irecv(b, 2)) for b in bufs]
-        for _, w in posted:
-            self._wait(w, f"payload of micro-batch {micro_batch}")
+            posted = [
+                (b, self._irecv(b, 2))
+                for b in (torch.empty(m.shape, dtype=m.dtype, device=self._wire) for m in metas)
+            ]
+            for _, w in posted:
+                self._wait(w, f"payload of micro-batch {micro_batch}")
+            parts = [b for b, _ in posted]
         tensors = []
-        for (buf, _), m in zip(posted, metas, strict=True):
-            self._stats["payload_bytes"] += buf.numel() * buf.element_size()
-            buf = buf.to(self.device)
+        for part, m in zip(parts, metas, strict=True):
+            self._stats["payload_bytes"] += part.numel() * part.element_size()
+            part = part.to(self.device)
             if m.requires_grad:
-                buf.requires_grad_()
-            tensors.append(buf)
+                part.requires_grad_()
+            tensors.append(part)
         self._stats["messages"] += 1
         self._stable = not n_meta
         self._last = metas
@@ -364,7 +409,7 @@ class Receiver(_Channel):
     def forget(self) -> None:
         """Drop posted receives (the batch failed; the channel is no longer used)."""
         self._header = None
-        self._spec = None
+        self._spans = None
         self._remaining = 0
 
 
