@@ -57,8 +57,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("nbytes"), py::arg("offset"), py::arg("tag"), py::arg("slots"),
            "A staged read/write as one request cycling through `slots` (staging buffers of >= block_size)")
       .def(
-          "prefault", [](Engine& e, uintptr_t ptr, uint64_t nbytes) { return e.prefaulter.add(ptr, nbytes); },
-          py::arg("ptr"), py::arg("nbytes"),
+          "prefault",
+          [](Engine& e, uintptr_t ptr, uint64_t nbytes, bool hugepage) {
+            return e.prefaulter.add(ptr, nbytes, hugepage);
+          },
+          py::arg("ptr"), py::arg("nbytes"), py::arg("hugepage") = false,
           "Populate [ptr, ptr+nbytes) on the prefault thread; a token for prefault_cancel (0: nothing queued)")
       .def(
           "prefault_cancel", [](Engine& e, uint64_t token) { e.prefaulter.cancel(token); }, py::arg("token"))

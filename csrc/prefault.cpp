@@ -59,7 +59,7 @@ bool probably_resident(uintptr_t ptr, uint64_t nbytes) {
 
 Prefaulter::~Prefaulter() { stop(); }
 
-uint64_t Prefaulter::add(uintptr_t ptr, uint64_t nbytes) {
+uint64_t Prefaulter::add(uintptr_t ptr, uint64_t nbytes, bool hugepage) {
   // Only whole pages inside the range: populating a partial page outside it is harmless, but
   // the range's edges may belong to memory the caller does not own.
   uintptr_t pg = page_size();
@@ -69,6 +69,7 @@ uint64_t Prefaulter::add(uintptr_t ptr, uint64_t nbytes) {
   auto st = std::make_shared<RangeState>();
   st->pos.store(start);
   st->end = end;
+  st->hugepage = hugepage;
   {
     std::lock_guard<std::mutex> g(mu_);
     if (stopping_) return 0;
@@ -145,7 +146,7 @@ void Prefaulter::run() {
       continue;
     }
     uint64_t t0 = now_ns();
-    if (hugepage.load(std::memory_order_relaxed) && (from & (kStep - 1)) == 0 && len == kStep &&
+    if ((st->hugepage || hugepage.load(std::memory_order_relaxed)) && (from & (kStep - 1)) == 0 && len == kStep &&
         madvise(reinterpret_cast<void*>(from), len, MADV_HUGEPAGE) == 0)
       hugepage_bytes.fetch_add(len, std::memory_order_relaxed);
     int rc;

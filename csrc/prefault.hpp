@@ -33,7 +33,8 @@ class Prefaulter {
   // Queue [ptr, ptr+nbytes) for population; returns a token for cancel() (0: not queued,
   // because the range is empty, the prefaulter is stopped, or the kernel lacks
   // MADV_POPULATE_WRITE). The threads start on the first range.
-  uint64_t add(uintptr_t ptr, uint64_t nbytes);
+  // hugepage: advise MADV_HUGEPAGE on the range's fresh 2 MiB steps before populating them.
+  uint64_t add(uintptr_t ptr, uint64_t nbytes, bool hugepage = false);
   // Stop populating the range of `token` (its transfer finished or failed). Idempotent.
   void cancel(uint64_t token);
   // Joins the threads; pending ranges are dropped. Idempotent; add() returns 0 afterwards.
@@ -45,9 +46,10 @@ class Prefaulter {
   std::atomic<uint64_t> cancelled_bytes{0};  // bytes left when their range was cancelled
   std::atomic<uint64_t> busy_ns{0};          // thread time spent populating (summed over threads)
   std::atomic<int> last_errno{0};
-  // Before populating a step that is not resident, advise MADV_HUGEPAGE on its 2 MiB-aligned part
-  // (THP "madvise" mode): one huge-page fault instead of 512 small ones. An A/B switch (default
-  // off): with defrag=madvise the kernel may compact memory synchronously to find a huge page.
+  // Before populating a whole 2 MiB step that is not resident, advise MADV_HUGEPAGE on it (THP
+  // "madvise" mode): one huge-page fault instead of 512 small ones. Per range (add's hugepage:
+  // dsio asks for it on direct reads) or for every range (this switch, the benchmarks' A/B).
+  // With defrag=madvise the kernel may compact memory synchronously to find a huge page.
   std::atomic<bool> hugepage{false};
   std::atomic<uint64_t> hugepage_bytes{0};  // bytes advised MADV_HUGEPAGE
 
@@ -58,6 +60,7 @@ class Prefaulter {
     std::atomic<uintptr_t> pos{0};
     uintptr_t end = 0;
     std::atomic<bool> cancelled{false};
+    bool hugepage = false;
   };
 
  private:

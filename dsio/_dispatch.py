@@ -89,7 +89,7 @@ class Dispatcher:
         pool -> tensor copy, off the event-loop thread); failed or short pieces are not copied.
         ``copy_src`` (writes only): each piece is first copied from the same position under
         ``copy_src`` into ``ptr`` by the worker submitting it (a staged write's tensor -> pool copy).
-        ``slots`` (reads and writes): a staged transfer as one request: ``ptr`` is the caller's
+        ``slots`` (reads only): a staged read as one request: ``ptr`` is the caller's
         memory and every piece cycles through these staging buffers (``Engine.submit_staged``)."""
         if self.closed:
             raise ClosedError("the handle is closed")

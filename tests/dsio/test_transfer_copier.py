@@ -123,3 +123,70 @@ def _reap(eng, tags: int, timeout: float = 20.0) -> list:
         out += eng.reap()
         time.sleep(0.002)
     return out
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+@pytest.mark.skipif(
+    not native().populate_write_supported(), reason="kernel lacks MADV_POPULATE_WRITE (< 5.14)"
+)
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off (THP 'never')")
+def test_prefault_hugepage_advice_only_when_asked():
+    """A range queued with hugepage=True has its fresh whole 2 MiB steps advised MADV_HUGEPAGE
+    before being populated; without it none are."""
+    n = 16 << 20
+    eng = native().Engine("posix", BS, 1, 1, False, True)
+    try:
+        for ask in (False, True):
+            mem = native().AlignedBuffer(n + (2 << 20), False)  # fresh, never touched
+            base = (mem.ptr + (2 << 20) - 1) & ~((2 << 20) - 1)
+            before = eng.statistics()["prefault"]
+            assert eng.prefault(base, n, ask) != 0
+            deadline = time.monotonic() + 30
+            while True:
+                pf = eng.statistics()["prefault"]
+                if (
+                    pf["populated_bytes"]
+                    + pf["resident_bytes"]
+                    - before["populated_bytes"]
+                    - before["resident_bytes"]
+                    >= n
+                ):
+                    break
+                assert time.monotonic() < deadline, pf
+                time.sleep(0.01)
+            advised = pf["hugepage_bytes"] - before["hugepage_bytes"]
+            assert advised == (n if ask else 0)
+            del mem
+    finally:
+        eng.close()
+
+
+def test_direct_reads_ask_for_huge_pages_and_staged_reads_do_not():
+    """The policy in _transfer.prefault: the kernel reads straight into the memory (direct) ->
+    hugepage advice; a staged read's destination is written by copies -> none (no gain measured)."""
+    import dsio._transfer as transfer
+    from dsio._dispatch import READ
+
+    calls = []
+
+    class Engine:
+        window_bytes = 1 << 20
+
+        def prefault(self, ptr, nbytes, hugepage=False):
+            calls.append((ptr, nbytes, hugepage))
+            return 1
+
+    class Disp:
+        engine = Engine()
+
+    n = 64 << 20
+    transfer.prefault(Disp(), READ, 4096, n, direct=True)
+    transfer.prefault(Disp(), READ, 4096 + 64, n, direct=False)
+    assert calls == [(4096 + (1 << 20), n - (1 << 20), True), (4096 + 64, n, False)]
