@@ -134,16 +134,23 @@ class MasterFile:
             self.discard(lease).result()
         return out
 
-    def load(self, group: int, master: torch.Tensor) -> None:
-        """Replace ``group``'s master with ``master`` (the shards are the caller's)."""
-        flat = master.reshape(-1)
+    def load(self, group: int, fill: Callable[[torch.Tensor, int], None]) -> None:
+        """Replace ``group``'s master with what ``fill(out, start)`` puts into ``out`` (elements
+        ``[start, start + out.numel())``), one buffer at a time in element order; each range goes to
+        ``on_store`` too (the half-precision shards), as a stepped range does."""
         sw = self._live()
         per = self.buffer_bytes // _F32
         futs = []
         for start in range(0, self._total[group], per):
             n = min(per, self._total[group] - start)
             lease = sw.acquire_any().result()
-            lease.view(torch.float32, 0, n).copy_(flat[start : start + n])
+            view = lease.view(torch.float32, 0, n)
+            try:
+                fill(view, start)
+            except BaseException:
+                sw.discard(lease)
+                raise
+            self._on_store(group, start, view)
             futs.append(sw.store_range(lease, self._base[group] + start * _F32, n * _F32))
         for f in futs:
             f.result()
@@ -188,6 +195,12 @@ class ShardStream:
     @property
     def done(self) -> bool:
         return self._next == self._total
+
+    def cancel(self) -> None:
+        """Give the buffer being filled back unwritten (a rewrite abandoned part-way)."""
+        if self._lease is not None:
+            self._sw.discard(self._lease)
+            self._lease = None
 
     def write(self, start: int, values: torch.Tensor) -> int:
         """Cast ``values`` (elements ``[start, start + values.numel())``) into the buffer, writing

@@ -280,7 +280,11 @@ class OffloadedShards(ShardStore):
             off, nbytes, at = self._span(group, start, n)
             lease = self._swapper.acquire_any().result()
             lease.tensor[:nbytes].zero_()
-            fill(lease.view(self.dtype, at, n), start)
+            try:
+                fill(lease.view(self.dtype, at, n), start)
+            except BaseException:
+                self._swapper.discard(lease)  # e.g. a checkpoint's checksum error: the buffer goes back
+                raise
             futs.append(self._swapper.store_range(lease, off, nbytes))
             self._shard_writes += 1
         if wait:
@@ -291,7 +295,7 @@ class OffloadedShards(ShardStore):
         flat = values.reshape(-1)
 
         def fill(out: torch.Tensor, start: int) -> None:
-            out.copy_(flat[start : start + out.numel()])
+            out.copy_(flat[start : start + out.numel()])  # cast to the shard dtype by copy_
 
         self._write_group(group, fill, wait)
 
@@ -377,14 +381,29 @@ class OffloadedShards(ShardStore):
             self._swapper.discard(lease).result()
         return out
 
-    def load_master(self, group: ShardGroup, master: torch.Tensor) -> None:
-        if self.holds_master:
-            if self._mfile is not None:
-                self._mfile.load(group.index, master)
-            self._write_values(group, master)  # the shards (cast to their dtype by copy_)
+    def load_master(self, group: ShardGroup, fill: Callable[[torch.Tensor, int], None]) -> None:
+        """Replace ``group``'s master and shards with what ``fill(out, start)`` gives (a checkpoint's
+        tensor or stored tensor, see `dstrain.zero.stage3.master_fill`). With `holds_master` the
+        values go a swap buffer at a time, in element order, into the shard file (fp32: the master)
+        or the master file and, cast, the shard file: no whole master is ever in memory."""
+        if not self.holds_master:
+            fill(group.master.detach(), 0)  # the master lives in memory anyway
+            self.after_step(group)
             return
-        group.master.copy_(master)
-        self.after_step(group)
+        self._ahead.end_pass()
+        self._cancel_queue()  # the shard buffers are the load's now
+        if self._mfile is None:
+            self._write_group(group, fill)  # at fp32 the shards are the master
+            return
+        try:
+            self._mfile.load(group.index, fill)  # each range also goes to `_stream_shard`
+        except BaseException:
+            partial = self._streams.pop(group.index, None)
+            if partial is not None:  # the next step rewrites the shards from the start
+                partial.cancel()
+            raise
+        assert self._swapper is not None
+        self._swapper.drain()  # the shard writes of `ShardStream` (their errors surface here)
 
     # -- the master, for OffloadAdam (holds_master) ---------------------------------------------
 

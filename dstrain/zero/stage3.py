@@ -9,10 +9,14 @@ parameters used outside the module that owns them (DeepSpeed's ``register_extern
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from dsio.checkpoint import LazyTensor
+from dstrain.checkpoint.sources import read_lazy
 from dstrain.config_sections import ZeroConfig
 from dstrain.dist.comm import Comm
 from dstrain.errors import NotImplementedConfigError
@@ -23,7 +27,7 @@ from dstrain.zero.gather import GatherScheduler
 from dstrain.zero.reduce import ReductionQueue, Route, default_routes
 from dstrain.zero.units import ShardStore, Unit
 
-__all__ = ["Stage3Zero"]
+__all__ = ["Stage3Zero", "master_fill"]
 
 
 class ShardGroup:
@@ -68,6 +72,50 @@ class ShardGroup:
         if store.grads is not None:
             self.master_grad.untyped_storage().resize_(0)
         store.placed(self)
+
+
+MasterFill = Callable[[torch.Tensor, int], None]
+"""``fill(out, start)``: master elements ``[start, start + out.numel())`` into ``out``."""
+
+#: Elements of a stored master read per window when its destination is not host memory.
+_FILL_WINDOW = 4 << 20
+
+
+def master_fill(master: torch.Tensor | LazyTensor, total: int) -> MasterFill:
+    """``fill(out, start)`` writing master elements ``[start, start + out.numel())`` into ``out``,
+    from a tensor or from a checkpoint's stored tensor (read, not materialized: each call reads just
+    that range). Stores call it with ranges in element order, so a stored tensor's checksum is
+    checked as it is read."""
+    if isinstance(master, torch.Tensor):
+        if master.numel() != total:
+            raise ValueError(f"master partition has {master.numel()} elements, expected {total}")
+        flat = master.reshape(-1)
+
+        def copy(out: torch.Tensor, start: int) -> None:
+            out.copy_(flat[start : start + out.numel()])
+
+        return copy
+    if not isinstance(master, LazyTensor):
+        raise TypeError(f"master partition must be a tensor, got {type(master).__name__}")
+    numel = math.prod(master.shape)
+    if master.dtype != torch.float32 or numel != total:
+        raise ValueError(
+            f"stored master partition is {master.dtype} with {numel} elements, "
+            f"expected torch.float32 with {total}"
+        )
+    src = master
+
+    def read(out: torch.Tensor, start: int) -> None:
+        if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
+            read_lazy(src, start * 4, out)  # straight into the destination (a swap buffer)
+            return
+        window = torch.empty(min(_FILL_WINDOW, out.numel()), dtype=torch.float32)
+        for lo in range(0, out.numel(), window.numel()):
+            n = min(window.numel(), out.numel() - lo)
+            read_lazy(src, (start + lo) * 4, window[:n])
+            out[lo : lo + n].copy_(window[:n])
+
+    return read
 
 
 class Stage3Zero(ZeroStrategy):
@@ -233,11 +281,21 @@ class Stage3Zero(ZeroStrategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["numels"] != [[u.layout.total for u in g.units] for g in self.groups]:
             raise ValueError("checkpoint was saved from a model with different parameters")
+        masters = state["master"]
+        if len(masters) != len(self.groups):
+            raise ValueError(f"checkpoint has {len(masters)} master partitions, this rank {len(self.groups)}")
         with torch.no_grad():
-            for g, master in zip(self.groups, state["master"], strict=True):
-                self.store.load_master(g, master)
+            for g, master in zip(self.groups, masters, strict=True):
+                self.store.load_master(g, master_fill(master, g.total))
         for unit in self.units:
             unit.regather()
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """`load_state_dict` with masters that may still be in the checkpoint file
+        (``dsio.checkpoint.StoredTensor``): the store reads each range straight where it keeps the
+        master (offloaded: a swap buffer at a time, into the shard or master file), so no whole
+        master is read into memory. Checksums are checked as the ranges are read, in order."""
+        self.load_state_dict(state)
 
     def gathered_module(self) -> None:
         """Gather every unit (for evaluation or export); `release_all` undoes it."""

@@ -8,7 +8,7 @@ values in backward, and releasing really frees the memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,12 +80,14 @@ class ShardStore:
         """``group``'s fp32 master (for checkpoints)."""
         return group.master.detach()
 
-    def load_master(self, group: ShardGroup, master: torch.Tensor) -> None:
-        """Replace ``group``'s master and shards with ``master``."""
-        group.master.copy_(master)
+    def load_master(self, group: ShardGroup, fill: Callable[[torch.Tensor, int], None]) -> None:
+        """Replace ``group``'s master and shards with the values ``fill(out, start)`` puts into
+        ``out`` (master elements ``[start, start + out.numel())``; called with ranges in element
+        order, see `dstrain.zero.stage3.master_fill`)."""
+        fill(group.master.detach(), 0)
         if not group.alias:
             assert group.shards is not None  # set by `place`
-            group.shards.copy_(master)
+            group.shards.copy_(group.master.detach())
 
     def statistics(self) -> Any:
         return None
