@@ -38,6 +38,7 @@ import torch
 from dstrain.errors import ConfigError
 from dstrain.offload.grad_store import GradStoreStatistics, OffloadedGrads
 from dstrain.offload.master_file import MasterFile, ShardStream
+from dstrain.offload.param_master import SwappedMaster
 from dstrain.offload.read_order import TraceReadAhead
 from dstrain.offload.swapper import ALIGN, STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
 from dstrain.zero.units import ShardStore, Unit
@@ -79,7 +80,7 @@ class ParamStoreStatistics:
     """The fp32 master file's swapper (bf16/fp16 shards with `holds_master`; else None)."""
 
 
-class OffloadedShards(ShardStore):
+class OffloadedShards(SwappedMaster, ShardStore):
     """Shards of every stage-3 unit of this rank on ``device`` (``"cpu"`` or ``"nvme"``)."""
 
     streams_initial_shards = True  # `place` builds one unit's shard at a time (no copy of them all)
@@ -404,75 +405,6 @@ class OffloadedShards(ShardStore):
             raise
         assert self._swapper is not None
         self._swapper.drain()  # the shard writes of `ShardStream` (their errors surface here)
-
-    # -- the master, for OffloadAdam (holds_master) ---------------------------------------------
-
-    @property
-    def max_master_numel(self) -> int:
-        """The most master elements one `fetch_master` can hold (a multiple of 1024)."""
-        if self._mfile is not None:
-            return self._mfile.max_numel
-        return (self.buffer_bytes - ALIGN) // 4 // 1024 * 1024
-
-    def fetch_master(
-        self, group: int, start: int, numel: int
-    ) -> concurrent.futures.Future[tuple[Lease, torch.Tensor]]:
-        """A buffer with master elements ``[start, start + numel)`` of ``group`` and the fp32 view of
-        them (after any write of those pages in flight)."""
-        assert self._swapper is not None and self.holds_master
-        self._ahead.end_pass()
-        if self._ahead.queued:
-            self._cancel_queue()  # the step owns the pool now: read-ahead of shards restarts in forward
-        if self._mfile is not None:
-            self._master_reads += 1
-            return self._mfile.fetch(group, start, numel)
-        g = self._groups[group]
-        off, nbytes, at = self._span(g, start, numel)
-        inner = self._swapper.fetch_range(off, nbytes)
-        out: concurrent.futures.Future[tuple[Lease, torch.Tensor]] = concurrent.futures.Future()
-
-        def done(f: concurrent.futures.Future[Lease]) -> None:
-            exc = f.exception()
-            if exc is not None:
-                out.set_exception(exc)
-                return
-            lease = f.result()
-            lease.key = (g.index, off, nbytes)
-            out.set_result((lease, lease.view(torch.float32, at, numel)))
-
-        inner.add_done_callback(done)
-        self._master_reads += 1
-        return out
-
-    def store_master(self, lease: Lease) -> concurrent.futures.Future[None]:
-        """Write a stepped master range back (once per step) and return its buffer."""
-        assert self._swapper is not None
-        if self._mfile is not None:
-            self._master_writes += 1
-            return self._mfile.store(lease)  # and the half-precision shard, via `_stream_shard`
-        key: Any = lease.key  # (group, file offset, bytes), set by fetch_master
-        off, nbytes = int(key[1]), int(key[2])
-        self._master_writes += 1
-        return self._swapper.store_range(lease, off, nbytes)
-
-    def discard_master(self, lease: Lease) -> concurrent.futures.Future[None]:
-        """Hand a master buffer back unwritten."""
-        assert self._swapper is not None
-        if self._mfile is not None:
-            return self._mfile.discard(lease)
-        return self._swapper.discard(lease)
-
-    def _stream_shard(self, group: int, start: int, values: torch.Tensor) -> None:
-        """A stepped master range, cast into the shard file (`ShardStream`)."""
-        assert self._swapper is not None
-        stream = self._streams.get(group)
-        if stream is None:
-            g = self._groups[group]
-            stream = ShardStream(self._swapper, self._base[group], g.total, self.dtype)
-            self._streams[group] = stream
-        self._shard_writes += stream.write(start, values)
-        if stream.done:
-            del self._streams[group]
 
     # -- introspection and lifetime -------------------------------------------------------------
 

@@ -193,6 +193,7 @@ def test_load_streams_the_offloaded_master_without_materializing_it(
     finally:
         loaded.close()
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-    # measured here: ~0 streamed vs 2x the master read into memory (the read and its copy)
+    # measured here: ~0 streamed vs 2x the master read into memory (the read and its copy); the
+    # bound leaves room for a first touch of one of dsio's 8 MiB read buffers (seen once, under load)
     assert in_memory > 0.9 * master_bytes, (in_memory, master_bytes)
-    assert streamed < master_bytes / 8, (streamed, master_bytes)
+    assert streamed < master_bytes / 4, (streamed, master_bytes)

@@ -1,0 +1,117 @@
+"""`SwappedMaster`: the fp32 master of an NVMe parameter store that holds it (`OffloadedShards` with
+``holds_master``: parameters and optimizer state both on NVMe), read and written by `OffloadAdam`
+sub-group by sub-group: at fp32 from the shard file (the master *is* the shard), at bf16/fp16 from
+the `MasterFile`, each stepped range then cast into the shard file (`ShardStream`).
+
+A mixin of `dstrain.offload.param_store.OffloadedShards` (its state is declared below), kept apart
+so that the store's module stays about the shards.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dstrain.offload.master_file import MasterFile, ShardStream
+from dstrain.offload.read_order import TraceReadAhead
+from dstrain.offload.swapper import ALIGN, Lease, Swapper
+
+if TYPE_CHECKING:
+    from dstrain.zero.stage3 import ShardGroup
+
+__all__ = ["SwappedMaster"]
+
+
+class SwappedMaster:
+    """The master-access half of `OffloadedShards` (see the module's docstring)."""
+
+    # the store's state this half uses (set by OffloadedShards.__init__ / expect / place)
+    dtype: torch.dtype
+    holds_master: bool
+    buffer_bytes: int
+    _swapper: Swapper | None
+    _mfile: MasterFile | None
+    _ahead: TraceReadAhead
+    _groups: dict[int, ShardGroup]
+    _base: dict[int, int]
+    _streams: dict[int, ShardStream]
+    _master_reads: int
+    _master_writes: int
+    _shard_writes: int
+
+    def _span(self, group: ShardGroup, start: int, numel: int) -> tuple[int, int, int]:
+        raise NotImplementedError
+
+    def _cancel_queue(self) -> None:
+        raise NotImplementedError
+
+    # -- the master, for OffloadAdam (holds_master) ---------------------------------------------
+
+    @property
+    def max_master_numel(self) -> int:
+        """The most master elements one `fetch_master` can hold (a multiple of 1024)."""
+        if self._mfile is not None:
+            return self._mfile.max_numel
+        return (self.buffer_bytes - ALIGN) // 4 // 1024 * 1024
+
+    def fetch_master(
+        self, group: int, start: int, numel: int
+    ) -> concurrent.futures.Future[tuple[Lease, torch.Tensor]]:
+        """A buffer with master elements ``[start, start + numel)`` of ``group`` and the fp32 view of
+        them (after any write of those pages in flight)."""
+        assert self._swapper is not None and self.holds_master
+        self._ahead.end_pass()
+        if self._ahead.queued:
+            self._cancel_queue()  # the step owns the pool now: read-ahead of shards restarts in forward
+        if self._mfile is not None:
+            self._master_reads += 1
+            return self._mfile.fetch(group, start, numel)
+        g = self._groups[group]
+        off, nbytes, at = self._span(g, start, numel)
+        inner = self._swapper.fetch_range(off, nbytes)
+        out: concurrent.futures.Future[tuple[Lease, torch.Tensor]] = concurrent.futures.Future()
+
+        def done(f: concurrent.futures.Future[Lease]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+                return
+            lease = f.result()
+            lease.key = (g.index, off, nbytes)
+            out.set_result((lease, lease.view(torch.float32, at, numel)))
+
+        inner.add_done_callback(done)
+        self._master_reads += 1
+        return out
+
+    def store_master(self, lease: Lease) -> concurrent.futures.Future[None]:
+        """Write a stepped master range back (once per step) and return its buffer."""
+        assert self._swapper is not None
+        if self._mfile is not None:
+            self._master_writes += 1
+            return self._mfile.store(lease)  # and the half-precision shard, via `_stream_shard`
+        key: Any = lease.key  # (group, file offset, bytes), set by fetch_master
+        off, nbytes = int(key[1]), int(key[2])
+        self._master_writes += 1
+        return self._swapper.store_range(lease, off, nbytes)
+
+    def discard_master(self, lease: Lease) -> concurrent.futures.Future[None]:
+        """Hand a master buffer back unwritten."""
+        assert self._swapper is not None
+        if self._mfile is not None:
+            return self._mfile.discard(lease)
+        return self._swapper.discard(lease)
+
+    def _stream_shard(self, group: int, start: int, values: torch.Tensor) -> None:
+        """A stepped master range, cast into the shard file (`ShardStream`)."""
+        assert self._swapper is not None
+        stream = self._streams.get(group)
+        if stream is None:
+            g = self._groups[group]
+            stream = ShardStream(self._swapper, self._base[group], g.total, self.dtype)
+            self._streams[group] = stream
+        self._shard_writes += stream.write(start, values)
+        if stream.done:
+            del self._streams[group]
