@@ -116,9 +116,10 @@ def attach(
 
 def transport_for(topology: Topology, model: PipelineModule, config: PipelineConfig) -> Transport:
     """The pipeline's `Transport` (``config.transport``). gloo: host tensors with tags over the pipeline
-    group. NCCL, ``"auto"``/``"staged"``: the same tagged messages over a gloo group of the pipeline ranks,
-    CUDA payloads staged through host memory, the batch status reduced on the GPU; ``"nccl"``: CUDA tensors
-    natively over a group per direction (experimental). ``"ordered"`` runs NCCL's discipline on gloo (tests).
+    group. NCCL, ``"auto"``/``"nccl"``: CUDA tensors natively over a group per direction, receives posted just
+    in time; ``"staged"``: the same tagged messages as gloo over a gloo group of the pipeline ranks, CUDA
+    payloads staged through host memory, the batch status reduced on the GPU. ``"ordered"`` runs NCCL's
+    discipline on gloo (tests).
     Collective: every rank calls it."""
     layout = topology.layout
     mine = layout.group_of("pp", topology.world.rank)
@@ -130,9 +131,9 @@ def transport_for(topology: Topology, model: PipelineModule, config: PipelineCon
             device = torch.device("cuda", torch.cuda.current_device())
         if model.num_stages == 1:  # no p2p; the batch status is still reduced on the GPU
             return Transport(forward=None, backward=None, device=device, tagged=False, poll=True)
-        if config.transport == "nccl":
-            return Transport.nccl(pp_ranks, mine, device)
-        return Transport.staged(pp_ranks, mine, status_device=device)
+        if config.transport == "staged":
+            return Transport.staged(pp_ranks, mine, status_device=device)
+        return Transport.nccl(pp_ranks, mine, device)
     if model.num_stages > 1 and config.transport == "ordered":
         return Transport.gloo_ordered(pp_ranks, mine)
     return Transport.gloo(topology.pp.group)

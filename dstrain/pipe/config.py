@@ -35,13 +35,13 @@ class PipelineConfig:
     p2p_timeout: float = 300.0
     """dstrain: seconds a stage waits for a neighbour's message before raising `P2PTimeoutError`."""
     transport: str = "auto"
-    """dstrain: how p2p messages travel. ``"auto"``: by the backend (gloo: host tensors, tagged; NCCL: the
-    same, ``"staged"``). ``"staged"``: tagged host tensors over a gloo group of the pipeline ranks, CUDA
-    payloads copied through host memory (the path measured on 2x H200). ``"nccl"``: CUDA tensors natively
-    over an NCCL group per direction, ordered, receives posted just in time (experimental: on 2x H200 on
-    2026-11-30, when it posted receives ahead, the first batch deadlocked against CUDA's lazy kernel loading;
-    not the default until its GPU test, tests/dstrain/test_pipe_nccl.py, passes there).
-    ``"ordered"``: NCCL's discipline on gloo (untagged, a group per direction), to test it without GPUs."""
+    """dstrain: how p2p messages travel. ``"auto"``: by the backend (gloo: host tensors, tagged; NCCL:
+    ``"nccl"``). ``"nccl"``: CUDA tensors natively over an NCCL group per direction, ordered, receives posted
+    just in time (posting them ahead deadlocked on 2x H200 against CUDA's lazy kernel loading; see
+    `Transport.post_ahead`); the NCCL default since its GPU tests passed there and it measured faster than
+    ``"staged"`` (bench/results/pipe-nccl-2026-11-30-h200x2-native.md). ``"staged"``: tagged host tensors over
+    a gloo group of the pipeline ranks, CUDA payloads copied through host memory. ``"ordered"``: NCCL's
+    discipline on gloo (untagged, a group per direction), to test it without GPUs."""
 
     _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ()
 

@@ -12,12 +12,11 @@ A small GPT (token + position embedding, pre-LN transformer blocks, LayerNorm, a
   sent per change, fillers for receives posted ahead): within 1e-5 of one GPU, the two copies bitwise equal.
 - a stage that raises mid-batch ends both ranks with a PipelineError within 60 s, no step taken.
 
-The pipeline's default p2p on NCCL is ``"staged"`` (`dstrain.pipe.transport.Transport.staged`): tagged
-messages over a gloo group of the pipeline ranks, CUDA payloads copied through host memory, the batch status
-all-reduced on the GPU. The native transport (``"transport": "nccl"``: CUDA tensors, a group per direction,
-order-matched) timed out on 2x H200 on 2026-11-30 (the first header never arrived) while it posted receives
-ahead; it now posts them just in time (`dstrain.pipe.transport.Transport.post_ahead`), and its tests run the
-fp32 and tied/variable-length cases, and the failing stage, on it.
+The pipeline's default p2p on NCCL is native (``"transport": "nccl"``: CUDA tensors, an NCCL group per
+direction, order-matched, receives posted just in time: posting them ahead timed out on 2x H200 on 2026-11-30,
+see `dstrain.pipe.transport.Transport.post_ahead`); the module fixture runs every case above on it. The staged
+transport (``"staged"``: tagged messages over a gloo group, CUDA payloads copied through host memory, the batch
+status all-reduced on the GPU) runs the fp32, tied/variable-length and failing-stage cases in its own tests.
 """
 
 from __future__ import annotations
@@ -343,7 +342,7 @@ def test_nccl_pp2_bf16_trains_and_stages_agree(nccl: list[dict[str, Any]]) -> No
 def test_nccl_pp2_clipping_over_stages(nccl: list[dict[str, Any]]) -> None:
     for r in nccl:
         c = r["clip"]
-        assert c["wire"] == "cpu"  # the staged default: payloads travel through host memory
+        assert c["wire"].startswith("cuda")  # the native default: payloads stay on the GPU
         assert min(c["ref_norms"]) > 0.05
         for got, want in zip(c["norms"], c["ref_norms"], strict=True):
             assert abs(got - want) <= 1e-5 * want, c
@@ -366,18 +365,17 @@ def test_nccl_failing_stage_ends_both_ranks(nccl: list[dict[str, Any]]) -> None:
         assert f["error"] == ("PipelineAbortedError", "PipelineError")[rank], f
 
 
-def _native() -> dict[str, Any]:
-    return {"fp32": _train(False, transport="nccl", timeout=20), "tied": _tied("nccl")}
+def _staged() -> dict[str, Any]:
+    return {"fp32": _train(False, transport="staged", timeout=20), "tied": _tied("staged")}
 
 
-def test_native_nccl_transport_equals_single_gpu() -> None:
-    """The native NCCL transport (CUDA tensors over a group per direction, receives posted just in time):
-    fp32 equals one GPU, and tied weights with a new sequence length every micro-batch train like one GPU.
-    On 2026-11-30 it hung on 2x H200 (the first header never arrived) while receives were posted ahead: a
-    gradient receive pending on stage 0's GPU during its first forward, whose lazily loaded kernels
-    synchronize the device (see `Transport.post_ahead`). Every wait is bounded (p2p_timeout 20 s, the run
-    240 s)."""
-    out = spawn_bounded(_native, timeout=240, backend="nccl")
+def test_staged_transport_equals_single_gpu() -> None:
+    """The staged transport (``"transport": "staged"``: tagged messages over a gloo group, CUDA payloads
+    through host memory): fp32 equals one GPU, and tied weights with a new sequence length every micro-batch
+    train like one GPU. The module fixture runs the default, native NCCL transport (which on 2026-11-30 hung
+    on 2x H200 while it posted receives ahead: see `Transport.post_ahead`). Every wait is bounded
+    (p2p_timeout 20 s, the run 240 s)."""
+    out = spawn_bounded(_staged, timeout=240, backend="nccl")
     for r in out:
         res = r["fp32"]
         assert res["losses"] == pytest.approx(res["ref_losses"], rel=1e-6, abs=1e-6), res
@@ -388,14 +386,14 @@ def test_native_nccl_transport_equals_single_gpu() -> None:
     assert out[0]["tied"]["metadata_messages"] > 6
 
 
-def _native_raises() -> dict[str, Any]:
-    return _raises("nccl")
+def _staged_raises() -> dict[str, Any]:
+    return _raises("staged")
 
 
-def test_native_nccl_failing_stage_ends_both_ranks() -> None:
-    """On the native transport a stage that raises mid-batch ends both ranks with a PipelineError, no step
-    taken; the direction groups are aborted (sends left unmatched by the failure must not block the exit)."""
-    out = spawn_bounded(_native_raises, timeout=180, backend="nccl")
+def test_staged_failing_stage_ends_both_ranks() -> None:
+    """On the staged transport too, a stage that raises mid-batch ends both ranks with a PipelineError, no
+    step taken."""
+    out = spawn_bounded(_staged_raises, timeout=180, backend="nccl")
     for rank, f in enumerate(out):
         assert f["pipeline_error"] and f["unchanged"] and f["seconds"] < 60, f
         assert f["error"] == ("PipelineAbortedError", "PipelineError")[rank], f
