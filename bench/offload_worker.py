@@ -152,6 +152,9 @@ def ds_config(shape: Shape, method: Method, nvme_dir: str, pinned: int) -> dict[
         "train_batch_size": 2 * shape.micro_batch,
         "train_micro_batch_size_per_gpu": shape.micro_batch,
         "steps_per_print": 10**9,
+        # written out: DeepSpeed clips at 1.0 when the key is absent, dstrain does not clip (0.0); without it
+        # DeepSpeed's GPT losses parted from dstrain's at the second step (train-deepspeed-divergence-2026-11-30)
+        "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": zero,
         "aio": {
