@@ -23,7 +23,7 @@ from bench.offload import ROOT as BENCH_ROOT  # noqa: E402
 from bench.offload import BenchError, parse_args, worker_env  # noqa: E402
 from bench.offload_methods import METHODS, SHAPES, Method, expected_bytes  # noqa: E402
 from bench.offload_report import _error_line, summarize, targets  # noqa: E402
-from bench.offload_worker import offload_counters  # noqa: E402
+from bench.offload_worker import ds_config, offload_counters  # noqa: E402
 
 
 def _rank(step: float, rss: float, **extra: float) -> dict[str, float]:
@@ -192,3 +192,11 @@ def test_shapes_run_every_method() -> None:
     # NVMe: sub_group_size must be a multiple of 1024 elements or initialize refuses the paramopt row
     for shape in SHAPES.values():
         assert shape.sub_group % 1024 == 0 and shape.tiny().sub_group % 1024 == 0
+
+
+def test_both_libraries_get_gradient_clipping_written_out(tmp_path: Path) -> None:
+    """DeepSpeed clips at 1.0 when the key is absent and dstrain does not clip: the shared config must say 0.0,
+    or DeepSpeed's GPT losses part from dstrain's at the second step (offload-2026-11-30-shapes.md)."""
+    for name in ("dstrain-nvme", "deepspeed-nvme", "deepspeed-cpu"):
+        cfg = ds_config(SHAPES["gpt110m"], METHODS[name], str(tmp_path), 64 << 20)
+        assert cfg["gradient_clipping"] == 0.0, name
