@@ -152,7 +152,8 @@ def render_io_seq(src: dict[str, Any], source: str) -> str:
     reps = len(_get(res, IO_SEQ_ROWS[0][0], "write_new_fsync"))
     lines = [
         f"`{source}` ({meta.get('date', '?')}, host {meta.get('host', '?')}): 1 GiB sequential, GB/s, median (min-max) "
-        f"of {reps} interleaved reps; {_cache_note(meta)}; {_fio_note(meta)}.",
+        f"of {reps} interleaved reps; {_cache_note({**meta, **({'cold_reads': src['cold']} if 'cold' in src else {})})}; "
+        f"{_fio_note(meta)}.",
         "",
         "| GB/s | write new + fsync | overwrite | read |",
         "| --- | --- | --- | --- |",

@@ -170,3 +170,11 @@ def test_summary_prefers_a_timed_record_and_ignores_undated_files(tmp_path):
     assert os.path.basename(summary.newest(str(tmp_path), "metrics-*.md")) == "metrics-2026-11-30.md"
     assert summary.recorded_date(str(tmp_path / "metrics-notes.md")) is None
     assert re.fullmatch(r"\d{4}-\d\d-\d\d", summary.recorded_date(str(tmp_path / "metrics-2026-11-29.md")))
+
+
+def test_io_seq_block_says_warm_when_the_run_could_not_drop_the_cache():
+    src = json.loads((ROOT / "bench/results/2026-11-30-vm-io-quiet.json").read_text())
+    src["cold"] = False
+    assert "WARM reads" in rn.render_io_seq(src, "x.json")
+    src["cold"] = True
+    assert "page cache dropped before every read" in rn.render_io_seq(src, "x.json")
