@@ -70,8 +70,10 @@ def test_save_streams_swapped_state_without_materializing_it(tmp_path, one_threa
         path = engine.save_checkpoint(tmp_path / "ck")
         _, peak = _rss()
         growth = peak - before
-        # the writer's windows (3 x 8 MiB) and bookkeeping; materializing m and v would be >= 135 MB
-        assert growth < state_bytes / 4, (growth, state_bytes)
+        # the writer's windows (3 x 8 MiB) and bookkeeping; materializing m and v would be >= 135 MB.
+        # A third of the state: alone this measures ~25 MB, but two concurrent fresh-clone make tests (load 4)
+        # measured 40.7 MB (the concurrent window reads and the engine's copier threads' first allocations)
+        assert growth < state_bytes / 3, (growth, state_bytes)
         assert os.path.getsize(path) > state_bytes  # m and v (and the weights) are in the file
         expected = opt.state_dict()  # materialized, from the swap file: what the checkpoint must hold
     finally:
