@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dstrain.offload.swapper import ALIGN, STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
+from dstrain.offload.swapper import ALIGN, Lease, Swapper, SwapperStatistics, align_up, budget_buffers
 
 __all__ = ["GradStoreStatistics", "OffloadedGrads"]
 
@@ -63,9 +63,7 @@ class OffloadedGrads:
     def __init__(
         self, nvme_path: str, *, pinned_budget: int, buffer_count: int = 4, io_config: Any = None
     ) -> None:
-        room = pinned_budget - STAGING_BYTES
-        count = max(2, buffer_count) if room >= max(2, buffer_count) * 4 * ALIGN else 2
-        size = min(4 << 20, (room // count) // ALIGN * ALIGN)
+        count, size = budget_buffers(pinned_budget, max(2, buffer_count), 4 << 20)
         if size < 2 * ALIGN:
             from dstrain.errors import ConfigError
 

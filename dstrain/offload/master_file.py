@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dstrain.errors import ConfigError
-from dstrain.offload.swapper import ALIGN, STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
+from dstrain.offload.swapper import ALIGN, Lease, Swapper, SwapperStatistics, align_up, budget_buffers
 
 __all__ = ["MasterFile", "ShardStream"]
 
@@ -41,10 +41,8 @@ class MasterFile:
         buffer_count: int = 3,
         io_config: Any = None,
     ) -> None:
-        room = pinned_budget - STAGING_BYTES
-        if room < buffer_count * 4 * ALIGN:
-            buffer_count = 2  # small budgets: two buffers (one read ahead while one is stepped)
-        size = min(8 << 20, (room // buffer_count) // ALIGN * ALIGN)
+        # small budgets: two buffers (one read ahead while one is stepped)
+        buffer_count, size = budget_buffers(pinned_budget, buffer_count, 8 << 20)
         if size < 2 * ALIGN:
             raise ConfigError(
                 "zero_optimization.offload_pinned_bytes",

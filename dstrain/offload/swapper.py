@@ -46,6 +46,16 @@ STAGING_BYTES = 64 << 10
 """The handle's own staging pool: unused on the aligned path, but pinned, so counted."""
 
 
+def budget_buffers(pinned_budget: int, count: int, cap: int) -> tuple[int, int]:
+    """(count, bytes) of the swap buffers a store derives from ``pinned_budget`` (dsio's staging pool taken
+    out first): ``count`` buffers of up to ``cap`` bytes, page-aligned; two when the budget cannot give
+    ``count`` buffers of 4 pages. The caller refuses a size under 2 pages with its own `ConfigError`."""
+    room = pinned_budget - STAGING_BYTES
+    if room < count * 4 * ALIGN:
+        count = 2
+    return count, min(cap, (room // count) // ALIGN * ALIGN)
+
+
 def align_up(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
 
