@@ -97,3 +97,24 @@ def _close(engine: Any, optimizer: Any) -> None:
     engine.close()
     if hasattr(optimizer, "close"):
         optimizer.close()
+
+
+def rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                k, v = line.split(":")
+                out[k] = int(v.split()[0]) * 1024
+    return out["VmRSS"], out["VmHWM"]
+
+
+def reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

@@ -11,34 +11,13 @@ from typing import Any
 import pytest
 import torch
 from _dstrain_helpers import engine_losses, make_model
-from _offload_helpers import offload_config
+from _offload_helpers import offload_config, reset_peak, rss
 
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 
 import dstrain  # noqa: E402
 
 DIM = 1448  # ~16.9M parameters: Adam's m and v are ~135 MB
-
-
-def _rss() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                k, v = line.split(":")
-                out[k] = int(v.split()[0]) * 1024
-    return out["VmRSS"], out["VmHWM"]
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _engine(swap: str, device: str = "nvme", seed: int = 0) -> tuple[Any, Any]:
@@ -64,11 +43,11 @@ def test_save_streams_swapped_state_without_materializing_it(tmp_path, one_threa
         engine_losses(engine, 1)
         engine.save_checkpoint(tmp_path / "ck")  # the first save creates the I/O handle and the lock
         engine_losses(engine, 1, start=1)
-        if not _reset_peak():
+        if not reset_peak():
             pytest.skip("this kernel cannot reset VmHWM (/proc/self/clear_refs)")
-        before, _ = _rss()
+        before, _ = rss()
         path = engine.save_checkpoint(tmp_path / "ck")
-        _, peak = _rss()
+        _, peak = rss()
         growth = peak - before
         # the writer's windows (3 x 8 MiB) and bookkeeping; materializing m and v would be >= 135 MB.
         # A third of the state: alone this measures ~25 MB, but two concurrent fresh-clone make tests (load 4)
@@ -109,11 +88,11 @@ def test_load_streams_swapped_state_without_materializing_it(tmp_path, one_threa
     try:
         engine_losses(loaded, 1)  # swap buffers, I/O handles, the checkpoint store: all created
         loaded.load_checkpoint(tmp_path / "ck")  # the first load opens the directory's Checkpointer
-        if not _reset_peak():
+        if not reset_peak():
             pytest.skip("this kernel cannot reset VmHWM (/proc/self/clear_refs)")
-        before, _ = _rss()
+        before, _ = rss()
         loaded.load_checkpoint(tmp_path / "ck")
-        _, peak = _rss()
+        _, peak = rss()
         growth = peak - before
         assert loaded_opt.statistics().swapper.written_bytes >= state_bytes  # through the swap file
         got = loaded_opt.state_dict()["state"]

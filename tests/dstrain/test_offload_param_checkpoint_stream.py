@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from _dstrain_helpers import engine_losses, make_model
+from _offload_helpers import reset_peak, rss
 from _offload_param_helpers import param_config
 
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
@@ -40,35 +41,14 @@ def _engine(root: Path, *, dim: int, seed: int = 0, **offload: Any) -> Any:
     return engine
 
 
-def _rss() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                k, v = line.split(":")
-                out[k] = int(v.split()[0]) * 1024
-    return out["VmRSS"], out["VmHWM"]
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _load_growth(engine: Any, ckpt: Path) -> int:
     """Peak RSS growth of one ``load_checkpoint`` of the model's state (Adam's m and v, streamed by
     the optimizer, are left alone: their load is test_offload_checkpoint_stream's)."""
-    if not _reset_peak():
+    if not reset_peak():
         pytest.skip("this kernel cannot reset VmHWM (/proc/self/clear_refs)")
-    before, _ = _rss()
+    before, _ = rss()
     engine.load_checkpoint(ckpt, load_optimizer_states=False)
-    _, peak = _rss()
+    _, peak = rss()
     return peak - before
 
 
