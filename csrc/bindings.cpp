@@ -120,11 +120,14 @@ PYBIND11_MODULE(_C, m) {
       });
 
   py::class_<AlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
-      .def(py::init<size_t, bool>(), py::arg("nbytes"), py::arg("lock") = true)
+      .def(py::init<size_t, bool, bool>(), py::arg("nbytes"), py::arg("lock") = true,
+           py::arg("hugepage") = false)
       .def_property_readonly("ptr", [](const AlignedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_property_readonly("nbytes", &AlignedBuffer::size)
       .def_property_readonly("locked", &AlignedBuffer::locked)
       .def_property_readonly("lock_errno", &AlignedBuffer::lock_errno)
+      .def_property_readonly("hugepage", &AlignedBuffer::hugepage,
+                             "Whether the kernel accepted MADV_HUGEPAGE for the region (asked for, >= 2 MiB)")
       .def_buffer([](AlignedBuffer& b) -> py::buffer_info {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(b.size())}, {1});
