@@ -74,6 +74,21 @@ class MasterFile:
         first = lo - lo % ALIGN
         return first, align_up(lo + numel * _F32) - first, lo - first
 
+    @property
+    def path(self) -> str:
+        """The swap file."""
+        return self._live().path
+
+    def region(self, group: int) -> tuple[str, int, int]:
+        """(file, offset, bytes) of ``group``'s whole master in the swap file (for a checkpoint that
+        streams it: `SwappedMaster.checkpoint_master`)."""
+        return self.path, self._base[group], self._total[group] * _F32
+
+    def written_span(self, group: int, start: int, numel: int) -> tuple[int, int]:
+        """(file offset, bytes) that `store` writes for elements ``[start, start + numel)``."""
+        off, nbytes, _ = self._span(group, start, numel)
+        return off, nbytes
+
     def place(self, group: int, total: int, fill: Callable[[torch.Tensor, int], None]) -> None:
         """A region for ``group``'s ``total`` elements, written from ``fill(out, start)`` (elements
         ``[start, start + out.numel())`` of the initial master into ``out``)."""

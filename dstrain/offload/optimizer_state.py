@@ -57,8 +57,8 @@ def swapped_state(opt: OffloadAdam) -> dict[str, Any]:
 
 def touch_order(opt: OffloadAdam) -> list[list[Any]]:
     """What the next `step` changes, sub-group by sub-group in its order
-    (``dsio.checkpoint.MemorySpan`` / ``FileSpan`` sets): the master range (where it is in
-    memory) and the m, v slot of the swap file (with ``device="nvme"``)."""
+    (``dsio.checkpoint.MemorySpan`` / ``FileSpan`` sets): the master range (in memory, or in the
+    parameter store's file) and the m, v slot of the swap file (with ``device="nvme"``)."""
     from dsio.checkpoint import FileSpan, MemorySpan
 
     out = []
@@ -66,6 +66,8 @@ def touch_order(opt: OffloadAdam) -> list[list[Any]]:
         spans: list[Any] = []
         if opt._master is None:
             spans.append(MemorySpan.of(sg.param.detach().view(-1)[sg.start : sg.start + sg.numel]))
+        else:  # the master range in the parameter store's swap file (stage 3, params on NVMe)
+            spans.append(opt._master.master_span(sg.group, sg.master_start, sg.numel))
         if opt._swapper is not None:
             spans.append(FileSpan(opt._swapper.path, sg.offset, 2 * align_up(sg.numel * _F32)))
         elif sg.m is not None and sg.v is not None:

@@ -3,6 +3,11 @@
 sub-group by sub-group: at fp32 from the shard file (the master *is* the shard), at bf16/fp16 from
 the `MasterFile`, each stepped range then cast into the shard file (`ShardStream`).
 
+Checkpoints stream it: `checkpoint_master` hands the writer a lazy source over the master's file
+region (``dstrain.checkpoint.SwapRegions``, read after this store's master writes in flight), and
+`master_span` tells an async save which bytes each sub-group's step rewrites, so the step waits
+until the save has read them (``dstrain.checkpoint.gate``): the master is never read into memory.
+
 A mixin of `dstrain.offload.param_store.OffloadedShards` (its state is declared below), kept apart
 so that the store's module stays about the shards.
 """
@@ -14,11 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstrain.checkpoint.sources import SwapRegions
 from dstrain.offload.master_file import MasterFile, ShardStream
 from dstrain.offload.read_order import TraceReadAhead
 from dstrain.offload.swapper import ALIGN, Lease, Swapper
 
 if TYPE_CHECKING:
+    from dsio.checkpoint import FileSpan
     from dstrain.zero.stage3 import ShardGroup
 
 __all__ = ["SwappedMaster"]
@@ -40,6 +47,7 @@ class SwappedMaster:
     _master_reads: int
     _master_writes: int
     _shard_writes: int
+    _master_stores: list[concurrent.futures.Future[None]]
 
     def _span(self, group: ShardGroup, start: int, numel: int) -> tuple[int, int, int]:
         raise NotImplementedError
@@ -89,13 +97,16 @@ class SwappedMaster:
     def store_master(self, lease: Lease) -> concurrent.futures.Future[None]:
         """Write a stepped master range back (once per step) and return its buffer."""
         assert self._swapper is not None
-        if self._mfile is not None:
-            self._master_writes += 1
-            return self._mfile.store(lease)  # and the half-precision shard, via `_stream_shard`
-        key: Any = lease.key  # (group, file offset, bytes), set by fetch_master
-        off, nbytes = int(key[1]), int(key[2])
         self._master_writes += 1
-        return self._swapper.store_range(lease, off, nbytes)
+        if self._mfile is not None:
+            fut = self._mfile.store(lease)  # and the half-precision shard, via `_stream_shard`
+        else:
+            key: Any = lease.key  # (group, file offset, bytes), set by fetch_master
+            fut = self._swapper.store_range(lease, int(key[1]), int(key[2]))
+        # a checkpoint reads the master's region after these (`checkpoint_master`)
+        self._master_stores = [f for f in self._master_stores if not f.done()]
+        self._master_stores.append(fut)
+        return fut
 
     def discard_master(self, lease: Lease) -> concurrent.futures.Future[None]:
         """Hand a master buffer back unwritten."""
@@ -115,3 +126,34 @@ class SwappedMaster:
         self._shard_writes += stream.write(start, values)
         if stream.done:
             del self._streams[group]
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def master_span(self, group: int, start: int, numel: int) -> FileSpan:
+        """The file bytes `store_master` rewrites for master elements ``[start, start + numel)`` of
+        ``group`` (a touch span of the step: an async save that streams the master must have read
+        them before the step writes them)."""
+        from dsio.checkpoint import FileSpan
+
+        assert self._swapper is not None and self.holds_master
+        if self._mfile is not None:
+            off, nbytes = self._mfile.written_span(group, start, numel)
+            return FileSpan(self._mfile.path, off, nbytes)
+        off, nbytes, _ = self._span(self._groups[group], start, numel)
+        return FileSpan(self._swapper.path, off, nbytes)
+
+    def checkpoint_master(self, group: ShardGroup) -> torch.Tensor | SwapRegions:
+        """``group``'s fp32 master for a checkpoint: with `holds_master`, a lazy source over its
+        region of the shard file (fp32: the master is the shard) or of the master file (bf16/fp16),
+        read by the checkpoint writer a window at a time once this store's master writes in flight
+        are done, never materialized. The region must not change until the save has read it: the
+        optimizer's step waits per sub-group (`master_span`), any other change waits for staging."""
+        if not self.holds_master:
+            return group.master.detach()
+        assert self._swapper is not None
+        self._master_stores = [f for f in self._master_stores if not f.done()]
+        if self._mfile is not None:
+            path, off, nbytes = self._mfile.region(group.index)
+        else:
+            path, off, nbytes = self._swapper.path, self._base[group.index], group.total * 4
+        return SwapRegions([(path, off, nbytes)], torch.float32, (group.total,), after=self._master_stores)

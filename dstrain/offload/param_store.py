@@ -136,6 +136,7 @@ class OffloadedShards(SwappedMaster, ShardStore):
         self._stall = 0.0
         self._hits = self._misses = 0
         self._master_reads = self._master_writes = self._shard_writes = 0
+        self._master_stores: list[concurrent.futures.Future[None]] = []  # master writes in flight
         self.buffer_bytes = 0
         from dstrain.offload.metrics import register_offload
 

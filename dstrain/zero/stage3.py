@@ -271,11 +271,23 @@ class Stage3Zero(ZeroStrategy):
             g.master_grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's master partitions, in memory (read from the swap files where they live there)."""
+        return {**self._meta(), "master": [self.store.read_master(g) for g in self.groups]}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """`state_dict` for a checkpoint: a master the store keeps in a swap file (parameters and
+        optimizer state on NVMe) is a lazy source over that file (``dstrain.checkpoint.SwapRegions``),
+        streamed by the checkpoint writer a window at a time, never read into memory. The optimizer's
+        next step rewrites it sub-group by sub-group after the save has read each one (its touch
+        order names the master's file spans: ``dstrain.checkpoint.gate``)."""
+        return {**self._meta(), "master": [self.store.checkpoint_master(g) for g in self.groups]}
+
+    def _meta(self) -> dict[str, Any]:
+        """The state's entries other than the masters."""
         return {
             "stage": 3,
             "world_size": self.comm.world_size,
             "numels": [[u.layout.total for u in g.units] for g in self.groups],
-            "master": [self.store.read_master(g) for g in self.groups],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

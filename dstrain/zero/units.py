@@ -80,6 +80,11 @@ class ShardStore:
         """``group``'s fp32 master (for checkpoints)."""
         return group.master.detach()
 
+    def checkpoint_master(self, group: ShardGroup) -> Any:
+        """``group``'s fp32 master for a checkpoint: a tensor, or a lazy source over a file
+        (``dsio.checkpoint.LazyTensor``) that the checkpoint writer streams (an offloading store)."""
+        return self.read_master(group)
+
     def load_master(self, group: ShardGroup, fill: Callable[[torch.Tensor, int], None]) -> None:
         """Replace ``group``'s master and shards with the values ``fill(out, start)`` puts into
         ``out`` (master elements ``[start, start + out.numel())``; called with ranges in element

@@ -54,9 +54,10 @@ def _load_growth(engine: Any, ckpt: Path) -> int:
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_streamed_master_resumes_bitwise_in_every_param_offload_setting(tmp_path, one_thread, bf16) -> None:
-    """Saved with parameters and optimizer state on NVMe (the master in the swap files), loaded into
-    runs with the master in memory (no offload, shards on CPU, shards on NVMe) and in the files again:
-    each continues exactly as the uninterrupted run."""
+    """Saved with parameters and optimizer state on NVMe (the master streamed from the swap files),
+    synchronously and asynchronously (training goes on while the async save streams), loaded into
+    runs with the master in memory (no offload, shards on CPU, shards on NVMe) and in the files
+    again: each continues exactly as the uninterrupted run."""
     swap = tmp_path / "swap"
     swap.mkdir()
     both = {"param": "nvme", "optimizer": "nvme", "bf16": bf16}
@@ -69,6 +70,9 @@ def test_streamed_master_resumes_bitwise_in_every_param_offload_setting(tmp_path
     try:
         assert engine_losses(saver, 2) == whole[:2]
         saver.save_checkpoint(tmp_path / "ck")
+        saver.save_checkpoint(tmp_path / "ck-async", async_save=True)
+        assert engine_losses(saver, 2, start=2) == whole[2:]  # steps while (or after) it streams
+        assert saver.wait_checkpoint() is not None
     finally:
         saver.close()
     settings = {
@@ -77,21 +81,23 @@ def test_streamed_master_resumes_bitwise_in_every_param_offload_setting(tmp_path
         "param-nvme": {"param": "nvme", "bf16": bf16},
         "param+opt-nvme": both,
     }
-    for name, offload in settings.items():
-        engine = _engine(swap, dim=SMALL, seed=5, **offload)
-        try:
-            engine.load_checkpoint(tmp_path / "ck")
-            assert engine_losses(engine, 2, start=2) == whole[2:], name
-            if name == "param+opt-nvme":
-                stats = engine.zero.store.statistics()
-                assert stats.holds_master
-                master_bytes = 4 * sum(g.total for g in engine.zero.groups)
-                # the load wrote the master through the swap files, nothing of it stays in memory
-                written = (stats.master_swapper or stats.swapper).written_bytes
-                assert written >= master_bytes
-                assert sum(g.master.untyped_storage().nbytes() for g in engine.zero.groups) == 0
-        finally:
-            engine.close()
+    for ckpt in ("ck", "ck-async"):
+        for name, offload in settings.items():
+            engine = _engine(swap, dim=SMALL, seed=5, **offload)
+            try:
+                engine.load_checkpoint(tmp_path / ckpt)
+                assert engine.global_steps == 2
+                assert engine_losses(engine, 2, start=2) == whole[2:], (ckpt, name)
+                if name == "param+opt-nvme":
+                    stats = engine.zero.store.statistics()
+                    assert stats.holds_master
+                    master_bytes = 4 * sum(g.total for g in engine.zero.groups)
+                    # the load wrote the master through the swap files, nothing of it stays in memory
+                    written = (stats.master_swapper or stats.swapper).written_bytes
+                    assert written >= master_bytes
+                    assert sum(g.master.untyped_storage().nbytes() for g in engine.zero.groups) == 0
+            finally:
+                engine.close()
 
 
 def _master_span(ckpt: Path) -> tuple[Path, int, int]:
