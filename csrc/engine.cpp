@@ -1,25 +1,18 @@
 #include "engine.hpp"
 
-#include "copy.hpp"
+#include "clock.hpp"
 #include "cuda.hpp"
 
 #include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstring>
 #include <stdexcept>
 #include <system_error>
 
 namespace dsio {
 namespace {
-
-uint64_t now_ns() {
-  return static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-          .count());
-}
 
 int bucket_for(uint64_t ns) {
   uint64_t us = ns / 1000;
@@ -320,66 +313,6 @@ void Engine::piece_done(Request* r, int64_t res, const Slot& s) {
     qcv_.notify_all();
   }
   if (r->outstanding.fetch_sub(1) == 1) finish(r);
-}
-
-void Engine::defer_copy(const Slot& s, int64_t res) {
-  size_t backlog;
-  {
-    std::lock_guard<std::mutex> g(kmu_);
-    if (copiers_.size() < copy_threads_.load() && !copier_stop_) {
-      unsigned idx = static_cast<unsigned>(copiers_.size());
-      copiers_.emplace_back([this, idx] { run_copier(idx); });
-    }
-    copyq_.push_back(CopyJob{s, res});
-    backlog = copyq_.size();
-  }
-  // All, not one: a parked copier (index >= copy_threads) would swallow a lone notification.
-  kcv_.notify_all();
-  uint64_t seen = copy_backlog_max_.load(std::memory_order_relaxed);
-  while (backlog > seen && !copy_backlog_max_.compare_exchange_weak(seen, backlog)) {
-  }
-}
-
-// The copier thread: copies each staged read piece from its staging buffer to the caller's
-// memory (GIL-free), then completes the piece (returning a ring slot to the next piece). The
-// workers never wait for it: they keep every free slot in flight while it copies.
-void Engine::run_copier(unsigned idx) {
-  for (;;) {
-    CopyJob j;
-    {
-      std::unique_lock<std::mutex> lk(kmu_);
-      // Copier idx works while idx < copy_threads (copier 0 always drains what was queued).
-      kcv_.wait(lk, [&] { return copier_stop_ || (!copyq_.empty() && (idx == 0 || idx < copy_threads_.load())); });
-      if (copyq_.empty()) return;  // stopping and drained
-      j = copyq_.front();
-      copyq_.pop_front();
-    }
-    // Every piece read in full is copied, even when another piece of its request failed: the
-    // caller gets the bytes that did arrive (a short read's prefix), as before the copier.
-    copy_out(j.slot, kCopierThread);
-    piece_done(j.slot.req, j.res, j.slot);
-  }
-}
-
-void Engine::set_copy_threads(unsigned n) {
-  {
-    std::lock_guard<std::mutex> g(kmu_);
-    copy_threads_.store(n);
-  }
-  kcv_.notify_all();
-}
-
-void Engine::copy_out(const Slot& s, int thread) {
-  trace(kTraceCopyStart, thread, s.pos);
-  uint64_t t0 = now_ns();
-  if (copy_streaming_.load(std::memory_order_relaxed))
-    copy_stream(s.req->copy_dst + s.pos, s.start, s.full);
-  else
-    std::memcpy(s.req->copy_dst + s.pos, s.start, s.full);
-  copies_.fetch_add(1, std::memory_order_relaxed);
-  copy_bytes_.fetch_add(s.full, std::memory_order_relaxed);
-  copy_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-  trace(kTraceCopyEnd, thread, s.pos);
 }
 
 void Engine::trace(int kind, int thread, uint64_t pos) {
