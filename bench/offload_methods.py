@@ -118,6 +118,9 @@ class Method:
     impl: str
     optimizer: str
     param: str = "none"
+    step_in_backward: bool = True
+    """dstrain: ``offload_optimizer.step_in_backward`` (sub-groups stepped during backward where
+    legal); False is the same run with every sub-group stepped in ``engine.step()``."""
 
     def __post_init__(self) -> None:
         if self.impl not in ("dstrain", "deepspeed"):
@@ -133,9 +136,10 @@ class Method:
 
     @property
     def label(self) -> str:
+        late = "" if self.step_in_backward else " (stepped after backward)"
         if self.param == "none":
-            return f"{self.impl} optimizer {self.optimizer}"
-        return f"{self.impl} param {self.param} + optimizer {self.optimizer}"
+            return f"{self.impl} optimizer {self.optimizer}{late}"
+        return f"{self.impl} param {self.param} + optimizer {self.optimizer}{late}"
 
 
 def _m(name: str, optimizer: str, param: str = "none") -> Method:
@@ -148,6 +152,7 @@ METHODS: dict[str, Method] = {
         _m("dstrain-none", "none"),
         _m("dstrain-cpu", "cpu"),
         _m("dstrain-nvme", "nvme"),
+        dataclasses.replace(_m("dstrain-nvme-late", "nvme"), step_in_backward=False),
         _m("dstrain-param-cpu", "cpu", "cpu"),
         _m("dstrain-paramopt-nvme", "nvme", "nvme"),
         _m("deepspeed-none", "none"),
@@ -159,7 +164,9 @@ METHODS: dict[str, Method] = {
 the weights to bf16 at initialize (anchors/ds_param_nvme_rounding.py), below ``max_in_cpu`` (1e9
 parameters) it silently keeps them in memory, and with ``max_in_cpu: 0`` its prefetcher asserts."""
 
-DEFAULT_METHODS = list(METHODS)
+DEFAULT_METHODS = [m for m in METHODS if m != "dstrain-nvme-late"]
+"""What a plain run measures; ``dstrain-nvme-late`` (stepping during backward off, the before/after
+of `dstrain.offload.early_step`) runs when named in ``--methods``."""
 
 
 def expected_bytes(

@@ -91,6 +91,8 @@ def summarize(runs: list[dict[str, Any]], probes: list[dict[str, Any]]) -> dict[
             hits = sum(x["hits"] for r in ok for x in r["ranks"])
             misses = sum(x["misses"] for r in ok for x in r["ranks"])
             row["prefetch_hit_rate"] = hits / (hits + misses) if hits + misses else None
+            early = sum(x.get("stepped_in_backward", 0) for r in ok for x in r["ranks"])
+            row["stepped_in_backward"] = early / (hits + misses) if hits + misses else None
             row["pinned_bytes"] = max(x["pinned_bytes"] for x in ok[0]["ranks"])
         if "disk_read_bytes_per_step" in r0:
             row["disk_bytes_per_step"] = {
@@ -168,12 +170,12 @@ def render(meta: dict[str, Any], summary: dict[str, Any]) -> str:
             f"pinned budget {(meta.get('pinned') or sh.pinned) / 2**20:.0f} MiB per rank.",
             "",
             "| method | step s | peak RSS MiB (max rank) | swapped per step, measured (both ranks) | expected | "
-            "I/O floor s | stall fraction | prefetch hits |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "I/O floor s | stall fraction | prefetch hits | stepped in backward |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for m, row in rows.items():
             if "error" in row:
-                lines.append(f"| {m} | failed: `{row['error']}` | | | | | | |")
+                lines.append(f"| {m} | failed: `{row['error']}` | | | | | | | |")
                 continue
             swap = row.get("swap_bytes_per_step")
             if swap:
@@ -186,10 +188,11 @@ def render(meta: dict[str, Any], summary: dict[str, Any]) -> str:
             expected = _mb(row["expected_bytes_per_step"]) if row["expected_bytes_per_step"] else ""
             floor = f"{row['io_floor_s']:.3f}" if "io_floor_s" in row else ""
             hit = row.get("prefetch_hit_rate")
+            early = row.get("stepped_in_backward")
             lines.append(
                 f"| {m} | {_fmt(row['step_s'], '.3f')} | {_fmt(row['peak_rss_mib'], '.0f')} | {measured} | "
                 f"{expected} | {floor} | {_fmt(row.get('stall_fraction'), '.2f')} | "
-                f"{'' if hit is None else f'{hit:.0%}'} |"
+                f"{'' if hit is None else f'{hit:.0%}'} | {'' if early is None else f'{early:.0%}'} |"
             )
         for m, row in rows.items():
             d = row.get("disk_bytes_per_step")
@@ -266,6 +269,21 @@ def targets(summary: dict[str, Any], shape: str) -> list[str]:
         out.append(line)
     else:
         out.append("- dstrain NVMe / dstrain CPU step: not measured in this run")
+    late = get("dstrain-nvme-late")
+    if late and dc:
+        line = (
+            f"- the same NVMe run with every sub-group stepped after backward (step_in_backward false): "
+            f"NVMe / CPU {late['step_s'][0] / dc['step_s'][0]:.2f}, stall fraction "
+            f"{_fmt(late.get('stall_fraction'), '.2f')}, prefetch hits "
+            f"{_pct(late.get('prefetch_hit_rate'))}"
+        )
+        if dn:
+            line += (
+                f" (stepping during backward: {dn['step_s'][0] / dc['step_s'][0]:.2f}, stall fraction "
+                f"{_fmt(dn.get('stall_fraction'), '.2f')}, prefetch hits "
+                f"{_pct(dn.get('prefetch_hit_rate'))})"
+            )
+        out.append(line)
     if dc and sc:
         ratio = sc["step_s"][0] / dc["step_s"][0]
         line = f"- dstrain CPU-offload vs DeepSpeed CPU-offload: {ratio:.2f}x (target >= 1.0: {'met' if ratio >= 1.0 else 'MISSED'})"
@@ -278,6 +296,10 @@ def targets(summary: dict[str, Any], shape: str) -> list[str]:
     else:
         out.append("- dstrain CPU-offload vs DeepSpeed CPU-offload: not measured in this run")
     return out
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x:.0%}"
 
 
 def _nvme_limit(row: dict[str, Any], disk: dict[str, Any] | None) -> str:

@@ -112,6 +112,8 @@ def offload_counters(*sources: Any) -> dict[str, float] | None:
         out["stall_s"] += float(s.stall_seconds)
         out["hits"] += int(s.prefetch_hits)
         out["misses"] += int(s.prefetch_misses)
+        if hasattr(s, "stepped_in_backward"):  # sub-groups stepped during backward (early_step)
+            out["in_backward"] = out.get("in_backward", 0) + int(s.stepped_in_backward)
     return out
 
 
@@ -128,6 +130,7 @@ def _delta(a: dict[str, float] | None, b: dict[str, float] | None, k: int) -> di
         "stall_s_per_step": (b["stall_s"] - a["stall_s"]) / k,
         "hits": b["hits"] - a["hits"],
         "misses": b["misses"] - a["misses"],
+        "stepped_in_backward": b.get("in_backward", 0) - a.get("in_backward", 0),
         "pinned_bytes": b["pinned_bytes"],
     }
 
@@ -142,6 +145,8 @@ def ds_config(shape: Shape, method: Method, nvme_dir: str, pinned: int) -> dict[
         zero["offload_optimizer"] = {"device": "cpu"}
     elif method.optimizer == "nvme":
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 4}
+    if method.impl == "dstrain" and not method.step_in_backward:
+        zero["offload_optimizer"]["step_in_backward"] = False
     if method.param == "cpu":
         zero["offload_param"] = {"device": "cpu"}
     elif method.param == "nvme":

@@ -161,6 +161,8 @@ def build_stepper(zero: ZeroStrategy, config: DSConfig, client: ClientOptimizer 
             pinned_budget=zc.offload_pinned_bytes,
             aio=config.aio,
             zero=zero,  # stage 3 with parameters on NVMe: the master may live in its shard file
+            gradient_clipping=config.gradient_clipping,  # with fp16: whether sub-groups may step in backward
+            precision=config.precision,
         )
     if client is None and config.optimizer is not None and config.optimizer.name in _ONEBIT:
         from dstrain.onebit.room import build_stepper as onebit_stepper

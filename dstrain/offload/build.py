@@ -10,10 +10,18 @@ import torch
 
 from dstrain.errors import ConfigError, NotImplementedConfigError
 from dstrain.offload.config import OffloadOptimizerConfig, check_nvme_path
+from dstrain.offload.early_step import KEY as EARLY_KEY
+from dstrain.offload.early_step import EarlyStep
 from dstrain.offload.optimizer import CUT, OffloadAdam
 from dstrain.zero.flat import STEP_CHUNK
 
-__all__ = ["build_offload_optimizer", "build_param_store", "io_config_from", "remaining_budget"]
+__all__ = [
+    "build_offload_optimizer",
+    "build_param_store",
+    "early_step_legal",
+    "io_config_from",
+    "remaining_budget",
+]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +89,8 @@ def build_offload_optimizer(
     pinned_budget: int = 1 << 30,
     aio: Any = None,
     zero: Any = None,
+    gradient_clipping: float = 0.0,
+    precision: str = "fp32",
 ) -> OffloadAdam:
     """An `OffloadAdam` over the ZeRO strategy's master ``param_groups``, as ``offload`` says.
 
@@ -88,6 +98,10 @@ def build_offload_optimizer(
     allocated. ``zero``: the strategy; where its parameter store holds the fp32 master (stage 3,
     parameters and optimizer on NVMe), the optimizer reads and writes the master through it, and
     the store's pinned bytes come out of ``pinned_budget``.
+
+    Where legal (`early_step_legal`: stage 3, master and gradients in memory, no clipping, not
+    fp16) and ``offload.step_in_backward`` is on, sub-groups are stepped during the boundary
+    backward as their gradients become final (`dstrain.offload.early_step.EarlyStep`).
     """
     if not offload.enabled:
         raise ValueError("build_offload_optimizer needs offload_optimizer.device 'cpu' or 'nvme'")
@@ -104,7 +118,7 @@ def build_offload_optimizer(
     grad_store = getattr(store, "grads", None)  # gradients on NVMe (the budget could not hold them)
     if grad_store is not None:
         sub_group_size = min(int(sub_group_size), grad_store.max_numel)
-    return OffloadAdam(
+    optimizer = OffloadAdam(
         param_groups,
         master_store=master_store,
         grad_store=grad_store,
@@ -116,6 +130,34 @@ def build_offload_optimizer(
         io_config=io_config_from(aio) if offload.device == "nvme" else None,
         **settings,
     )
+    why_not = early_step_legal(offload, zero, master_store, grad_store, gradient_clipping, precision)
+    if why_not is None:
+        optimizer.attach_early_step(EarlyStep(optimizer, zero))
+    else:
+        log.info("%s: sub-groups are stepped in engine.step(), not during backward: %s", _FIELD, why_not)
+    return optimizer
+
+
+def early_step_legal(
+    offload: OffloadOptimizerConfig,
+    zero: Any,
+    master_store: Any,
+    grad_store: Any,
+    gradient_clipping: float,
+    precision: str,
+) -> str | None:
+    """None when sub-groups may be stepped during backward, else why not (logged)."""
+    if not offload.step_in_backward:
+        return f"{EARLY_KEY} is false"
+    if not callable(getattr(zero, "on_unit_reduced", None)):
+        return "only ZeRO stage 3 reduces each unit's gradient during backward"
+    if master_store is not None or grad_store is not None:
+        return "the master or the gradients are swapped (they are read inside the step)"
+    if gradient_clipping > 0:
+        return "gradient_clipping needs the global norm of every gradient first"
+    if precision == "fp16":
+        return "fp16's overflow check needs every gradient first"
+    return None
 
 
 def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> Any:

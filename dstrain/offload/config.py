@@ -62,11 +62,17 @@ class OffloadOptimizerConfig:
     """Accepted for compatibility: dstrain writes the initial state with dsio, already fast."""
     ratio: float = 1.0
     """Fraction of the optimizer step done on CPU (DeepSpeed's partial offload); only 1.0 is implemented."""
+    step_in_backward: bool = True
+    """dstrain extension: at stage 3, step each sub-group during the accumulation boundary's
+    backward as soon as its gradient is final, its state read ahead in the order backward finishes
+    the gradients (`dstrain.offload.early_step`); bitwise the same result. Used only where legal:
+    no gradient clipping, no fp16, master and gradients in memory; ``false`` steps everything in
+    ``engine.step()``."""
 
     def __post_init__(self) -> None:
         p = "zero_optimization.offload_optimizer"
         _check_common(p, self.device, self.nvme_path, self.pin_memory, self.buffer_count)
-        for name in ("pipeline_read", "pipeline_write", "fast_init"):
+        for name in ("pipeline_read", "pipeline_write", "fast_init", "step_in_backward"):
             check_bool(p, name, getattr(self, name))
         check_float(p, "ratio", self.ratio, min_value=0.0, max_value=1.0)
         if self.ratio != 1.0:

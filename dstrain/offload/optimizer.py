@@ -15,6 +15,11 @@ Where the state lives:
   writes drain, which need no gradients) during the next forward and backward. The training
   thread waits only when a read is truly late; that wait is `stall_seconds`.
 
+Stepping during backward (`dstrain.offload.early_step`, stage 3 where legal): sub-groups whose
+gradients are final are stepped from the boundary backward (`step_ready`, never waiting for a
+read), and the step order (so the read order) becomes the order in which the last backward
+finished them, so the reads and write-backs run during backward; `step` steps the rest.
+
 The fp32 master itself is the ZeRO strategy's tensor: at fp32 it *is* the model's parameter
 storage, so swapping it would only add a second copy of bytes already in memory (except with
 parameters on NVMe too, where the master is the shard in the parameter file, `master_store`).
@@ -34,19 +39,21 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dstrain.errors import ConfigError, NotImplementedConfigError
 from dstrain.offload.device_copy import DeviceStager
+from dstrain.offload.early_step import KEY as EARLY_KEY
+from dstrain.offload.early_step import EarlyStep, EarlyStepError
 from dstrain.offload.optimizer_state import (
     groups_state,
     load_adam_state,
     swapped_state,
     touch_order,
 )
+from dstrain.offload.optimizer_stats import OffloadOptimizerStatistics
 from dstrain.offload.sub_groups import CUT, SubGroup, plan_sub_groups
 from dstrain.offload.swapper import STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
 
@@ -55,27 +62,6 @@ __all__ = ["CUT", "OffloadAdam", "OffloadOptimizerStatistics", "plan_sub_groups"
 log = logging.getLogger(__name__)
 
 _F32 = 4
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadOptimizerStatistics:
-    """Swap and stall counters of one rank's offloaded optimizer."""
-
-    device: str
-    sub_groups: int
-    sub_group_numel: int
-    steps: int
-    stall_seconds: float
-    """Training-thread time spent waiting for swapped-in state that was not there yet."""
-    step_seconds: float
-    """Time inside `OffloadAdam.step` (the stalls included)."""
-    prefetch_hits: int
-    """Sub-groups whose state was already in memory when the step reached them."""
-    prefetch_misses: int
-    pinned_budget: int
-    pinned_bytes: int
-    """Pinned bytes allocated for this optimizer's swapping (never above ``pinned_budget``)."""
-    swapper: SwapperStatistics | None
 
 
 class OffloadAdam(torch.optim.Optimizer):
@@ -181,7 +167,17 @@ class OffloadAdam(torch.optim.Optimizer):
             for sg in self._subs:
                 sg.m = torch.zeros(sg.numel, dtype=torch.float32)
                 sg.v = torch.zeros(sg.numel, dtype=torch.float32)
-        self._ahead: deque[list[Any]] = deque()  # [sub-group, state lease future, master future]
+        self._ahead: deque[list[Any]] = deque()  # [sub-group, state lease future, master future, grad future]
+        self._order: list[SubGroup] = list(self._subs)  # the step's (and the reads') order
+        self._next = 0  # position in `_order` of the next read to submit
+        self._stepped: set[int] = set()  # sub-groups stepped in the optimizer step under way
+        self._begun = False  # the step under way has stepped its first sub-group
+        self._hyper: list[tuple[Any, ...]] = []  # hyperparameters the step under way began with
+        self._early: EarlyStep | None = None  # stepping during backward (dstrain.offload.early_step)
+        self._hold_early = False  # an async save gates the next step: no stepping during its backward
+        self._touch_pos: dict[int, int] = {}  # sub-group -> its touch set in the last touch order
+        self._early_steps = 0
+        self._early_s = 0.0
         self._stores: list[concurrent.futures.Future[None]] = []  # the last step's writes
         self._gate: Callable[[int], float] | None = None  # an async save's wait, lent for one step
         self._stall = self._step_s = 0.0
@@ -212,16 +208,15 @@ class OffloadAdam(torch.optim.Optimizer):
     def _lookahead(self) -> int:
         return self._swapper._buffers if self._swapper is not None else 0
 
-    def _top_up(self, order: list[SubGroup], pos: int) -> None:
-        """Keep reads submitted for the sub-groups after ``pos`` (as many as there are buffers)."""
+    def _top_up(self) -> None:
+        """Keep reads submitted for the next sub-groups of the step order not stepped yet (one per
+        buffer). Every sub-group before ``_next`` in the order is either stepped or in ``_ahead``."""
         assert self._swapper is not None
-        queued = {entry[0].index for entry in self._ahead}
-        nxt = pos + len(self._ahead)
-        while len(self._ahead) < self._lookahead and nxt < len(order):
-            sg = order[nxt]
-            if sg.index not in queued:
+        while len(self._ahead) < self._lookahead and self._next < len(self._order):
+            sg = self._order[self._next]
+            self._next += 1
+            if sg.index not in self._stepped:
                 self._ahead.append([sg, self._swapper.fetch(sg.index), None, None])
-            nxt += 1
         if self._grads is not None and self._in_step:  # gradients are final only once the step runs
             for entry in self._ahead:
                 if entry[3] is None:
@@ -237,9 +232,11 @@ class OffloadAdam(torch.optim.Optimizer):
     def _take(self, sg: SubGroup) -> tuple[Lease, Any, Any]:
         """The sub-group's state lease, its (master lease, master view) when the master is swapped,
         and its (gradient lease, gradient view) when the gradients are."""
-        if not self._ahead or self._ahead[0][0] is not sg:
+        at = next((i for i, entry in enumerate(self._ahead) if entry[0] is sg), None)
+        if at is None:
             raise RuntimeError("offload read-ahead out of order")  # a bug, never user input
-        _, fut, mfut, gfut = self._ahead.popleft()
+        _, fut, mfut, gfut = self._ahead[at]
+        del self._ahead[at]
         if gfut is not None:
             self._grads.took(gfut)
         futs = [f for f in (fut, mfut, gfut) if f is not None]
@@ -259,80 +256,168 @@ class OffloadAdam(torch.optim.Optimizer):
     # -- the Stepper surface ------------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Start reading the next step's first sub-groups (called during the boundary backward)."""
-        if self._swapper is not None and not self._ahead:
-            self._top_up(self._subs, 0)
+        """Start reading the next step's first sub-groups (called during the boundary backward);
+        with stepping during backward composed (`dstrain.offload.early_step`), arm it."""
+        if self._swapper is not None:
+            self._top_up()
+        if self._early is not None and not self._hold_early:
+            self._early.arm()
+
+    @property
+    def steps_in_backward(self) -> bool:
+        """Whether sub-groups are stepped during the boundary backward (`dstrain.offload.early_step`)."""
+        return self._early is not None
+
+    def attach_early_step(self, early: EarlyStep) -> None:
+        """Let ``early`` step sub-groups during the boundary backward (`step_ready`)."""
+        self._early = early
+
+    def stepped(self, index: int) -> bool:
+        """Whether sub-group ``index`` is already stepped in the optimizer step under way."""
+        return index in self._stepped
+
+    def _hyperparameters(self) -> list[tuple[Any, ...]]:
+        return [(g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in self.param_groups]
+
+    def _begin(self) -> None:
+        """Before the first sub-group of an optimizer step: count the step (the fused kernel reads
+        it), forget the last step's writes."""
+        if self._begun:
+            return
+        self._begun = True
+        for st in self._steps:
+            st.add_(1)
+        self._stores = []
+        self._hyper = self._hyperparameters()
+
+    def _step_one(self, sg: SubGroup, gate: Callable[[int], float] | None) -> None:
+        """One Adam(W) step of ``sg``: take its state (waiting if the read is late), step, write back."""
+        g = self.param_groups[sg.group]
+        lease = master = swapped = None
+        if self._swapper is not None:
+            lease, master, swapped = self._take(sg)
+            self._top_up()
+            m, v = self._views(lease, sg)
+        else:
+            assert sg.m is not None and sg.v is not None
+            m, v = sg.m, sg.v
+        if swapped is not None:  # the gradient range as read from the gradient file
+            grad = swapped[1]
+            p = (
+                master[1]
+                if master is not None
+                else sg.param.detach().view(-1)[sg.start : sg.start + sg.numel]
+            )
+        elif master is not None:  # the fp32 master range as read from the parameter file
+            p, grad = master[1], sg.grad_slice()
+        else:
+            p, grad = sg.slices()
+        # one path for every device: state (and a swapped master) to the gradient's device,
+        # stepped there by that device's fused kernel, copied back (nothing moves on a CPU run)
+        if gate is not None:  # an async save may still be reading this sub-group's bytes
+            gate(self._touch_pos.get(sg.index, sg.index))
+        p_d, m_d, v_d = self._stager.to_device(grad.device, [p, m, v])
+        beta1, beta2 = g["betas"]
+        kernel = torch._fused_adamw_ if self.adamw else torch._fused_adam_
+        kernel(
+            [p_d],
+            [grad],
+            [m_d],
+            [v_d],
+            [],
+            [self._steps[sg.group]],
+            lr=float(g["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            weight_decay=float(g["weight_decay"]),
+            eps=float(g["eps"]),
+            amsgrad=False,
+            maximize=False,
+        )
+        self._stager.back([(p, p_d), (m, m_d), (v, v_d)])
+        if swapped is not None:
+            self._grads.discard(swapped[0])  # read-only: back to the pool unwritten
+        if master is not None:
+            self._stores.append(self._master.store_master(master[0]))  # written once per step
+        if lease is not None:
+            assert self._swapper is not None
+            self._stores.append(self._swapper.store(lease))
+        self._stepped.add(sg.index)
+
+    @torch.no_grad()
+    def step_ready(self, ready: set[int]) -> int:
+        """During the boundary backward: step the sub-groups of ``ready`` (indices whose gradients
+        are final) whose state is already in memory, without waiting for any read; returns how
+        many were stepped. `step` steps the rest."""
+        t0 = time.perf_counter()
+        done = 0
+        if self._swapper is None:
+            for sg in self._order:
+                if sg.index in ready and sg.index not in self._stepped:
+                    self._begin()
+                    self._step_one(sg, None)
+                    done += 1
+        else:
+            while True:
+                entry = next(
+                    (
+                        e
+                        for e in self._ahead
+                        if e[0].index in ready and e[1].done() and e[2] is None and e[3] is None
+                    ),
+                    None,
+                )
+                if entry is None:
+                    break
+                self._begin()
+                self._step_one(entry[0], None)  # its reads are done: a hit, no wait
+                done += 1
+        self._early_steps += done
+        self._early_s += time.perf_counter() - t0
+        return done
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        """One Adam(W) step of every sub-group, in order, swapping state in and out around it."""
+        """One Adam(W) step of every sub-group not yet stepped during backward, in the step order,
+        swapping state in and out around it."""
         if closure is not None:
             raise NotImplementedError("OffloadAdam.step takes no closure")
         t0 = time.perf_counter()
-        for st in self._steps:
-            st.add_(1)
-        kernel = torch._fused_adamw_ if self.adamw else torch._fused_adam_
         gate, self._gate = self._gate, None
+        if self._begun and self._hyperparameters() != self._hyper:
+            raise EarlyStepError(
+                f"param_groups' lr/betas/eps/weight_decay changed between backward and step, after "
+                f"{len(self._stepped)} sub-group(s) were stepped during backward with the old values; "
+                f"change them after step(), or set {EARLY_KEY} to false"
+            )
+        self._begin()
         self._in_step = True
         if self._swapper is not None:
-            self.prepare()
-            self._top_up(self._subs, 0)  # master reads of the sub-groups already read ahead
-        self._stores = []
-        for pos, sg in enumerate(self._subs):
-            g = self.param_groups[sg.group]
-            lease = master = swapped = None
-            if self._swapper is not None:
-                lease, master, swapped = self._take(sg)
-                self._top_up(self._subs, pos + 1)
-                m, v = self._views(lease, sg)
-            else:
-                assert sg.m is not None and sg.v is not None
-                m, v = sg.m, sg.v
-            if swapped is not None:  # the gradient range as read from the gradient file
-                grad = swapped[1]
-                p = (
-                    master[1]
-                    if master is not None
-                    else sg.param.detach().view(-1)[sg.start : sg.start + sg.numel]
-                )
-            elif master is not None:  # the fp32 master range as read from the parameter file
-                p, grad = master[1], sg.grad_slice()
-            else:
-                p, grad = sg.slices()
-            # one path for every device: state (and a swapped master) to the gradient's device,
-            # stepped there by that device's fused kernel, copied back (nothing moves on a CPU run)
-            if gate is not None:  # an async save may still be reading this sub-group's bytes
-                gate(pos)
-            p_d, m_d, v_d = self._stager.to_device(grad.device, [p, m, v])
-            beta1, beta2 = g["betas"]
-            kernel(
-                [p_d],
-                [grad],
-                [m_d],
-                [v_d],
-                [],
-                [self._steps[sg.group]],
-                lr=float(g["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                weight_decay=float(g["weight_decay"]),
-                eps=float(g["eps"]),
-                amsgrad=False,
-                maximize=False,
-            )
-            self._stager.back([(p, p_d), (m, m_d), (v, v_d)])
-            if swapped is not None:
-                self._grads.discard(swapped[0])  # read-only: back to the pool unwritten
-            if master is not None:
-                self._stores.append(self._master.store_master(master[0]))  # written once per step
-            if lease is not None:
-                assert self._swapper is not None
-                self._stores.append(self._swapper.store(lease))
+            self._top_up()  # (and the master / gradient reads of the sub-groups already read ahead)
+        for sg in self._order:
+            if sg.index not in self._stepped:
+                self._step_one(sg, gate)
         self._in_step = False
         self._count += 1
+        self._begun = False
+        self._stepped.clear()
+        self._touch_pos = {}
+        self._hold_early = False
+        self._next = 0
+        if self._early is not None:
+            order = self._early.finish()
+            if order is not None:  # read the next step's state in the order backward finishes it
+                self._order = [self._subs[i] for i in order]
         if self._swapper is not None:
-            self._top_up(self._subs, 0)  # next step's first reads: they run during forward/backward
+            self._top_up()  # next step's first reads: they run during forward/backward
         self._step_s += time.perf_counter() - t0
+
+    def _between_steps(self, what: str) -> None:
+        if self._stepped:
+            raise EarlyStepError(
+                f"{what} between backward and step: {len(self._stepped)} sub-group(s) are already "
+                f"stepped during backward; call it after engine.step(), or set {EARLY_KEY} to false"
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: the gradients are the ZeRO strategy's buffers, zeroed by the engine after
@@ -342,6 +427,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def _cancel_ahead(self) -> None:
         """Hand back read-ahead buffers unused (before state is replaced or read another way)."""
         assert self._swapper is not None
+        self._next = 0  # between steps: nothing stepped, the next reads start at the order's head
         while self._ahead:
             _, fut, mfut, gfut = self._ahead.popleft()
             self._swapper.discard(fut.result())
@@ -353,6 +439,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _state_of(self, sgs: list[SubGroup]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of (m, v) of ``sgs``."""
+        self._between_steps("reading the optimizer state")
         if self._swapper is None:
             return [(sg.m.clone(), sg.v.clone()) for sg in sgs]  # type: ignore[union-attr]
         self._cancel_ahead()
@@ -370,6 +457,7 @@ class OffloadAdam(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         index = {id(p): i for i, p in enumerate(params)}
         state: dict[int, dict[str, torch.Tensor]] = {}
+        self._between_steps("state_dict")
         if self._count:
             for sg, (m, v) in zip(self._subs, self._state_of(self._subs), strict=True):
                 i = index[id(sg.param)]
@@ -389,12 +477,17 @@ class OffloadAdam(torch.optim.Optimizer):
         """`state_dict` for a checkpoint: with ``device="nvme"`` each ``exp_avg`` / ``exp_avg_sq`` is
         a lazy source over its slots of the swap file, streamed by the writer once this step's swap
         writes are done (`dstrain.offload.optimizer_state.swapped_state`)."""
+        self._between_steps("checkpoint_state")
         return swapped_state(self)
 
     def checkpoint_touch_order(self) -> list[list[Any]]:
         """What the next `step` changes, per sub-group in its order (``dsio.checkpoint`` spans: the
-        master range where it is in memory, the m, v slot of the swap file)."""
-        return touch_order(self)
+        master range where it is in memory, the m, v slot of the swap file). The save that asks
+        gates the next step, which therefore steps nothing during its backward."""
+        sets = touch_order(self)  # one per sub-group, by index
+        self._touch_pos = {sg.index: i for i, sg in enumerate(self._order)}
+        self._hold_early = True
+        return [sets[sg.index] for sg in self._order]
 
     def gate_next_step(self, wait: Callable[[int], float]) -> None:
         """Make the next `step` call ``wait(i)`` before it changes the bytes of touch set ``i`` of
@@ -415,6 +508,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's Adam format (from this optimizer or a non-offloaded one); ``exp_avg`` and
         ``exp_avg_sq`` may also be lazy sources (`load_checkpoint_state`)."""
+        self._between_steps("load_state_dict")
         load_adam_state(self, state_dict)
 
     def statistics(self) -> OffloadOptimizerStatistics:
@@ -428,6 +522,8 @@ class OffloadAdam(torch.optim.Optimizer):
             step_seconds=self._step_s,
             prefetch_hits=self._hits,
             prefetch_misses=self._misses,
+            stepped_in_backward=self._early_steps,
+            backward_step_seconds=self._early_s,
             pinned_budget=self._budget,
             pinned_bytes=sw.pinned_bytes if sw is not None else 0,
             swapper=sw,

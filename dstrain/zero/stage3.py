@@ -188,6 +188,19 @@ class Stage3Zero(ZeroStrategy):
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._grad_hook(unit)) for unit in units for p in unit.params
         ]
+        self._reduced_listeners: list[Callable[[int, int, int], None]] = []
+
+    def on_unit_reduced(self, listener: Callable[[int, int, int], None]) -> None:
+        """Call ``listener(group, offset, numel)`` each time a unit's reduced gradient has been added
+        into master gradient ``[offset, offset + numel)`` of param group ``group`` (during backward, in
+        the order reductions finish; the last ones at `after_backward`). On the accumulation boundary's
+        backward that range is then final unless the unit is reduced again in the same pass (a
+        parameter used across reentrant checkpoints): `dstrain.offload.early_step` steps on it."""
+        self._reduced_listeners.append(listener)
+
+    def _reduced(self, group: int, offset: int, numel: int) -> None:
+        for listener in self._reduced_listeners:
+            listener(group, offset, numel)
 
     @property
     def partitioned(self) -> bool:
@@ -233,11 +246,22 @@ class Stage3Zero(ZeroStrategy):
         off = group.offsets[unit.index]
         dp = self.comm.world_size  # mean over the data-parallel group (see dstrain.zero.reduce)
         grads = self.store.grads
+        n = unit.layout.shard
         if grads is not None:  # on NVMe: the same add_, on a unit-sized buffer read from the file
-            self._queue.push(handle, lambda: grads.accumulate(group.index, off, out, 1.0 / dp))
+
+            def add_swapped() -> None:
+                grads.accumulate(group.index, off, out, 1.0 / dp)
+                self._reduced(group.index, off, n)
+
+            self._queue.push(handle, add_swapped)
             return
-        target = group.master_grad[off : off + unit.layout.shard]
-        self._queue.push(handle, lambda: target.add_(out, alpha=1.0 / dp))
+        target = group.master_grad[off : off + n]
+
+        def add() -> None:
+            target.add_(out, alpha=1.0 / dp)
+            self._reduced(group.index, off, n)
+
+        self._queue.push(handle, add)
 
     def after_backward(self, boundary: bool) -> None:
         for unit in self.units:
@@ -336,5 +360,6 @@ class Stage3Zero(ZeroStrategy):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._reduced_listeners.clear()
         self.scheduler.close()
         self.store.close()

@@ -29,6 +29,17 @@ def _scenarios(root: str) -> dict[str, dict[str, Any]]:
         out[f"s{stage}_{device}_clip"] = offload_config(stage, device, root, clip=0.05, sub_group=1024)
     for device in ("none", "nvme"):  # bf16 compute, fp32 master in memory, Adam state swapped
         out[f"s3_{device}_bf16"] = offload_config(3, device, root, sub_group=1024, bf16=True)
+    # stepping during backward (dstrain.offload.early_step) switched off: the step steps everything
+    out["s3_nvme_late"] = offload_config(3, "nvme", root, sub_group=1024)
+    out["s3_nvme_late"]["zero_optimization"]["offload_optimizer"]["step_in_backward"] = False
+    # gradient accumulation: only the last micro-batch's backward may step
+    for device in ("none", "cpu", "nvme"):
+        cfg = offload_config(3, device, root, sub_group=1024)
+        world = cfg["train_batch_size"] // cfg["train_micro_batch_size_per_gpu"]
+        cfg.update(
+            train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2, train_batch_size=2 * world
+        )
+        out[f"s3_{device}_ga2"] = cfg
     return out
 
 
@@ -81,6 +92,40 @@ def test_nvme_really_swapped(runs: list[dict[str, Any]], stage: int) -> None:
         assert sw.peak_buffers_in_use <= sw.buffers
         assert got["swap_file_exists"]  # the state really was in a file while training
         assert not got["swap_dir_after_close"]  # and the swap directory is deleted at close
+
+
+@pytest.mark.parametrize(
+    ("name", "base", "early"),
+    [
+        ("s3_cpu", "s3_none", True),
+        ("s3_nvme", "s3_none", True),
+        ("s3_nvme_late", "s3_none", False),
+        ("s3_cpu_ga2", "s3_none_ga2", True),
+        ("s3_nvme_ga2", "s3_none_ga2", True),
+        ("s3_nvme_clip", "s3_none_clip", False),  # clipping needs the global norm first
+        ("s3_nvme_bf16", "s3_none_bf16", True),
+    ],
+)
+def test_stepping_during_backward(runs: list[dict[str, Any]], name: str, base: str, early: bool) -> None:
+    """Sub-groups step during the boundary backward where legal (after the first step, which records
+    how often each unit reduces), bitwise the same as stepping after it; never where clipping needs
+    every gradient first, nor when switched off."""
+    for rank_result in runs:
+        got, ref = rank_result[name], rank_result[base]
+        assert got["losses"] == ref["losses"]
+        for a, b in zip(got["params"], ref["params"], strict=True):
+            assert torch.equal(a, b)
+        st = got["offload"]
+        if early and st.device == "cpu":
+            # every sub-group whose units were all reduced in backward, on every step but the first
+            assert st.stepped_in_backward >= (STEPS - 1) * (st.sub_groups - 1) > 0
+        elif early:  # on NVMe only those whose state was already read in (backward never waits)
+            assert st.stepped_in_backward > 0
+        else:
+            assert st.stepped_in_backward == 0
+        if st.device == "nvme":  # every step still reads and writes every sub-group once
+            assert st.swapper.writes == st.sub_groups * (STEPS + 1)
+            assert st.prefetch_hits + st.prefetch_misses == st.sub_groups * STEPS
 
 
 def test_bf16_bitwise_identical_to_no_offload(runs: list[dict[str, Any]]) -> None:

@@ -1,0 +1,136 @@
+"""Stepping `OffloadAdam` sub-groups during the accumulation boundary's backward.
+
+ZeRO stage 3 reduce-scatters each unit's gradient during backward, in reverse layer order. On the
+last micro-batch of an accumulation window, without gradient clipping and without fp16 loss scaling
+(both need every gradient: the global norm, the overflow check), a sub-group's Adam update depends
+only on its own fully reduced gradient and on the group's hyperparameters, which the LR schedule set
+at the end of the previous step. So a sub-group can be stepped as soon as every unit covering its
+master range has been reduced for the last time in this pass: the same fused kernel on the same
+inputs, bitwise identical to stepping it after backward.
+
+`EarlyStep` listens to the ZeRO strategy's "unit reduced" events (`Stage3Zero.on_unit_reduced`),
+decides which sub-groups are final and asks the optimizer to step those whose state is already in
+memory (`OffloadAdam.step_ready`: it never waits during backward). It records the order in which
+sub-groups become final; the optimizer reads ahead in that order at the next step, so the swap reads
+of the state run during forward and backward in the order backward frees the gradients, and the
+write-backs overlap the rest of backward. `engine.step()` then steps whatever is left.
+
+When a unit is final: a unit is reduced once per pass when all its parameters' gradients have
+accumulated (tied weights: after their last use), but a parameter used across reentrant activation
+checkpoints can make its unit reduce more than once. So the first armed pass only records how many
+times each unit is reduced; later passes treat a unit as final once it has been reduced that many
+times. If a pass then reduces a unit again after its sub-group was stepped (the model's control flow
+changed), `EarlyStepError` says so and names the key that turns the feature off.
+
+Composed by `dstrain.offload.build` where legal: stage 3, master and gradients in memory, no
+clipping, no fp16; ``zero_optimization.offload_optimizer.step_in_backward`` (default true) turns it
+off. An async checkpoint save in flight holds it for the step the save gates (that step waits for the
+save sub-group by sub-group, in `OffloadAdam.step`: the gate is called in one place).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from dstrain.errors import DstrainError
+
+if TYPE_CHECKING:
+    from dstrain.offload.optimizer import OffloadAdam
+
+__all__ = ["KEY", "EarlyStep", "EarlyStepError"]
+
+KEY = "zero_optimization.offload_optimizer.step_in_backward"
+"""The dstrain key that turns stepping during backward off."""
+
+UnitKey = tuple[int, int]  # (param group, offset of the unit's shard in the group's master)
+
+
+class EarlyStepError(DstrainError):
+    """Raised when a sub-group stepped during backward turns out not to have been final (a unit's
+    gradient was reduced again afterwards in the same pass), or when the optimizer's hyperparameters
+    or state are changed or read between the boundary backward and `engine.step()` while some
+    sub-groups are already stepped. Set ``zero_optimization.offload_optimizer.step_in_backward`` to
+    false for such models or training loops."""
+
+
+class EarlyStep:
+    """Steps ``optimizer``'s sub-groups during the boundary backward of ``zero`` (a `Stage3Zero`)."""
+
+    def __init__(self, optimizer: OffloadAdam, zero: Any) -> None:
+        self._opt = optimizer
+        units: dict[int, list[tuple[int, int]]] = {}  # group -> [(offset, numel)] of its units' shards
+        base: dict[int, int] = {}
+        for g in zero.groups:
+            units[g.index] = [(g.offsets[u.index], u.layout.shard) for u in g.units]
+            base[g.index] = g.master.storage_offset()
+        self._units_of: dict[int, list[UnitKey]] = {}
+        self._subs_of: dict[UnitKey, list[int]] = {}
+        for sg in optimizer._subs:
+            lo = sg.param.storage_offset() - base[sg.group] + sg.start  # in the group's master
+            hi = lo + sg.numel
+            keys = [(sg.group, off) for off, n in units.get(sg.group, []) if off < hi and lo < off + n]
+            self._units_of[sg.index] = keys
+            for k in keys:
+                self._subs_of.setdefault(k, []).append(sg.index)
+        self._expected: dict[UnitKey, int] | None = None  # reductions per unit in the last armed pass
+        self._seen: Counter[UnitKey] = Counter()
+        self._ready: set[int] = set()
+        self._sequence: list[int] = []  # sub-groups in the order their units were all reduced
+        self._armed = False
+        self.passes = 0
+        """Boundary backward passes armed so far (the first one only records)."""
+        zero.on_unit_reduced(self._on_reduced)
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
+
+    def arm(self) -> None:
+        """The accumulation boundary's backward starts: gradients become final as units reduce."""
+        self._armed = True
+        self._seen.clear()
+        self._ready.clear()
+        self._sequence.clear()
+
+    def _on_reduced(self, group: int, offset: int, numel: int) -> None:
+        if not self._armed:
+            return  # a non-final micro-batch (or a step held for a checkpoint save)
+        key = (group, offset)
+        self._seen[key] += 1
+        subs = self._subs_of.get(key, ())
+        expected = self._expected
+        if expected is not None and self._seen[key] > expected.get(key, 0):
+            late = [i for i in subs if self._opt.stepped(i)]
+            if late:
+                raise EarlyStepError(
+                    f"a unit's gradient was reduced again after sub-group(s) {late} were stepped during "
+                    f"backward (this pass reduces it {self._seen[key]} times, the last one "
+                    f"{expected.get(key, 0)}): the model's control flow changed; set {KEY} to false"
+                )
+        for i in subs:
+            if i in self._ready:
+                continue
+            keys = self._units_of[i]
+            if i not in self._sequence and all(self._seen[k] for k in keys):
+                self._sequence.append(i)
+            if expected is not None and all(
+                expected.get(k, 0) >= 1 and self._seen[k] >= expected[k] for k in keys
+            ):
+                self._ready.add(i)
+        if self._ready:
+            self._opt.step_ready(self._ready)
+
+    def finish(self) -> list[int] | None:
+        """The optimizer step is over: remember this pass's reduction counts; returns the sub-group
+        order for the next step's reads (final ones first, in the order they became final), or
+        None when this step was not armed."""
+        if not self._armed:
+            return None
+        self._armed = False
+        self.passes += 1
+        self._expected = dict(self._seen)
+        order = list(self._sequence)
+        seen = set(order)
+        order += [sg.index for sg in self._opt._subs if sg.index not in seen]
+        return order

@@ -1,0 +1,176 @@
+"""Stepping offloaded sub-groups during the boundary backward (`dstrain.offload.early_step`): where it
+is composed, what it refuses, and that an async checkpoint save still gets the state of its step.
+
+Bitwise equality with stepping after backward (none / cpu / nvme, gradient accumulation, bf16, 2 gloo
+ranks) is checked in test_offload_parity.py; these run in one process (world size 1)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+from _dstrain_helpers import engine_losses, global_batch, make_model
+from _offload_helpers import offload_config
+
+pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
+
+import dstrain  # noqa: E402
+from dsio._bridge import run_sync  # noqa: E402
+from dsio.checkpoint import Checkpointer, _stream  # noqa: E402
+from dstrain.checkpoint.sources import SwapRegions  # noqa: E402
+from dstrain.offload.early_step import EarlyStepError  # noqa: E402
+
+
+def _engine(tmp_path: Any, stage: int = 3, device: str = "nvme", dim: int = 16, **extra: Any) -> Any:
+    cfg = offload_config(stage, device, str(tmp_path), sub_group=1024, **extra.pop("zero", {}))
+    for key, value in extra.items():
+        cfg[key] = value
+    return dstrain.initialize(model=make_model(dim=dim), config=cfg)[:2]
+
+
+def _backward(engine: Any, step: int) -> None:
+    idx, targets = global_batch(step, engine.config.train_batch_size)
+    engine.backward(engine(idx, targets))
+
+
+@pytest.mark.parametrize(
+    ("why", "stage", "extra"),
+    [
+        ("stage 2 reduces after backward", 2, {}),
+        ("clipping needs every gradient", 3, {"gradient_clipping": 0.5}),
+        ("fp16 checks overflow over every gradient", 3, {"fp16": {"enabled": True}}),
+        ("switched off", 3, {"zero": {"offload_optimizer": {"step_in_backward": False}}}),
+    ],
+)
+def test_steps_after_backward_where_not_legal(tmp_path, why: str, stage: int, extra: dict) -> None:
+    if "zero" in extra:  # merged into the offload_optimizer section
+        cfg = offload_config(stage, "nvme", str(tmp_path), sub_group=1024)
+        cfg["zero_optimization"]["offload_optimizer"].update(extra["zero"]["offload_optimizer"])
+        engine, opt = dstrain.initialize(model=make_model(), config=cfg)[:2]
+    else:
+        engine, opt = _engine(tmp_path, stage, **extra)
+    try:
+        assert not opt.steps_in_backward, why
+        engine_losses(engine, 3)
+        assert opt.statistics().stepped_in_backward == 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_reads_follow_the_order_backward_finishes_gradients(tmp_path, device: str) -> None:
+    engine, opt = _engine(tmp_path, device=device)
+    try:
+        assert opt.steps_in_backward
+        n = len(opt._subs)
+        assert n >= 3
+        engine_losses(engine, 1)  # the first step records how often each unit reduces
+        assert opt.statistics().stepped_in_backward == 0
+        order = [sg.index for sg in opt._order]
+        # the head's (last) sub-group is final first; the tied embedding's (first) only at the end
+        assert sorted(order) == list(range(n)) and order[0] == n - 1 and order[-1] == 0
+        engine_losses(engine, 2, start=1)
+        st = opt.statistics()
+        assert st.stepped_in_backward > 0
+        if device == "cpu":  # nothing to wait for: every sub-group final before after_backward steps
+            assert st.stepped_in_backward >= 2 * (n - 1)
+    finally:
+        engine.close()
+
+
+def test_lr_changed_between_backward_and_step_is_refused(tmp_path) -> None:
+    engine, opt = _engine(tmp_path, device="cpu")
+    try:
+        engine_losses(engine, 1)
+        _backward(engine, 1)
+        assert opt.statistics().stepped_in_backward > 0  # stepped with the old lr already
+        opt.param_groups[0]["lr"] *= 0.5
+        with pytest.raises(EarlyStepError):
+            engine.step()
+    finally:
+        engine.close()
+
+
+def test_state_read_between_backward_and_step_is_refused(tmp_path) -> None:
+    engine, opt = _engine(tmp_path, device="nvme")
+    try:
+        engine_losses(engine, 1)
+        _backward(engine, 1)
+        if opt.statistics().stepped_in_backward == 0:
+            pytest.skip("no sub-group's state was read in before backward ended (a loaded machine)")
+        with pytest.raises(EarlyStepError):
+            opt.state_dict()
+        engine.step()  # the step finishes the rest and everything is consistent again
+        assert opt.state_dict()["state"]
+    finally:
+        engine.close()
+
+
+def test_a_unit_reduced_again_after_its_sub_group_stepped_is_an_error(tmp_path) -> None:
+    """A model whose control flow changes so that a unit reduces more often than the pass before
+    (a parameter used across reentrant checkpoints): the sub-group was not final when stepped."""
+    engine, opt = _engine(tmp_path, device="cpu")
+    try:
+        engine_losses(engine, 1)
+        _backward(engine, 1)
+        stepped = next(i for i in range(len(opt._subs)) if opt.stepped(i))
+        sg = opt._subs[stepped]
+        group = engine.zero.groups[sg.group]
+        unit = next(
+            u for u in group.units if group.offsets[u.index] < sg.master_start + sg.numel
+        )  # a unit the sub-group covers
+        with pytest.raises(EarlyStepError):
+            engine.zero._reduced(group.index, group.offsets[unit.index], unit.layout.shard)
+    finally:
+        engine.close()
+
+
+READ_DELAY = 0.02
+
+
+@pytest.fixture
+def slow_save(monkeypatch):
+    """The save's swap-file reads are slow, so its staging outlasts forward and backward."""
+    monkeypatch.setattr(_stream, "STREAM_CHUNK_BYTES", 16 << 10)
+    read = SwapRegions.read_into
+
+    async def slow(self: SwapRegions, io: Any, offset: int, out: torch.Tensor) -> None:
+        await asyncio.sleep(READ_DELAY)
+        await read(self, io, offset, out)
+
+    monkeypatch.setattr(SwapRegions, "read_into", slow)
+
+
+def test_async_save_holds_stepping_in_backward_for_the_step_it_gates(tmp_path, slow_save) -> None:
+    """The step after an async save steps nothing during backward (it waits for the save sub-group by
+    sub-group in `step`), so the checkpoint holds exactly the saved step; the next step steps in
+    backward again."""
+    engine, opt = _engine(tmp_path, device="nvme", dim=96)
+    try:
+        assert opt.steps_in_backward and len(opt._subs) >= 8
+        engine_losses(engine, 2)
+        expected = opt.state_dict()["state"]
+        master = [m.clone() for m in engine.zero.state_dict()["master"]]
+        engine.save_checkpoint(tmp_path / "ck", async_save=True)
+        before = opt.statistics().stepped_in_backward
+        engine_losses(engine, 1, start=2)
+        assert opt.statistics().stepped_in_backward == before
+        engine.wait_checkpoint()
+        engine_losses(engine, 2, start=3)
+        assert opt.statistics().stepped_in_backward > before
+    finally:
+        engine.close()
+
+    async def load() -> Any:
+        async with Checkpointer(str(tmp_path / "ck")) as ckpt:
+            return await ckpt.load()
+
+    saved = run_sync(load())
+    for i, e in expected.items():
+        got = saved["stepper"]["state"][i]
+        assert torch.equal(got["exp_avg"].view(-1), e["exp_avg"].view(-1))
+        assert torch.equal(got["exp_avg_sq"].view(-1), e["exp_avg_sq"].view(-1))
+    for a, b in zip(saved["zero"]["master"], master, strict=True):
+        assert torch.equal(a, b)
