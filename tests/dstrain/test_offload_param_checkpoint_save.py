@@ -46,9 +46,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _engine(root: Path, *, dim: int, seed: int = 0, sub_group: int = 1 << 20, **offload: Any) -> Any:
+def _engine(
+    root: Path, *, dim: int, seed: int = 0, sub_group: int = 1 << 20, device: str = "cpu", **offload: Any
+) -> Any:
     cfg = param_config(str(root), sub_group=sub_group, **offload)
-    engine, _, _, _ = dstrain.initialize(model=make_model(seed=seed, dim=dim), config=cfg)
+    engine, _, _, _ = dstrain.initialize(model=make_model(seed=seed, dim=dim).to(device), config=cfg)
     return engine
 
 
@@ -186,6 +188,59 @@ def test_bf16_master_is_streamed_from_the_master_file(tmp_path) -> None:
         assert all(torch.equal(a, store.read_master(g)) for a, g in zip(got, engine.zero.groups, strict=True))
     finally:
         engine.close()
+
+
+# -- the same on the training device (CUDA masters: run with ``pytest -m gpu``) --------------------
+
+
+@pytest.mark.parametrize(
+    ("device", "bf16"),
+    [
+        ("cpu", False),
+        *[
+            pytest.param(
+                "cuda",
+                bf16,
+                id=f"cuda-{'bf16' if bf16 else 'fp32'}",
+                marks=[
+                    pytest.mark.gpu,
+                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+                ],
+            )
+            for bf16 in (False, True)
+        ],
+    ],
+)
+def test_async_streamed_save_resumes_bitwise_on_the_device(tmp_path, one_thread, device, bf16) -> None:
+    """Parameters and optimizer state on NVMe, the model on ``device``: an async save streams the
+    master while the next steps run; it loads into a run without offload and into the same setting,
+    and both continue exactly as the uninterrupted run without offload."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    both = {**BOTH, "bf16": bf16}
+    ref = _engine(swap, dim=TINY, device=device, bf16=bf16)
+    try:
+        whole = engine_losses(ref, 4)
+    finally:
+        ref.close()
+    saver = _engine(swap, dim=TINY, device=device, **both)
+    try:
+        assert saver.zero.store.holds_master
+        assert engine_losses(saver, 2) == whole[:2]
+        assert all(isinstance(m, SwapRegions) for m in saver.zero.checkpoint_state()["master"])
+        saver.save_checkpoint(tmp_path / "ck", async_save=True)
+        assert engine_losses(saver, 2, start=2) == whole[2:]
+        assert saver.wait_checkpoint() is not None
+    finally:
+        saver.close()
+    for offload in ({"bf16": bf16}, both):
+        engine = _engine(swap, dim=TINY, seed=5, device=device, **offload)
+        try:
+            engine.load_checkpoint(tmp_path / "ck")
+            assert engine.global_steps == 2
+            assert engine_losses(engine, 2, start=2) == whole[2:], offload
+        finally:
+            engine.close()
 
 
 # -- kill -9 in the middle of a streamed save of the master ------------------------------------------
