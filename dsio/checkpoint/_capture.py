@@ -14,6 +14,14 @@ on that future right before it changes set ``i``.
 
 Memory spans are compared by address, so a tensor saved under two names (an fp32 parameter that is
 also the ZeRO master) is covered under both. File spans match `FileRegions` sources by path.
+
+*Stable* sources: a `LazyTensor` whose ``stable`` attribute is true promises that its bytes do not
+change while the save reads them, whatever its owner does meanwhile (e.g. dstrain's swap-file
+versions pinned copy-on-write). No touch set can overlap one, and `Capture.volatile` -- "the save
+no longer reads anything the owner can change" -- resolves once every window holding a byte of an
+in-memory tensor or of a non-stable lazy source is filled; those windows are filled before the
+windows that hold stable bytes only, so the owner may go on changing its state while the stable
+rest still streams.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,12 +71,18 @@ TouchOrder = Sequence[Sequence[MemorySpan | FileSpan]]
 
 class Capture:
     """One future per touch set of a save: resolved once the save no longer needs that set's bytes
-    (read into its windows, or the staging ended, successfully or not). Thread-safe to wait on."""
+    (read into its windows, or the staging ended, successfully or not); `volatile` once it no longer
+    reads anything but stable sources; `over` once staging ended. Thread-safe to wait on."""
 
     def __init__(self, sets: int) -> None:
         self.futures: list[concurrent.futures.Future[None]] = [
             concurrent.futures.Future() for _ in range(sets)
         ]
+        self.volatile: concurrent.futures.Future[None] = concurrent.futures.Future()
+        """Resolved once every byte of the state its owner can change (in-memory tensors, lazy
+        sources that are not ``stable``) is read, or staging ended."""
+        self.over: concurrent.futures.Future[None] = concurrent.futures.Future()
+        """Resolved once staging ended, successfully or not: the save reads nothing of the state."""
 
     def __len__(self) -> int:
         return len(self.futures)
@@ -81,10 +95,21 @@ class Capture:
         if not f.done():
             f.set_result(None)
 
+    def resolve_volatile(self) -> None:
+        if not self.volatile.done():
+            self.volatile.set_result(None)
+
     def resolve_all(self) -> None:
         """Staging is over: nothing of the state is read any more."""
         for i in range(len(self.futures)):
             self.resolve(i)
+        self.resolve_volatile()
+        if not self.over.done():
+            self.over.set_result(None)
+
+    def when_over(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once staging is over (at once if it is; on the thread that ends it)."""
+        self.over.add_done_callback(lambda _f: fn())
 
 
 @dataclass(slots=True)
@@ -97,13 +122,27 @@ class WindowPlan:
     """Per window: the touch sets holding one of its bytes."""
     remaining: list[int]
     """Per touch set: windows not filled yet (0: resolved at once)."""
+    volatile: list[bool]
+    """Per window: it holds a byte of an in-memory tensor or of a lazy source that is not stable."""
+    volatile_left: int
+    """Volatile windows not filled yet."""
 
     def filled(self, window: int, capture: Capture | None) -> None:
-        """Window ``window`` is read and copied: resolve the touch sets it was the last window of."""
+        """Window ``window`` is read and copied: resolve the touch sets it was the last window of,
+        and `Capture.volatile` once no volatile window is left."""
         for i in self.sets_of[window]:
             self.remaining[i] -= 1
             if self.remaining[i] == 0 and capture is not None:
                 capture.resolve(i)
+        if self.volatile[window]:
+            self.volatile_left -= 1
+        if self.volatile_left == 0 and capture is not None:  # (also: a state with none at all)
+            capture.resolve_volatile()
+
+
+def is_stable(src: torch.Tensor | LazyTensor) -> bool:
+    """A lazy source whose bytes cannot change while a save reads them (see the module's text)."""
+    return isinstance(src, LazyTensor) and bool(getattr(src, "stable", False))
 
 
 def _memory_extent(t: torch.Tensor) -> tuple[int, int]:
@@ -119,13 +158,21 @@ def plan_windows(
     touch_order: TouchOrder | None,
 ) -> WindowPlan:
     """Map each touch set to the windows holding bytes of the state that overlap it, and order the
-    windows by the first touch set needing them (then by position; windows no set needs last)."""
+    windows by the first touch set needing them, then volatile before stable-only windows, then by
+    position (windows no set needs after those sets needs)."""
     n_win = -(-data_bytes // chunk_bytes) if data_bytes > 0 else 0
     sets = list(touch_order or ())
     sets_of: list[list[int]] = [[] for _ in range(n_win)]
     remaining = [0] * len(sets)
+    volatile = [False] * n_win
+    for e in entries:
+        if e.nbytes and not is_stable(sources[e.name]):
+            for w in range(e.begin // chunk_bytes, (e.end - 1) // chunk_bytes + 1):
+                volatile[w] = True
+    n_volatile = sum(volatile)
     if not sets:
-        return WindowPlan(list(range(n_win)), sets_of, remaining)
+        order = sorted(range(n_win), key=lambda w: (not volatile[w], w))
+        return WindowPlan(order, sets_of, remaining, volatile, n_volatile)
     # in-memory tensors by address; FileRegions by (path, file offset)
     mem: list[tuple[int, int, TensorEntry, bool]] = []  # (lo, hi, entry, contiguous)
     files: dict[str, list[tuple[int, int, TensorEntry, int]]] = {}  # path -> (offset, n, entry, at)
@@ -136,7 +183,7 @@ def plan_windows(
         if isinstance(src, torch.Tensor):
             lo, hi = _memory_extent(src)
             mem.append((lo, hi, e, src.is_contiguous()))
-        elif isinstance(src, FileRegions):
+        elif isinstance(src, FileRegions) and not is_stable(src):  # a stable one no set can touch
             at = 0
             for path, off, n in src.regions:
                 if n:
@@ -184,5 +231,5 @@ def plan_windows(
         for w in hit:
             sets_of[w].append(i)
             first_set[w] = min(first_set[w], i)
-    order = sorted(range(n_win), key=lambda w: (first_set[w], w))
-    return WindowPlan(order, sets_of, remaining)
+    order = sorted(range(n_win), key=lambda w: (first_set[w], not volatile[w], w))
+    return WindowPlan(order, sets_of, remaining, volatile, n_volatile)

@@ -1,11 +1,16 @@
 """Letting the optimizer step run while an async save still streams the state it changes.
 
-An async save of an offloaded run streams the optimizer state from its swap file while the next
-forward and backward run. Instead of waiting for the whole save before the next optimizer step, the
-engine gives the save a *touch order* (what the step will change, sub-group by sub-group, then the
-model's parameters) and lends the save to the stepper, which waits before each sub-group only until
-the save has read that sub-group's bytes (`PendingSave.wait_captured`). The save reads them in that
-order, so the step usually finds each one already read.
+An async save of an offloaded run streams the optimizer state while the next forward and backward
+run. Instead of waiting for the whole save before the next optimizer step, the engine gives the save
+a *touch order* (what the step will change, sub-group by sub-group, then the model's parameters) and
+lends the save to the stepper, which waits before each sub-group only until the save has read that
+sub-group's bytes (`PendingSave.wait_captured`). The save reads them in that order, so the step
+usually finds each one already read.
+
+What the gate still covers: state in memory (fp32 masters, CPU-offloaded m and v, the parameters)
+and file regions a save reads in place (a Stage-3 master in the parameter file). Swapped Adam m and
+v are not in it: the save pins their slot versions and the step writes around them
+(``dstrain.offload.swap_slots``), so the step never waits for the save to read the swap file.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
 A background save returns at once; the engine calls `PendingSave.wait_staged` (or, sub-group by
 sub-group through an offloading stepper, `PendingSave.wait_captured`) before it changes what the save
 still reads, and `PendingSave.wait` (collective) to have the step committed.
+
+What the save "still reads" excludes *stable* sources (swap-file versions pinned copy-on-write,
+``dstrain.checkpoint.sources``): once everything else is captured (``Capture.volatile``), training
+goes on while the save keeps streaming the pinned versions.
 """
 
 from __future__ import annotations
@@ -60,14 +64,22 @@ class PendingSave:
         return waited
 
     def wait_staged(self) -> float:
-        """Block until the save no longer reads the state (its tensors, its swap files); returns the
-        seconds waited, plus what `wait_captured` waited since the last call (0 when staging was
-        already done). Errors stay with `wait`."""
+        """Block until the save no longer reads anything training can change (its tensors, swap
+        files not pinned for it; a pinned version may still be streaming); returns the seconds
+        waited, plus what `wait_captured` waited since the last call (0 when that was already so).
+        Errors stay with `wait`."""
         staged, self._staged = self._staged, None
         waited, self._unreported = self._unreported, 0.0
         if staged is None:
             return waited
-        t = staged()
+        if self._capture is not None:  # only the state training can change
+            fut, t = self._capture.volatile, 0.0
+            if not fut.done():
+                t0 = time.perf_counter()
+                fut.result()
+                t = time.perf_counter() - t0
+        else:
+            t = staged()
         self.blocked_seconds += t
         return waited + t
 

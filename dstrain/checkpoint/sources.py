@@ -5,6 +5,13 @@ return tensors: the checkpoint writer reads each one window at a time from the s
 swap writes it names have finished, so the state is never materialized. `materialize` turns them
 into tensors for a writer that cannot stream (``torch.save``).
 
+A `SwapRegions` built over a *pin* (``dstrain.offload.swap_slots.SwapPin``: slot versions that
+training's later writes go around) is ``stable``: training may change the state while the save
+still reads it, so an async save neither orders its windows for nor waits on it
+(``dsio.checkpoint._capture``). The saver calls `release_sources` once it no longer reads the state
+(staging over: success, failure or cancel), which lets the pinned versions go; a pinned source
+read after that raises ``dsio.errors.ClosedError``.
+
 Loading goes the other way: a streamed load leaves big tensors in the checkpoint file
 (``dsio.checkpoint.StoredTensor``); a part that can take them (``load_checkpoint_state``) copies each
 piece straight where it belongs with `read_lazy` (an offloaded optimizer: into its swap buffers), and
@@ -16,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -26,12 +33,25 @@ from dsio.checkpoint import FileRegions, LazyTensor
 if TYPE_CHECKING:
     from dsio.handle import AsyncIOHandle
 
-__all__ = ["SwapRegions", "has_lazy", "materialize", "read_lazy", "verify_lazy"]
+__all__ = ["Pin", "SwapRegions", "has_lazy", "materialize", "read_lazy", "release_sources", "verify_lazy"]
+
+
+class Pin(Protocol):
+    """What a `SwapRegions` holds its bytes with (``dstrain.offload.swap_slots.SwapPin``)."""
+
+    @property
+    def released(self) -> bool: ...
+
+    def release(self) -> None: ...
 
 
 class SwapRegions(FileRegions):
     """`FileRegions` of a swap file whose last writes (``after``: the swapper's futures) must be done
-    before its bytes are read (the writer waits for them on dsio's loop, never the training thread)."""
+    before its bytes are read (the writer waits for them on dsio's loop, never the training thread).
+
+    With ``pin`` (the regions are versions it holds), the source is ``stable``: its bytes do not
+    change while the pin is held, whatever training writes meanwhile. Several sources may share one
+    pin; `release` (or `release_sources`) lets it go."""
 
     def __init__(
         self,
@@ -40,12 +60,25 @@ class SwapRegions(FileRegions):
         shape: Sequence[int],
         *,
         after: Sequence[concurrent.futures.Future[Any]] = (),
+        pin: Pin | None = None,
     ) -> None:
         super().__init__(regions, dtype, shape)
         self.after = list(after)
+        self.pin = pin
+        self.stable = pin is not None
+        """Its bytes cannot change while a save reads them (``dsio.checkpoint._capture``)."""
         self._ready: asyncio.Future[Any] | None = None  # every reader waits for the same writes
 
+    def release(self) -> None:
+        """The save no longer reads this source: let its pin go (idempotent)."""
+        if self.pin is not None:
+            self.pin.release()
+
     async def read_into(self, io: AsyncIOHandle, offset: int, out: torch.Tensor) -> None:
+        if self.pin is not None and self.pin.released:
+            from dsio.errors import ClosedError
+
+            raise ClosedError("this swap-file source's pinned version was released (its save is over)")
         if self.after:
             if self._ready is None:  # windows are read concurrently: all of them wait on this one
                 self._ready = asyncio.ensure_future(
@@ -53,6 +86,24 @@ class SwapRegions(FileRegions):
                 )
             await asyncio.shield(self._ready)  # a failed swap write fails the save
         await super().read_into(io, offset, out)
+
+
+def _walk(value: Any) -> Iterator[LazyTensor]:
+    if isinstance(value, LazyTensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _walk(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _walk(v)
+
+
+def release_sources(value: Any) -> None:
+    """Release every `SwapRegions` of a nested state (a save no longer reads it). Idempotent."""
+    for src in _walk(value):
+        if isinstance(src, SwapRegions):
+            src.release()
 
 
 def has_lazy(value: Any) -> bool:
@@ -119,20 +170,7 @@ def verify_lazy(value: Any) -> None:
     not read in order); raises ``dsio.checkpoint.ChecksumError`` on a mismatch."""
     from dsio._bridge import run_sync
 
-    stored: list[Any] = []
-
-    def walk(v: Any) -> None:
-        if isinstance(v, LazyTensor):
-            if callable(getattr(v, "verify", None)):
-                stored.append(v)
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, list | tuple):
-            for x in v:
-                walk(x)
-
-    walk(value)
+    stored: list[Any] = [v for v in _walk(value) if callable(getattr(v, "verify", None))]
     for t in stored:
         if not t.verified:
             run_sync(t.verify())

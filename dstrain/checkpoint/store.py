@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dstrain.checkpoint.pending import PendingSave
-from dstrain.checkpoint.sources import materialize
+from dstrain.checkpoint.sources import materialize, release_sources
 from dstrain.dist.comm import Comm
 from dstrain.errors import CheckpointNotFoundError, DstrainError
 
@@ -196,12 +196,14 @@ class DsioStore:
         ckpt = self._checkpointer(directory)
         # background: returns once the file is laid out, staging runs on dsio's loop meanwhile
         # (a streamed state in ``touch_order``'s order); else: returns once staged, committed below
-        task = self._run(
-            ckpt.save(
-                step, state, background_staging=background, touch_order=touch_order if background else None
-            )
-        )
+        order = touch_order if background else None
+        try:
+            task = self._run(ckpt.save(step, state, background_staging=background, touch_order=order))
+        except BaseException:
+            release_sources(state)  # swap versions pinned for this save (dstrain.checkpoint.sources)
+            raise
         capture = ckpt.staging_capture
+        capture.when_over(lambda: release_sources(state))  # once staging ends, on any path
         expected = directory / step_name(step) / f"rank-{world.rank:05d}{self.suffix}"
 
         async def committed() -> Any:
@@ -289,7 +291,11 @@ class TorchSaveStore:
         tmp_dir = directory / (step_name(step) + ".tmp")
         name = f"rank-{world.rank:05d}{self.suffix}"
         tmp_dir.mkdir(parents=True, exist_ok=True)
-        state = materialize(state)  # torch.save cannot stream lazy sources (swap files): read them
+        lazy = state
+        try:
+            state = materialize(state)  # torch.save cannot stream lazy sources (swap files): read them
+        finally:
+            release_sources(lazy)  # the swap versions pinned for this save
 
         def write(state: dict[str, Any]) -> None:
             with open(tmp_dir / name, "wb") as f:

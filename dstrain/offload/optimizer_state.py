@@ -29,18 +29,22 @@ def swapped_state(opt: OffloadAdam) -> dict[str, Any]:
     """`state_dict` for a checkpoint: with ``device="nvme"`` each ``exp_avg`` / ``exp_avg_sq``
     is a lazy source over its slots of the swap file (``dstrain.checkpoint.SwapRegions``), read
     piecewise by the checkpoint writer once this step's swap writes are done, never
-    materialized. The swap file must not change until the save's staging is done (the engine
-    waits for that before the next step)."""
+    materialized. With the swapper's ``copy_on_write`` (the default) the sources hold a pin of
+    the slots' current versions: the next steps write around them, and the saver releases the
+    pin when its staging ends (``dstrain.checkpoint.sources.release_sources``). Without it, the
+    slots must not change until the save has read them (the step waits: `touch_order`)."""
     if opt._swapper is None or not opt._count:
         return opt.state_dict()
-    path, after = opt._swapper.path, list(opt._stores)
+    after = list(opt._stores)
+    pin = opt._swapper.pin() if opt._swapper.copy_on_write else None
     params = [p for g in opt.param_groups for p in g["params"]]
     index = {id(p): i for i, p in enumerate(params)}
     pieces: dict[int, tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]] = {}
     for sg in opt._subs:  # sub-groups of a tensor are consecutive, in element order
         m, v = pieces.setdefault(index[id(sg.param)], ([], []))
-        m.append((path, sg.offset, sg.numel * _F32))
-        v.append((path, sg.offset + align_up(sg.numel * _F32), sg.numel * _F32))
+        path, offset, _ = pin.region(sg.index) if pin is not None else opt._swapper.region(sg.index)
+        m.append((path, offset, sg.numel * _F32))
+        v.append((path, offset + align_up(sg.numel * _F32), sg.numel * _F32))
     state: dict[int, dict[str, Any]] = {}
     for sg in opt._subs:
         i = index[id(sg.param)]
@@ -49,8 +53,8 @@ def swapped_state(opt: OffloadAdam) -> dict[str, Any]:
             shape = tuple(sg.param.shape)
             state[i] = {
                 "step": opt._steps[sg.group].clone().cpu(),
-                "exp_avg": SwapRegions(m, torch.float32, shape, after=after),
-                "exp_avg_sq": SwapRegions(v, torch.float32, shape, after=after),
+                "exp_avg": SwapRegions(m, torch.float32, shape, after=after, pin=pin),
+                "exp_avg_sq": SwapRegions(v, torch.float32, shape, after=after, pin=pin),
             }
     return {"state": state, "param_groups": groups_state(opt, index)}
 
@@ -58,7 +62,9 @@ def swapped_state(opt: OffloadAdam) -> dict[str, Any]:
 def touch_order(opt: OffloadAdam) -> list[list[Any]]:
     """What the next `step` changes, sub-group by sub-group in its order
     (``dsio.checkpoint.MemorySpan`` / ``FileSpan`` sets): the master range (in memory, or in the
-    parameter store's file) and the m, v slot of the swap file (with ``device="nvme"``)."""
+    parameter store's file), the host m, v (``device="cpu"``) and, with ``device="nvme"`` but no
+    copy-on-write, the m, v slot of the swap file (copy-on-write writes around the version a
+    save reads)."""
     from dsio.checkpoint import FileSpan, MemorySpan
 
     out = []
@@ -69,7 +75,8 @@ def touch_order(opt: OffloadAdam) -> list[list[Any]]:
         else:  # the master range in the parameter store's swap file (stage 3, params on NVMe)
             spans.append(opt._master.master_span(sg.group, sg.master_start, sg.numel))
         if opt._swapper is not None:
-            spans.append(FileSpan(opt._swapper.path, sg.offset, 2 * align_up(sg.numel * _F32)))
+            if not opt._swapper.copy_on_write:
+                spans.append(FileSpan(*opt._swapper.region(sg.index)))
         elif sg.m is not None and sg.v is not None:
             spans += [MemorySpan.of(sg.m), MemorySpan.of(sg.v)]
         out.append(spans)

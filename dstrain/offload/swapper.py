@@ -12,6 +12,12 @@ staging pool is never used; it is still counted in `pinned_bytes`).
 Ordering: a read of a slot waits for the write of that slot still in flight, so a read-ahead
 never sees stale bytes. Pool buffers are handed out first-come first-served, so reads submitted in
 the order they will be consumed cannot deadlock while every buffer lent is eventually handed back.
+
+Copy-on-write (`pin`): a checkpoint save pins the version of every slot current at save time and
+reads it while training goes on; a write of a pinned slot goes to another region of the file (a
+spare, or the file grows), so the training step never waits for the save
+(`dstrain.offload.swap_slots`: what it costs in disk space, when regions are reused). Ranges
+(`reserve_region`) are never pinned or moved.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Coroutine, Hashable
+from collections.abc import Coroutine, Hashable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -30,8 +36,9 @@ import torch
 
 from dsio._bridge import LoopThread, shared_loop
 from dsio.config import IOConfig
+from dstrain.offload.swap_slots import SlotTable, SlotTableStatistics, SwapPin
 
-__all__ = ["ALIGN", "Lease", "Swapper", "SwapperStatistics", "align_up"]
+__all__ = ["ALIGN", "Lease", "SwapPin", "Swapper", "SwapperStatistics", "align_up"]
 
 if TYPE_CHECKING:
     from dsio.file import AsyncFile
@@ -60,6 +67,10 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
 
 
+def _is_range(key: Hashable) -> bool:
+    return isinstance(key, tuple) and len(key) == 3 and key[0] == "range"
+
+
 @dataclass(frozen=True, slots=True)
 class SwapperStatistics:
     """Counters of one swapper (one kind of swapped state on one rank)."""
@@ -86,6 +97,8 @@ class SwapperStatistics:
     buffer_wait_seconds: float
     """Time reads spent waiting for a free pool buffer (backpressure from writes in flight)."""
     o_direct: bool
+    versions: SlotTableStatistics | None = None
+    """Copy-on-write versions of slots pinned by saves (`Swapper.pin`)."""
 
 
 class Lease:
@@ -137,11 +150,13 @@ class Swapper:
         self.buffer_bytes = buffer_bytes
         self._pool = PinnedPool(buffer_bytes * buffer_count, buffer_bytes)
         self._buffers = self._pool.buffers
-        self._slots: dict[Hashable, tuple[int, int]] = {}
-        self._end = 0
+        self._table = SlotTable(self.path)
+        self.copy_on_write = True
+        """Saves pin slot versions (`pin`) rather than make the step wait for them (the owner
+        reads this when it describes its state for a checkpoint)."""
         self._handle: AsyncIOHandle | None = None  # created on the loop thread at first use
         self._file: AsyncFile | None = None
-        self._writing: dict[Hashable, asyncio.Future[None]] = {}
+        self._writing: dict[Hashable, tuple[asyncio.Future[None], int, int]] = {}  # key -> (done, where)
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._in_use = self._peak = 0
         self._reads = self._writes = self._read_bytes = self._written_bytes = 0
@@ -154,24 +169,42 @@ class Swapper:
 
     def reserve(self, key: Hashable, nbytes: int) -> int:
         """Give ``key`` a slot of ``nbytes`` (rounded up to whole pages); returns its file offset."""
-        if key in self._slots:
+        if key in self._table:
             raise KeyError(f"slot {key!r} is already reserved")
         size = align_up(max(nbytes, 1))
         if size > self.buffer_bytes:
             raise ValueError(f"slot {key!r} of {nbytes} bytes does not fit a {self.buffer_bytes}-byte buffer")
-        self._slots[key] = (self._end, size)
-        self._end += size
-        return self._end - size
+        return self._table.reserve(key, size)
 
     def slot_bytes(self, key: Hashable) -> int:
-        return self._slots[key][1]
+        return self._table.size(key)
+
+    def region(self, key: Hashable) -> tuple[str, int, int]:
+        """``(path, offset, bytes)`` where ``key``'s current version lives (it moves when a write
+        goes around a pinned version)."""
+        offset, size = self._table.current(key)
+        return self.path, offset, size
 
     def reserve_region(self, nbytes: int) -> int:
         """Extend the file by a page-aligned region of ``nbytes`` (any size) for `fetch_range` /
         `store_range`; returns its offset. Regions and slots are not mixed in one swapper."""
-        size = align_up(max(nbytes, 1))
-        self._end += size
-        return self._end - size
+        return self._table.reserve_region(align_up(max(nbytes, 1)))
+
+    @property
+    def _end(self) -> int:
+        return self._table.end
+
+    def pin(self, keys: Iterable[Hashable] | None = None) -> SwapPin:
+        """Hold the version of ``keys`` (every slot by default) current now, with every transfer
+        submitted so far counted: writes of those keys submitted from now on go to other regions
+        until the pin is released. Read a pinned version at ``pin.region(key)`` after the writes
+        of it still in flight (the caller's futures); release the pin when done, on every path
+        (`close` releases what is left)."""
+        if self._closed:
+            from dsio.errors import ClosedError
+
+            raise ClosedError(f"swapper {self.path} is closed")
+        return self._table.pin(keys)
 
     # -- transfers (called from the training thread) -------------------------------------------
 
@@ -181,23 +214,29 @@ class Swapper:
 
     def fetch(self, key: Hashable) -> concurrent.futures.Future[Lease]:
         """A buffer holding ``key``'s slot as last stored (after any write of it still in flight)."""
-        return self._submit(self._acquire(key, read=True))
+        where = self._table.for_read(key)
+        return self._submit(self._acquire(key, read=True, where=where, slot=True), where)
 
     def store(self, lease: Lease) -> concurrent.futures.Future[None]:
-        """Write the buffer to its slot, then return it to the pool. The lease is gone afterwards."""
-        return self._submit(self._store(lease))
+        """Write the buffer to its slot (another region if a save pinned the slot's version), then
+        return it to the pool. The lease is gone afterwards."""
+        if _is_range(lease.key):
+            return self._submit(self._store(lease, self._where(lease.key), slot=False))
+        where = self._table.for_write(lease.key)
+        return self._submit(self._store(lease, where, slot=True), where)
 
     def fetch_range(self, offset: int, nbytes: int) -> concurrent.futures.Future[Lease]:
         """A buffer holding the file's bytes ``[offset, offset + nbytes)`` (``offset`` page-aligned,
         ``nbytes`` rounded up to pages, at most ``buffer_bytes``), after every overlapping write
         still in flight."""
-        return self._submit(self._acquire(("range", offset, self._range_size(offset, nbytes)), read=True))
+        key = ("range", offset, self._range_size(offset, nbytes))
+        return self._submit(self._acquire(key, read=True, where=self._where(key), slot=False))
 
     def store_range(self, lease: Lease, offset: int, nbytes: int) -> concurrent.futures.Future[None]:
         """Write the buffer's first ``nbytes`` (rounded up to pages) at ``offset``, then return it to
         the pool. Overlapping writes are kept in submission order."""
         lease.key = ("range", offset, self._range_size(offset, nbytes))
-        return self._submit(self._store(lease))
+        return self._submit(self._store(lease, self._where(lease.key), slot=False))
 
     def acquire_any(self) -> concurrent.futures.Future[Lease]:
         """A buffer with no slot (to fill, then `store_range` or `discard`)."""
@@ -213,17 +252,16 @@ class Swapper:
         return size
 
     def _where(self, key: Hashable) -> tuple[int, int]:
-        if isinstance(key, tuple) and len(key) == 3 and key[0] == "range":
-            return key[1], key[2]
-        return self._slots[key]
+        if _is_range(key):
+            return key[1], key[2]  # type: ignore[index]
+        return self._table.current(key)
 
     async def _after_overlapping(self, key: Hashable, offset: int, size: int) -> None:
         """Wait for writes in flight that overlap ``[offset, offset + size)`` (other than ``key``'s
         own entry, which the caller handles)."""
-        for other, fut in list(self._writing.items()):
+        for other, (fut, lo, n) in list(self._writing.items()):
             if other == key:
                 continue
-            lo, n = self._where(other)
             if lo < offset + size and offset < lo + n:
                 await asyncio.shield(fut)
 
@@ -244,13 +282,22 @@ class Swapper:
             if exc is not None:
                 raise exc
 
-    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        if self._closed:
-            coro.close()
-            from dsio.errors import ClosedError
+    def _submit(
+        self, coro: Coroutine[Any, Any, T], slot: tuple[int, int] | None = None
+    ) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the loop; ``slot``: the slot region it was counted at (uncounted here
+        when it never runs; the coroutine uncounts it otherwise)."""
+        try:
+            if self._closed:
+                from dsio.errors import ClosedError
 
-            raise ClosedError(f"swapper {self.path} is closed")
-        fut = self._lt.submit(coro)
+                raise ClosedError(f"swapper {self.path} is closed")
+            fut = self._lt.submit(coro)
+        except BaseException:
+            coro.close()
+            if slot is not None:
+                self._table.done(slot[0])
+            raise
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
         return fut
@@ -268,8 +315,17 @@ class Swapper:
             self._o_direct = f.direct
         return self._file
 
-    async def _acquire(self, key: Hashable, read: bool) -> Lease:
-        offset, size = self._where(key)
+    async def _acquire(
+        self, key: Hashable, read: bool, where: tuple[int, int] = (0, 0), slot: bool = False
+    ) -> Lease:
+        try:
+            return await self._acquire_counted(key, read, where)
+        finally:
+            if slot:
+                self._table.done(where[0])
+
+    async def _acquire_counted(self, key: Hashable, read: bool, where: tuple[int, int]) -> Lease:
+        offset, size = where
         t0 = time.perf_counter()
         inner = await self._pool.acquire()
         t1 = time.perf_counter()
@@ -282,7 +338,7 @@ class Swapper:
         try:
             pending = self._writing.get(key)
             if pending is not None:
-                await asyncio.shield(pending)
+                await asyncio.shield(pending[0])
             await self._after_overlapping(key, offset, size)
             f = await self._open()
             await f.pread(inner.tensor[:size], offset)
@@ -294,16 +350,16 @@ class Swapper:
         self._read_s += time.perf_counter() - t0
         return lease
 
-    async def _store(self, lease: Lease) -> None:
+    async def _store(self, lease: Lease, where: tuple[int, int], slot: bool) -> None:
         key = lease.key
-        offset, size = self._where(key)
+        offset, size = where
         t0 = time.perf_counter()
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         previous = self._writing.get(key)
-        self._writing[key] = done
+        self._writing[key] = (done, offset, size)
         try:
             if previous is not None:
-                await asyncio.shield(previous)  # same slot: keep the writes in order
+                await asyncio.shield(previous[0])  # same key: keep the writes in order
             await self._after_overlapping(key, offset, size)
             f = await self._open()
             await f.pwrite(lease.tensor[:size], offset)
@@ -316,9 +372,12 @@ class Swapper:
             done.exception()  # consumed here; readers re-raise it
             raise
         finally:
-            if self._writing.get(key) is done:
+            entry = self._writing.get(key)
+            if entry is not None and entry[0] is done:
                 del self._writing[key]
             self._give_back(lease)
+            if slot:
+                self._table.done(offset)
 
     async def _discard(self, lease: Lease) -> None:
         self._give_back(lease)
@@ -350,7 +409,7 @@ class Swapper:
         return SwapperStatistics(
             kind=self.kind,
             path=self.path,
-            slots=len(self._slots),
+            slots=len(self._table),
             file_bytes=self._end,
             buffers=self._buffers,
             buffer_bytes=self.buffer_bytes,
@@ -365,16 +424,19 @@ class Swapper:
             write_seconds=self._write_s,
             buffer_wait_seconds=self._wait_s,
             o_direct=self._o_direct,
+            versions=self._table.statistics(),
         )
 
     def close(self) -> None:
-        """Wait for transfers in flight, close the handle, free the pool, delete the swap files."""
+        """Wait for transfers in flight, close the handle, free the pool, delete the swap files
+        (pins still held are released: their saves can no longer read the file)."""
         if self._closed:
             return
         try:
             self.drain(timeout=600)
         finally:
             self._closed = True
+            self._table.release_all()
             self._lt.remove_finalizer(self._finalizer)
             if not self._lt.closed:
                 self._lt.run(self._aclose())

@@ -1,12 +1,14 @@
 """An async save of an NVMe-offloaded run lets the next optimizer step run sub-group by sub-group while
-it still streams the state: each sub-group waits only until the save has read *its* bytes (its master
-range and its swap slot), and the save reads them in the order the step touches them. The checkpoint
-still holds exactly the state of the step it was taken at; without the per-sub-group wait it would
-hold post-step bytes for some sub-groups, and this test sees that."""
+it still streams the state: each sub-group waits only until the save has read *its* bytes in memory
+(its master range; its swap slot is pinned copy-on-write, tests/dstrain/test_offload_checkpoint_cow.py),
+and the save reads them in the order the step touches them. The checkpoint still holds exactly the
+state of the step it was taken at; without the per-sub-group wait it would hold post-step masters
+for some sub-groups, and this test sees that."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -36,6 +38,13 @@ def slow_small_windows(monkeypatch):
         await read(self, io, offset, out)
 
     monkeypatch.setattr(SwapRegions, "read_into", slow)
+    crc = _stream._crc_more
+
+    def slow_crc(ptr: int, nbytes: int, value: int) -> int:  # every window's copy, masters included
+        time.sleep(READ_DELAY / 4)
+        return crc(ptr, nbytes, value)
+
+    monkeypatch.setattr(_stream, "_crc_more", slow_crc)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

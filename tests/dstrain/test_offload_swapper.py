@@ -234,3 +234,104 @@ def test_zero_grad_keeps_the_gradient_buffers_attached() -> None:
     off.step()
     assert views[0].grad is not None and not torch.equal(master, before)
     off.close()
+
+
+# -- copy-on-write versions (pinned by checkpoint saves) ------------------------------------------
+
+
+def _write(sw: Swapper, key: object, value: int) -> None:
+    lease = sw.acquire(key).result(timeout=30)
+    lease.tensor.fill_(value)
+    sw.store(lease)
+
+
+def _read(sw: Swapper, key: object) -> int:
+    lease = sw.fetch(key).result(timeout=30)
+    try:
+        first, last = int(lease.tensor[0]), int(lease.tensor[sw.slot_bytes(key) - 1])
+        assert first == last
+        return first
+    finally:
+        sw.discard(lease).result(timeout=30)
+
+
+def _on_disk(region: tuple[str, int, int]) -> set[int]:
+    path, offset, size = region
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return set(f.read(size))
+
+
+def test_a_pinned_version_outlives_later_writes_and_its_region_is_reused(tmp_path) -> None:
+    """Writes after a pin go around the pinned version (reads see the new bytes, the pinned region
+    keeps the old ones); released, the old regions become spares that the next pin's writes reuse,
+    so the file grows once, by the pinned bytes, and never again."""
+    sw = Swapper(tmp_path, "optimizer", buffer_bytes=2 * 4096, buffer_count=2)
+    try:
+        for k in range(3):
+            sw.reserve(k, 2 * 4096)
+        base = sw.statistics().file_bytes
+        for k in range(3):
+            _write(sw, k, 1)
+        pin = sw.pin()
+        for k in range(3):
+            _write(sw, k, 2)
+        sw.drain(timeout=30)
+        assert [_read(sw, k) for k in range(3)] == [2, 2, 2]  # the step reads the current version
+        assert all(_on_disk(pin.region(k)) == {1} for k in range(3))  # the save reads the old one
+        st = sw.statistics().versions
+        assert st is not None and (st.pins, st.relocations, st.grown_bytes) == (1, 3, 3 * 2 * 4096)
+        for k in range(3):
+            _write(sw, k, 3)  # the new versions are not pinned: written in place
+        sw.drain(timeout=30)
+        assert sw.statistics().versions.relocations == 3  # type: ignore[union-attr]
+        pin.release()
+        pin.release()  # idempotent
+        st = sw.statistics().versions
+        assert st is not None and st.pins == 0 and st.spare_bytes == 3 * 2 * 4096
+        for rnd in range(4, 12):  # many more saves: the spares take every relocation
+            pin = sw.pin()
+            for k in range(3):
+                _write(sw, k, rnd)
+            sw.drain(timeout=30)
+            assert all(_on_disk(pin.region(k)) == {rnd - 1} for k in range(3))
+            pin.release()
+            assert [_read(sw, k) for k in range(3)] == [rnd] * 3
+        st = sw.statistics().versions
+        assert st is not None and st.grown_bytes == 3 * 2 * 4096 and st.relocations == 3 + 8 * 3
+        assert sw.statistics().file_bytes == base + 3 * 2 * 4096
+        assert os.path.getsize(sw.path) <= base + 3 * 2 * 4096
+        held = sw.pin([0])
+    finally:
+        sw.close()
+    assert held.released  # close lets every pin go
+    with pytest.raises(Exception):  # noqa: B017 - ClosedError from dsio
+        sw.pin()
+
+
+def test_a_spare_with_a_transfer_in_flight_is_not_handed_out() -> None:
+    """An old version's write still in flight when its pin is released: its region must not take a
+    new version (the late write would land on top of it) until that write is done."""
+    from dstrain.offload.swap_slots import SlotTable
+
+    t = SlotTable("swap")
+    a, b = t.reserve("k", 4096), t.reserve("j", 4096)
+    first, _ = t.for_write("k")  # in flight
+    assert first == a
+    pin = t.pin(["k"])
+    moved, _ = t.for_write("k")  # around the pinned version: a new region
+    assert moved not in (a, b)
+    t.done(moved)
+    pin.release()  # region a is free, but its write is still in flight
+    other = t.pin(["j"])
+    j_moved, _ = t.for_write("j")
+    assert j_moved != a  # not the busy spare
+    t.done(j_moved)
+    t.done(first)  # the old write is done now
+    again = t.pin(["k"])
+    k_moved, _ = t.for_write("k")
+    assert k_moved == a  # now the spare is taken
+    t.done(k_moved)
+    other.release()
+    again.release()
+    assert t.statistics().pins == 0
