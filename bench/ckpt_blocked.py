@@ -15,9 +15,13 @@ the checkpoint holds the weights plus Adam's m and v. Per rep, every method runs
 - ``async, background, whole-staging fence``: staged in the background, but the next optimizer step
   waits for the whole staging (no touch order: the file is streamed in file order; the engine's
   behaviour before per-sub-group gating).
+- ``async, gate without copy-on-write`` (offload nvme only): the second session's engine: each
+  sub-group's step waits until the save has read its master range *and its swap slot* (the swap
+  file is read in place, so the step may not overwrite it before).
 - ``async, staged in background``: ``save_checkpoint(d, async_save=True)`` as the engine does it now:
-  an offloading stepper steps each sub-group as soon as the save has read that sub-group's bytes,
-  and the save streams them in the order the step touches them.
+  an offloading stepper steps each sub-group as soon as the save has copied its in-memory bytes
+  (the master range); the swapped m and v are pinned copy-on-write (the step writes its new
+  versions around them), so no step waits for the save's reads of the swap file.
 
 For async saves, blocked = ``EngineStatistics.checkpoint_blocked_seconds`` accumulated over the call
 and the ``steps_after`` steps that follow (the fence before the next optimizer step); the commit wait
@@ -48,8 +52,10 @@ METHODS = (
     "sync",
     "async, staged at call",
     "async, background, whole-staging fence",
+    "async, gate without copy-on-write",
     "async, staged in background",
 )
+NVME_ONLY = ("async, gate without copy-on-write",)
 
 
 def _model(dim: int, layers: int) -> torch.nn.Module:
@@ -92,10 +98,14 @@ class _StageAtCall:
         background: bool,
         touch_order: Any = None,
     ) -> Any:
+        from dstrain.checkpoint.sources import release_sources
         from dstrain.checkpoint.store import PendingSave, rank_file_in, step_name
 
         ckpt = self.inner._checkpointer(directory)
-        task = self.inner._run(ckpt.save(step, state))  # background_staging=False: staged here
+        try:
+            task = self.inner._run(ckpt.save(step, state))  # background_staging=False: staged here
+        finally:
+            release_sources(state)  # staged (or failed): swap versions pinned for it can go
         expected = directory / step_name(step) / f"rank-{world.rank:05d}{self.suffix}"
 
         async def committed() -> Any:
@@ -133,7 +143,9 @@ class _WholeFence:
         background: bool,
         touch_order: Any = None,
     ) -> Any:
-        return self.inner.save(directory, step, state, world, background=background)
+        pending = self.inner.save(directory, step, state, world, background=background)
+        pending._capture = None  # wait_staged then waits for the whole staging, pinned bytes too
+        return pending
 
     def load(self, *a: Any, **k: Any) -> Any:
         return self.inner.load(*a, **k)
@@ -159,22 +171,26 @@ def run_config(args: argparse.Namespace, offload: str, root: str) -> dict[str, A
 
     swap = os.path.join(root, f"swap-{offload}")
     os.makedirs(swap, exist_ok=True)
-    engine, _, _, _ = dstrain.initialize(model=_model(args.dim, args.layers), config=_config(offload, swap))
+    engine, opt, _, _ = dstrain.initialize(model=_model(args.dim, args.layers), config=_config(offload, swap))
+    swapper = getattr(opt, "_swapper", None)
+    methods = [m for m in METHODS if swapper is not None or m not in NVME_ONLY]
     store = engine.store
     assert isinstance(store, DsioStore), "this bench needs dsio's native core"
     store.keep_last = 1  # one directory per method, kept open across reps (as in a run); old steps go
     x = torch.randn(args.batch, args.dim)
     _train(engine, x, 2)  # warm-up
     # rep 0 is not measured: it creates each directory's Checkpointer (handle, lock, staging region)
-    rows: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+    rows: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     for rep in range(args.reps + 1):
-        for method in METHODS:
+        for method in methods:
             d = os.path.join(root, f"ck-{offload}-{METHODS.index(method)}")
             before = _train(engine, x, args.steps_before)
             engine.store = {
                 "async, staged at call": _StageAtCall(store),
                 "async, background, whole-staging fence": _WholeFence(store),
             }.get(method, store)
+            if swapper is not None:
+                swapper.copy_on_write = method not in NVME_ONLY
             b0 = engine.statistics().checkpoint_blocked_seconds
             t0 = time.perf_counter()
             engine.save_checkpoint(d, async_save=method != "sync")
@@ -196,11 +212,21 @@ def run_config(args: argparse.Namespace, offload: str, root: str) -> dict[str, A
                     }
                 )
     nbytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    swap_file = None
+    if swapper is not None:  # what copy-on-write cost in disk space over all the saves above
+        st = swapper.statistics()
+        v = st.versions
+        swap_file = {
+            "file_bytes": st.file_bytes,
+            "grown_bytes": v.grown_bytes if v else 0,
+            "relocations": v.relocations if v else 0,
+            "pins_left": v.pins if v else 0,
+        }
     engine.close()
     shutil.rmtree(swap, ignore_errors=True)
     sync = [r["blocked_s"] for r in rows["sync"]]
     ratios = {
-        m: [r["blocked_s"] / s for r, s in zip(rows[m], sync, strict=True)] for m in METHODS if m != "sync"
+        m: [r["blocked_s"] / s for r, s in zip(rows[m], sync, strict=True)] for m in methods if m != "sync"
     }
     return {
         "offload": offload,
@@ -208,6 +234,7 @@ def run_config(args: argparse.Namespace, offload: str, root: str) -> dict[str, A
         "state_bytes": 3 * nbytes,
         "rows": rows,
         "ratios": ratios,
+        "swap_file": swap_file,
     }
 
 
@@ -228,6 +255,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, info: dict[s
     ]
     for r in results:
         for m in METHODS:
+            if m not in r["rows"]:
+                continue
             rows = r["rows"][m]
             ratio = fmt([100 * x for x in r["ratios"][m]], 1) + " %" if m != "sync" else "100 %"
             lines.append(
@@ -239,11 +268,20 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, info: dict[s
     for r in results:
         med = statistics.median(r["ratios"]["async, staged in background"])
         whole = statistics.median(r["ratios"]["async, background, whole-staging fence"])
+        no_cow = r["ratios"].get(NVME_ONLY[0])
         lines.append(
             f"- offload {r['offload']}: {100 * med:.1f}% ({'met' if med <= 0.05 else 'MISSED'}); "
             f"whole-staging fence: {100 * whole:.1f}%; "
-            f"staged at call: {100 * statistics.median(r['ratios']['async, staged at call']):.1f}%"
+            + (f"gate without copy-on-write: {100 * statistics.median(no_cow):.1f}%; " if no_cow else "")
+            + f"staged at call: {100 * statistics.median(r['ratios']['async, staged at call']):.1f}%"
         )
+        sf = r.get("swap_file")
+        if sf:
+            lines.append(
+                f"  - swap file after all saves: {sf['file_bytes'] / 2**20:.0f} MiB, of which "
+                f"{sf['grown_bytes'] / 2**20:.0f} MiB grown by copy-on-write ({sf['relocations']} slot writes "
+                f"went around a pinned version; pins left: {sf['pins_left']})"
+            )
     return "\n".join(lines) + "\n"
 
 
