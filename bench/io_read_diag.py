@@ -19,6 +19,9 @@ share and the share of copy time during which nothing was in flight (the disk id
 each piece itself, as before it); ", memcpy" cases copy with glibc's memcpy instead of streaming
 stores; "worker copy, memcpy" is the pipeline as it was before the copier. ", at 64" cases read a
 file whose data starts at offset 64, where a torch tensor's body (64 mod 4096) goes O_DIRECT.
+", 4k pool" cases read through a second handle whose staging pool is on 4 KiB pages (the A/B of
+the huge-page pool, ``PinnedPool(hugepage=False)``); ``--pools N`` gives each kind N handles,
+used in turn, because a 4 KiB pool's speed depends on where its pages landed.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch  # noqa: E402
 
 import dsio  # noqa: E402
 import dsio._transfer as transfer  # noqa: E402
+import dsio.pool  # noqa: E402
 from bench._common import deepspeed_python, drop_caches_verified, scratch_dir  # noqa: E402
 from bench.io_read_path import DeepSpeedServer, _prepare  # noqa: E402
 from dsio._native import native  # noqa: E402
@@ -55,6 +59,7 @@ CASES = (
     "dsio touched, worker copy, memcpy",
     "dsio touched, 1 copier",
     "dsio touched, memcpy",
+    "dsio touched, 4k pool",
     "dsio fresh",
     "dsio fresh, loop copy",
     "dsio fresh, per-buffer",
@@ -62,6 +67,7 @@ CASES = (
     "dsio fresh, worker copy, memcpy",
     "dsio fresh, 1 copier",
     "dsio fresh, memcpy",
+    "dsio fresh, 4k pool",
     "dsio fresh, hugepage",
     "dsio fresh aligned, hugepage",
     "dsio touched, at 64",
@@ -160,9 +166,11 @@ class InflightSampler(threading.Thread):
 
 
 def measure(
-    case: str, loop, h, ds, path: str, size: int, locked, touched, dev: str, timeline: bool = False
+    case: str, loop, h, ds, path: str, size: int, locked, touched, dev: str, timeline: bool = False, h4k=None
 ) -> dict:
     cold = drop_caches_verified(path + ".at64" if case.endswith("at 64") else path)
+    if case.endswith("4k pool"):
+        h = h4k  # the same engine settings below, on a handle whose pool is on 4 KiB pages
     # The A/B of the prefault thread: the same read with the threshold out of reach.
     transfer.PREFAULT_MIN_BYTES = 1 << 62 if case.endswith("prefault off") else PREFAULT_DEFAULT
     # The A/B of the native staging copy: "loop copy" copies pool -> tensor on the loop thread.
@@ -304,6 +312,7 @@ def main() -> None:
     ap.add_argument("--strace", action="store_true")
     ap.add_argument("--timeline", action="store_true", help="per-piece timeline summary of each dsio read")
     ap.add_argument("--cases", default=None, help="semicolon-separated subset of: " + "; ".join(CASES))
+    ap.add_argument("--pools", type=int, default=1, help="handles per pool kind, used in turn (rep by rep)")
     args = ap.parse_args()
     cases = CASES if args.cases is None else tuple(c.strip() for c in args.cases.split(";"))
     unknown = [c for c in cases if c not in CASES]
@@ -320,20 +329,27 @@ def main() -> None:
     ds_py = deepspeed_python(args.ds_python)
     ds = DeepSpeedServer(ds_py, DS_SCRIPT, size) if ds_py else None
     loop = asyncio.new_event_loop()
-    h = dsio.AsyncIOHandle()
+    hs = [dsio.AsyncIOHandle() for _ in range(args.pools)]
+    dsio.pool.HUGEPAGES = False  # the A/B handles: staging pools on 4 KiB pages
+    hs4k = [dsio.AsyncIOHandle() for _ in range(args.pools)] if any("4k pool" in c for c in cases) else []
+    dsio.pool.HUGEPAGES = True
     locked = torch.frombuffer(native().AlignedBuffer(size, True), dtype=torch.uint8)
     touched = torch.ones(size, dtype=torch.uint8)
     rows = []
     try:
-        for _rep in range(args.reps):
+        for rep in range(args.reps):
             for case in cases:
                 if case.startswith("DeepSpeed") and ds is None:
                     continue
-                rec = measure(case, loop, h, ds, path, size, locked, touched, dev, args.timeline)
+                h = hs[rep % len(hs)]
+                h4k = hs4k[rep % len(hs4k)] if hs4k else None
+                rec = measure(case, loop, h, ds, path, size, locked, touched, dev, args.timeline, h4k)
+                rec["pool"] = rep % len(hs)
                 print(json.dumps(rec), flush=True)
                 rows.append(rec)
     finally:
-        loop.run_until_complete(h.aclose())
+        for h in (*hs, *hs4k):
+            loop.run_until_complete(h.aclose())
         if ds is not None:
             ds.close()
     if args.strace:
