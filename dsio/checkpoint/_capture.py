@@ -159,7 +159,7 @@ def plan_windows(
 ) -> WindowPlan:
     """Map each touch set to the windows holding bytes of the state that overlap it, and order the
     windows by the first touch set needing them, then volatile before stable-only windows, then by
-    position (windows no set needs after those sets needs)."""
+    position (windows that no set needs come after those that one does)."""
     n_win = -(-data_bytes // chunk_bytes) if data_bytes > 0 else 0
     sets = list(touch_order or ())
     sets_of: list[list[int]] = [[] for _ in range(n_win)]

@@ -2,12 +2,13 @@
 
 A swapper's slot (one key's bytes, e.g. a sub-group's Adam m and v) lives in a page-aligned region
 of the swap file. An async checkpoint save reads the state *as it was at save time* while training
-goes on, so it `pin`\\ s the version of every slot current at that moment: a cheap reference (offset,
-size), no copy. A later write of a pinned key goes to another region of the same size (a spare one
-when there is one, else the file grows); reads by the training step always go to the key's current
-region, so the step never waits for the save, and the save keeps reading the pinned regions. When
-the save is over it `SwapPin.release`\\ s its pin: regions no longer current and no longer pinned
-become spares, reused by the next relocation.
+goes on, so it pins (`SlotTable.pin`) the version of every slot current at that moment: a cheap
+reference (offset, size), no copy. A later write of a pinned key goes to another region of the
+same size (a spare one when there is one, else the file grows); reads by the training step always
+go to the key's current region, so the step never waits for the save, and the save keeps reading
+the pinned regions. When
+the save is over it releases its pin (`SwapPin.release`): regions no longer current and no longer
+pinned become spares, reused by the next relocation.
 
 Disk use: the file grows by at most the bytes pinned by saves in flight at once (one save pins at
 most the whole optimizer state: the file can double while it streams); spares are reused, so
