@@ -156,24 +156,39 @@ def test_without_copy_on_write_the_checkpoint_holds_post_step_bytes(
     assert not _holds(r["saved"], r["expected"])
 
 
-@pytest.mark.parametrize("device", ["none", "cpu", "nvme"])
-def test_resuming_from_an_async_save_equals_resuming_from_a_sync_save(tmp_path, one_thread, device) -> None:
+_ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize(
+    ("device", "model_on"),
+    [
+        ("none", "cpu"),
+        ("cpu", "cpu"),
+        ("nvme", "cpu"),
+        pytest.param("nvme", "cuda", id="nvme-cuda", marks=_ON_GPU),
+        pytest.param("cpu", "cuda", id="cpu-cuda", marks=_ON_GPU),
+    ],
+)
+def test_resuming_from_an_async_save_equals_resuming_from_a_sync_save(
+    tmp_path, one_thread, device, model_on
+) -> None:
     """Async save at step 2, three more steps; a fresh run loading it continues bitwise like one
-    loading a synchronous save of step 2 (and like the run that saved it)."""
+    loading a synchronous save of step 2 (and like the run that saved it). On CUDA (``-m gpu``)
+    the masters live on the device and the swapped state is staged through it."""
     swap = tmp_path / "swap"
     swap.mkdir()
     cfg = offload_config(1, device, str(swap), sub_group=4096)
     runs: dict[str, list[float]] = {}
     params: dict[str, list[torch.Tensor]] = {}
     for how in ("async", "sync"):
-        engine, _, _, _ = dstrain.initialize(model=make_model(dim=DIM), config=cfg)
+        engine, _, _, _ = dstrain.initialize(model=make_model(dim=DIM).to(model_on), config=cfg)
         engine_losses(engine, 2)
         engine.save_checkpoint(tmp_path / how, async_save=how == "async")
         if how == "async":
             runs["saver"] = engine_losses(engine, 3, start=2)
         engine.close()
     for how in ("async", "sync"):
-        engine, _, _, _ = dstrain.initialize(model=make_model(seed=3, dim=DIM), config=cfg)
+        engine, _, _, _ = dstrain.initialize(model=make_model(seed=3, dim=DIM).to(model_on), config=cfg)
         engine.load_checkpoint(tmp_path / how)
         assert engine.global_steps == 2
         runs[how] = engine_losses(engine, 3, start=2)
