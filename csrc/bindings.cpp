@@ -81,10 +81,6 @@ PYBIND11_MODULE(_C, m) {
           "prefault_hugepage", [](const Engine& e) { return e.prefaulter.hugepage.load(); },
           [](Engine& e, bool on) { e.prefaulter.hugepage.store(on); },
           "Prefaulting advises MADV_HUGEPAGE on fresh 2 MiB steps first (an A/B switch, default off)")
-      .def_property(
-          "prefault_hugepage_upfront", [](const Engine& e) { return e.prefaulter.upfront.load(); },
-          [](Engine& e, bool on) { e.prefaulter.upfront.store(on); },
-          "A range asking for huge pages is advised at once (default) or step by step (the A/B)")
       .def("reap", &Engine::reap)
       .def("notify_stream", &Engine::notify_stream, py::arg("stream"), py::arg("tag"))
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
@@ -141,11 +137,6 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release nogil;
     std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
   }, py::arg("dst"), py::arg("src"), py::arg("nbytes"));
-  m.def("advise_hugepage", [](uintptr_t ptr, uint64_t nbytes) {
-    py::gil_scoped_release nogil;
-    return advise_hugepage_fresh(ptr, nbytes);
-  }, py::arg("ptr"), py::arg("nbytes"),
-        "MADV_HUGEPAGE on the fresh whole 2 MiB steps inside [ptr, ptr+nbytes); the bytes advised");
   m.def("populate_write_supported", &populate_write_supported,
         "True if the kernel has madvise(MADV_POPULATE_WRITE) (Linux >= 5.14): prefaulting works");
   m.def("probably_resident", &probably_resident, py::arg("ptr"), py::arg("nbytes"),

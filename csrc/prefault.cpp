@@ -28,14 +28,6 @@ bool page_resident(uintptr_t addr) {
   return (v & 1) != 0;
 }
 
-// 1 resident, 0 not resident, -1 not mapped (mincore failed).
-int page_state(uintptr_t addr) {
-  unsigned char v = 0;
-  uintptr_t p = addr & ~(page_size() - 1);
-  if (mincore(reinterpret_cast<void*>(p), page_size(), &v) != 0) return -1;
-  return v & 1;
-}
-
 uint64_t now_ns() {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                    std::chrono::steady_clock::now().time_since_epoch())
@@ -65,27 +57,6 @@ bool probably_resident(uintptr_t ptr, uint64_t nbytes) {
   return true;
 }
 
-uint64_t advise_hugepage_fresh(uintptr_t ptr, uint64_t nbytes) {
-  uintptr_t lo = (ptr + kStep - 1) & ~(kStep - 1);
-  uintptr_t hi = (ptr + nbytes) & ~(kStep - 1);
-  uint64_t advised = 0;
-  uintptr_t run = 0;  // start of the current run of fresh steps (0: none)
-  auto flush = [&](uintptr_t end) {
-    if (run != 0 && end > run && madvise(reinterpret_cast<void*>(run), end - run, MADV_HUGEPAGE) == 0)
-      advised += end - run;
-    run = 0;
-  };
-  for (uintptr_t a = lo; a < hi; a += kStep) {
-    if (page_state(a) == 0 && page_state(a + kStep - 1) == 0) {
-      if (run == 0) run = a;
-    } else {
-      flush(a);
-    }
-  }
-  flush(hi);
-  return advised;
-}
-
 Prefaulter::~Prefaulter() { stop(); }
 
 uint64_t Prefaulter::add(uintptr_t ptr, uint64_t nbytes, bool hugepage) {
@@ -99,12 +70,6 @@ uint64_t Prefaulter::add(uintptr_t ptr, uint64_t nbytes, bool hugepage) {
   st->pos.store(start);
   st->end = end;
   st->hugepage = hugepage;
-  // Advised at once, before the caller submits any I/O: whoever faults a step first (this
-  // thread, or the kernel pinning pages for an O_DIRECT read that got there first) gets a huge
-  // page. (Advising step by step just before populating left every step the I/O reached first
-  // on 4 KiB pages: a fresh 2 GiB destination was only ~half advised.)
-  if (hugepage && upfront.load(std::memory_order_relaxed))
-    hugepage_bytes.fetch_add(advise_hugepage_fresh(start, end - start), std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> g(mu_);
     if (stopping_) return 0;
@@ -181,8 +146,7 @@ void Prefaulter::run() {
       continue;
     }
     uint64_t t0 = now_ns();
-    bool advise_now = st->hugepage ? !upfront.load(std::memory_order_relaxed) : hugepage.load(std::memory_order_relaxed);
-    if (advise_now && (from & (kStep - 1)) == 0 && len == kStep &&
+    if ((st->hugepage || hugepage.load(std::memory_order_relaxed)) && (from & (kStep - 1)) == 0 && len == kStep &&
         madvise(reinterpret_cast<void*>(from), len, MADV_HUGEPAGE) == 0)
       hugepage_bytes.fetch_add(len, std::memory_order_relaxed);
     int rc;

@@ -52,9 +52,6 @@ class Prefaulter {
   // With defrag=madvise the kernel may compact memory synchronously to find a huge page.
   std::atomic<bool> hugepage{false};
   std::atomic<uint64_t> hugepage_bytes{0};  // bytes advised MADV_HUGEPAGE
-  // A range added with hugepage=true has its fresh whole 2 MiB steps advised at once, in add()
-  // (true), or each step just before this thread populates it (false: the benchmarks' A/B).
-  std::atomic<bool> upfront{true};
 
   // One queued range: the threads claim its 2 MiB steps through `pos`, in order, so every byte
   // is accounted exactly once (populated, resident or cancelled).
@@ -79,11 +76,6 @@ class Prefaulter {
   bool stopping_ = false;
   std::vector<std::thread> threads_;
 };
-
-// Advises MADV_HUGEPAGE on the whole 2 MiB steps inside [ptr, ptr+nbytes) that are fresh (first
-// and last page not resident), one madvise per run of them; returns the bytes advised. Steps
-// already (partly) populated or not mapped are left alone.
-uint64_t advise_hugepage_fresh(uintptr_t ptr, uint64_t nbytes);
 
 // Whether every page of [ptr, ptr+nbytes) probed at 2 MiB steps (first and last page of each)
 // is resident: a cheap "already touched" test.

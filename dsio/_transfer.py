@@ -54,19 +54,14 @@ def prefault(disp: Dispatcher, op: int, ptr: int, nbytes: int, *, direct: bool =
 
     ``direct``: the kernel reads straight into this memory. The engine's workers then fault in
     the first window they submit (block_size x queue_depth x workers) themselves, at once, so
-    the prefault thread starts past it instead of racing them over the same pages; and the fresh
-    whole 2 MiB steps of the whole destination, window included, are advised MADV_HUGEPAGE at once,
-    before any I/O (one fault per 2 MiB instead of 512: a fresh page-aligned 512 MiB destination
-    read 1.18x vs 0.70x DeepSpeed's locked read with vs without advice, 5 interleaved reps under
-    load; staged reads showed no gain, so they do not ask).
+    the prefault thread starts past it instead of racing them over the same pages; and fresh whole
+    2 MiB steps are advised MADV_HUGEPAGE before being populated (one fault per 2 MiB instead of
+    512: a fresh page-aligned 512 MiB destination read 1.18x vs 0.70x DeepSpeed's locked read with
+    vs without it, 5 interleaved reps under load; staged reads showed no gain, so they do not).
     """
     if op != READ or nbytes < PREFAULT_MIN_BYTES:
         return 0
     skip = min(nbytes, int(disp.engine.window_bytes)) if direct else 0
-    if skip and getattr(disp.engine, "prefault_hugepage_upfront", True):
-        # The workers' own window too: the kernel faults it in while pinning it for O_DIRECT,
-        # and gets huge pages where the memory is fresh (the rest is advised by engine.prefault).
-        _C.advise_hugepage(ptr, skip)
     if nbytes - skip < ALIGNMENT:
         return 0
     return int(disp.engine.prefault(ptr + skip, nbytes - skip, direct))
