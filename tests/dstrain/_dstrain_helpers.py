@@ -127,7 +127,11 @@ def _entry(
     args: tuple[Any, ...],
     out_dir: str,
     backend: str,
+    env: dict[str, str] | None = None,
 ) -> None:
+    if env is not None:  # the caller's environment (a forked child has the fork server's)
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
@@ -145,16 +149,59 @@ def _entry(
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, backend: str = "gloo") -> list[Any]:
-    """Run ``fn(*args)`` on ``world`` fresh processes forming a process group; returns each rank's result."""
+START_METHODS = ("spawn", "forkserver")
+
+
+def start_processes(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    out_dir: str,
+    *,
+    world: int,
+    backend: str,
+    start_method: str,
+) -> Any:
+    """Start ``world`` ranks running ``fn(*args)`` (see `_entry`); torch's ProcessContext, not joined.
+
+    ``start_method="spawn"``: each rank a new interpreter. ``"forkserver"``: each rank forked from the
+    session's fork server (tests/_forkserver.py: torch, dsio and dstrain already imported; ~0.1 s instead
+    of ~2 s of CPU per rank), given the caller's environment. Use spawn where process start-up itself or
+    the start-up environment (MALLOC_* tunables, cgroup charges of imported pages) is under test, and
+    for NCCL (CUDA in forked children is not what users run)."""
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    if os.environ.get("DSTRAIN_TESTS_SPAWN_ONLY") == "1":  # every rank a new interpreter (to compare, or
+        start_method = "spawn"  # to rule the fork server out when a multi-rank test fails)
+    if start_method == "forkserver":
+        if backend == "nccl":
+            raise ValueError("start_method='forkserver' is for gloo ranks; NCCL ranks are spawned")
+        import _forkserver
+
+        _forkserver.context()  # fixes the one fork server's preload list before torch starts it
+    env = dict(os.environ) if start_method == "forkserver" else None  # a spawned rank inherits it
+    return mp.start_processes(
+        _entry,
+        # a forked rank gets the caller's environment now (the fork server's is the one at its start)
+        args=(world, free_port(), fn, args, out_dir, backend, env),
+        nprocs=world,
+        join=False,
+        start_method=start_method,
+    )
+
+
+def spawn(
+    fn: Callable[..., Any],
+    *args: Any,
+    world: int = 2,
+    backend: str = "gloo",
+    start_method: str = "spawn",
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` fresh processes forming a process group; returns each rank's result.
+
+    ``start_method``: "spawn" (new interpreters) or "forkserver" (forked from the session's fork server:
+    fresh processes that skip importing torch; see `start_processes`)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(
-            _entry,
-            args=(world, free_port(), fn, args, out_dir, backend),
-            nprocs=world,
-            join=False,
-            start_method="spawn",
-        )
+        ctx = start_processes(fn, args, out_dir, world=world, backend=backend, start_method=start_method)
         try:
             while not ctx.join():
                 pass

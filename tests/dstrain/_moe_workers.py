@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _dstrain_helpers import _entry, free_port
+from _dstrain_helpers import start_processes
 from torch import nn
 
 from dstrain.moe import ExchangeMismatchError, MoE
@@ -66,18 +66,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def spawn_bounded(
-    fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 120.0, backend: str = "gloo"
+    fn: Callable[..., Any],
+    *args: Any,
+    world: int = 2,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world`` ranks of a ``backend`` group ("nccl": rank r on cuda:r); a run past
-    ``timeout`` seconds is killed and raises TimeoutError (a hang fails the test instead of stalling it)."""
+    ``timeout`` seconds is killed and raises TimeoutError (a hang fails the test instead of stalling it).
+    ``start_method``: as `_dstrain_helpers.spawn` ("forkserver": gloo ranks forked from the session's
+    fork server, no torch import per rank)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(
-            _entry,
-            args=(world, free_port(), fn, args, out_dir, backend),
-            nprocs=world,
-            join=False,
-            start_method="spawn",
-        )
+        ctx = start_processes(fn, args, out_dir, world=world, backend=backend, start_method=start_method)
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=1.0):

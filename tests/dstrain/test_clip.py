@@ -37,7 +37,7 @@ def test_clip_scales_to_max_norm_and_only_above_it() -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
-    return spawn(clip_run, world=2)
+    return spawn(clip_run, world=2, start_method="forkserver")
 
 
 def test_partitioned_and_replicated_sets_on_two_ranks(two_ranks: list[dict[str, Any]]) -> None:

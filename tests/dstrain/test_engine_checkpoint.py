@@ -45,8 +45,10 @@ def _scenarios(world: int) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list[Any]]:
     root = str(tmp_path_factory.mktemp("ckpt2"))
-    uninterrupted = spawn(checkpoint_save_run, root, _scenarios(2), world=2)
-    resumed = spawn(checkpoint_resume_run, root, _scenarios(2), world=2)  # new processes
+    uninterrupted = spawn(checkpoint_save_run, root, _scenarios(2), world=2, start_method="forkserver")
+    resumed = spawn(
+        checkpoint_resume_run, root, _scenarios(2), world=2, start_method="forkserver"
+    )  # new processes
     return uninterrupted, resumed
 
 

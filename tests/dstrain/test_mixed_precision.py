@@ -85,7 +85,7 @@ def _overflow_world2() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def world2_overflow() -> list[dict[int, Any]]:
-    return spawn(_overflow_world2, world=2)
+    return spawn(_overflow_world2, world=2, start_method="forkserver")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -135,7 +135,7 @@ def world1_precision() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def world2_precision() -> list[dict[str, Any]]:
-    return spawn(run_scenarios, _precision_scenarios(2), world=2)
+    return spawn(run_scenarios, _precision_scenarios(2), world=2, start_method="forkserver")
 
 
 @pytest.mark.parametrize("name", list(_precision_scenarios(1)))

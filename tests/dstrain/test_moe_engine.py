@@ -18,7 +18,9 @@ DS = json.loads((Path(__file__).parent / "moe_fixtures" / "ds_moe_losses.json").
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn(engine_scenarios, str(tmp_path_factory.mktemp("moe-ckpt")), timeout=400)
+    return spawn(
+        engine_scenarios, str(tmp_path_factory.mktemp("moe-ckpt")), timeout=400, start_method="forkserver"
+    )
 
 
 def _close(a: list[float], b: list[float], tol: float) -> float:

@@ -156,7 +156,7 @@ def test_unbound_expert_group_is_a_typed_error() -> None:
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
     """One pair of gloo ranks runs every scenario; a hang anywhere fails after the bound."""
-    return spawn(layer_scenarios, timeout=240)
+    return spawn(layer_scenarios, timeout=240, start_method="forkserver")
 
 
 @pytest.fixture(scope="module")

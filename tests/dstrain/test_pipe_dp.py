@@ -83,7 +83,7 @@ def _scenarios() -> dict[str, Any]:
 
 def test_pp_x_dp_with_zero() -> None:
     start = time.monotonic()
-    results = spawn(_scenarios, world=4)
+    results = spawn(_scenarios, world=4, start_method="forkserver")
     assert time.monotonic() - start < 400
     for kind in ("mlp", "tied"):
         for r in results:

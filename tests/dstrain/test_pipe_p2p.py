@@ -102,7 +102,7 @@ def _scenarios(ordered: bool) -> dict[str, Any]:
 @pytest.mark.parametrize("ordered", [False, True], ids=["tagged", "ordered"])
 def test_p2p_two_processes(ordered: bool) -> None:
     start = time.monotonic()
-    r0, r1 = spawn(_scenarios, ordered, world=2)
+    r0, r1 = spawn(_scenarios, ordered, world=2, start_method="forkserver")
     assert time.monotonic() - start < 240  # never a hang (loose: 2 cores shared with other jobs)
     assert r1["ok"] == [True] * len(SHAPES)
     sent, got = r0["send"], r1["recv"]

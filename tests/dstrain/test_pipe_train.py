@@ -333,7 +333,7 @@ def _scenarios(directory: str) -> dict[str, Any]:
 def results() -> list[dict[str, Any]]:
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as directory:
-        res = spawn(_scenarios, directory, world=2)
+        res = spawn(_scenarios, directory, world=2, start_method="forkserver")
     assert time.monotonic() - start < 600  # never a hang (loose: 2 cores shared with other jobs)
     return res
 

@@ -60,7 +60,7 @@ def _configs() -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
-    return spawn(reducer_run, _configs(), world=2)
+    return spawn(reducer_run, _configs(), world=2, start_method="forkserver")
 
 
 @pytest.mark.parametrize("name", list(_configs()))

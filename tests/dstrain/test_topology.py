@@ -81,8 +81,8 @@ def test_single_process_topology_is_all_local() -> None:
 
 def test_2x1_and_1x2_on_two_gloo_ranks() -> None:
     # 2x1: two pipeline stages, one data-parallel rank each; 1x2 with ep=2: one stage, dp 2, experts split
-    pipe = spawn(topology_run, 2, 1)
-    data = spawn(topology_run, 1, 2)
+    pipe = spawn(topology_run, 2, 1, start_method="forkserver")
+    data = spawn(topology_run, 1, 2, start_method="forkserver")
     for rank in (0, 1):
         p, d = pipe[rank], data[rank]
         assert (p["coords"].stage, p["coords"].dp_rank) == (rank, 0)

@@ -16,7 +16,7 @@ def _runs() -> dict[int, Any]:
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict[int, Any]]:
-    return spawn(_runs, world=2)
+    return spawn(_runs, world=2, start_method="forkserver")
 
 
 @pytest.mark.parametrize("rank", [0, 1])

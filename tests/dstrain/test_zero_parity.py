@@ -72,7 +72,7 @@ def world1() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict[str, Any]]:
-    return spawn(run_scenarios, scenarios(2), world=2)
+    return spawn(run_scenarios, scenarios(2), world=2, start_method="forkserver")
 
 
 NATIVE = ["stage1", "stage2", "stage3", "stage3_overlap_prefetch", "stage1_gas2"]
@@ -81,7 +81,7 @@ NATIVE = ["stage1", "stage2", "stage3", "stage3_overlap_prefetch", "stage1_gas2"
 @pytest.fixture(scope="module")
 def world2_native() -> list[dict[str, Any]]:
     chosen = {k: v for k, v in scenarios(2).items() if k in NATIVE}
-    return spawn(run_scenarios, chosen, True, world=2)
+    return spawn(run_scenarios, chosen, True, world=2, start_method="forkserver")
 
 
 @pytest.mark.parametrize("name", NATIVE)

@@ -106,12 +106,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, world: int, port: int, fn: Any, args: tuple, out_dir: str) -> None:
+def _entry(rank: int, world: int, port: int, fn: Any, args: tuple, out_dir: str, env: dict[str, str]) -> None:
     import os
     import traceback
 
     import torch.distributed as dist
 
+    os.environ.clear()  # the caller's environment (a forked child has the fork server's)
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
@@ -127,19 +129,24 @@ def _entry(rank: int, world: int, port: int, fn: Any, args: tuple, out_dir: str)
 
 
 def spawn(fn: Any, *args: Any, world: int = 2) -> list[Any]:
-    """Run ``fn(*args)`` in ``world`` fresh processes forming a gloo group; each rank's result."""
+    """Run ``fn(*args)`` in ``world`` fresh processes forming a gloo group; each rank's result.
+
+    The ranks are forked from the session's fork server (tests/_forkserver.py: torch and dsio already
+    imported, ~0.1 s per rank instead of an interpreter start), with the caller's environment."""
     import os
     import tempfile
 
+    import _forkserver
     import torch.multiprocessing as mp
 
+    _forkserver.context()  # fixes the one fork server's preload list before torch starts it
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _entry,
-            args=(world, _free_port(), fn, args, out_dir),
+            args=(world, _free_port(), fn, args, out_dir, dict(os.environ)),
             nprocs=world,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         try:
             while not ctx.join():

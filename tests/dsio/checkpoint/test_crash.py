@@ -4,13 +4,13 @@ kill the latest committed checkpoint loads and verifies, and no partial checkpoi
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import random
 import re
 import signal
 import time
 
+import _forkserver
 import torch
 
 import dsio.checkpoint as C
@@ -82,8 +82,7 @@ def test_sigkill_at_random_moments(tmp_path):
     partials = 0
     # Children fork from a clean server process that has torch and dsio imported (fast starts,
     # and no threads inherited from this pytest process).
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "dsio.checkpoint", "test_crash"])
+    ctx = _forkserver.context()  # the session's one fork server (tests/_forkserver.py)
     for i in range(KILLS):
         p = ctx.Process(target=_saver, args=(root, i))
         p.start()

@@ -12,11 +12,11 @@ the rename fallback. After each kill:
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import shutil
 import signal
 
+import _forkserver
 import pytest
 import torch
 
@@ -96,8 +96,7 @@ async def _verify(root: str, must_have: int, versions: dict[int, set[int]]) -> l
 
 @pytest.mark.parametrize("scenario", ["new", "exchange", "fallback"])
 def test_sigkill_before_each_commit_and_retention_operation(tmp_path, scenario):
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "dsio.checkpoint", "test_crash_points"])
+    ctx = _forkserver.context()  # the session's one fork server (tests/_forkserver.py)
     versions = {1: {0}, 2: {0, 1}, 3: {0}}
     must_have = 2  # committed before the crashing save started
     seed = str(tmp_path / "seed")

@@ -1,4 +1,5 @@
-"""Two real ranks (gloo, spawned processes): per-rank files, commit after all ranks, DCP plugin."""
+"""Two real ranks (gloo, processes forked from the session's fork server): per-rank files, commit after
+all ranks, DCP plugin."""
 
 from __future__ import annotations
 

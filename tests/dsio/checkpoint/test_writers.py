@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import socket
 
+import _forkserver
 import pytest
 import torch
 
@@ -62,8 +62,7 @@ def _other_writer(root: str, q) -> None:
 
 
 def test_writer_in_another_process_is_refused_naming_pid_and_host(tmp_path):
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "dsio.checkpoint"])
+    ctx = _forkserver.context()  # the session's one fork server (tests/_forkserver.py)
 
     async def main() -> None:
         async with C.Checkpointer(tmp_path) as ck:
