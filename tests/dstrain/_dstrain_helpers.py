@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -129,9 +130,11 @@ def _entry(
     backend: str,
     env: dict[str, str] | None = None,
 ) -> None:
-    if env is not None:  # the caller's environment (a forked child has the fork server's)
-        os.environ.clear()
+    if env is not None:  # forked from the fork server: made like a spawned rank
+        os.environ.clear()  # the caller's environment (a forked child has the server's)
         os.environ.update(env)
+        torch.seed()  # a seed of its own, as a new interpreter has (a fork copies the server's RNG)
+        np.random.seed()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
@@ -170,11 +173,11 @@ def start_processes(
     for NCCL (CUDA in forked children is not what users run)."""
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    if start_method == "forkserver" and backend == "nccl":
+        raise ValueError("start_method='forkserver' is for gloo ranks; NCCL ranks are spawned")
     if os.environ.get("DSTRAIN_TESTS_SPAWN_ONLY") == "1":  # every rank a new interpreter (to compare, or
         start_method = "spawn"  # to rule the fork server out when a multi-rank test fails)
     if start_method == "forkserver":
-        if backend == "nccl":
-            raise ValueError("start_method='forkserver' is for gloo ranks; NCCL ranks are spawned")
         import _forkserver
 
         _forkserver.context()  # fixes the one fork server's preload list before torch starts it
