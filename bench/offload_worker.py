@@ -175,6 +175,15 @@ def ds_config(shape: Shape, method: Method, nvme_dir: str, pinned: int) -> dict[
     return cfg
 
 
+def _drain(optimizer: Any) -> None:
+    """Let dstrain's optimizer swap I/O in flight finish (outside the timed steps), so the swap
+    counters between two such points count exactly the steps between them: the transfers are
+    counted when they complete, and stepping during backward moves when they complete."""
+    drain = getattr(optimizer, "drain", None)
+    if callable(drain):
+        drain()
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -207,6 +216,7 @@ def worker(args: argparse.Namespace) -> None:
     for i, batch in enumerate(batches):
         if i == WARMUP:
             _reset_peak()  # peak RSS of the training phase, after the warm-up steps
+            _drain(optimizer)
             c0, io0 = offload_counters(*sources), _proc_io()
         dist.barrier()
         t = time.perf_counter()
@@ -215,6 +225,7 @@ def worker(args: argparse.Namespace) -> None:
         engine.step()
         times.append(time.perf_counter() - t)
         losses.append(float(loss.item()))
+    _drain(optimizer)
     c1, io1 = offload_counters(*sources), _proc_io()
     tail = times[WARMUP:] or times
     k = len(tail)

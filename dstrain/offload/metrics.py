@@ -43,6 +43,12 @@ def samples(s: Any, rank: int, kind: str = "optimizer") -> Iterator[Sample]:
     doc = "Sub-groups (optimizer) or shards (param) found swapped in when needed"
     yield counter("dstrain_offload_prefetch", doc, s.prefetch_hits, result="hit")
     yield counter("dstrain_offload_prefetch", doc, s.prefetch_misses, result="miss")
+    if hasattr(s, "stepped_in_backward"):
+        yield counter(
+            "dstrain_offload_stepped_in_backward",
+            "Sub-groups stepped during the boundary backward (dstrain.offload.early_step)",
+            s.stepped_in_backward,
+        )
     if hasattr(s, "step_seconds"):
         yield counter("dstrain_offload_step_seconds", "Time in the offloaded optimizer step", s.step_seconds)
 

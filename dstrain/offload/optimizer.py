@@ -258,6 +258,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def prepare(self) -> None:
         """Start reading the next step's first sub-groups (called during the boundary backward);
         with stepping during backward composed (`dstrain.offload.early_step`), arm it."""
+        self._between_steps("a second boundary backward")  # its gradient would miss stepped ones
         if self._swapper is not None:
             self._top_up()
         if self._early is not None and not self._hold_early:
@@ -411,6 +412,12 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._swapper is not None:
             self._top_up()  # next step's first reads: they run during forward/backward
         self._step_s += time.perf_counter() - t0
+
+    def drain(self) -> None:
+        """Block until every swap transfer submitted so far (reads ahead, writes behind) is done;
+        the read-ahead buffers stay lent to the next step. For byte counts at a quiet point."""
+        if self._swapper is not None:
+            self._swapper.drain()
 
     def _between_steps(self, what: str) -> None:
         if self._stepped:

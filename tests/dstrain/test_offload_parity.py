@@ -32,6 +32,11 @@ def _scenarios(root: str) -> dict[str, dict[str, Any]]:
     # stepping during backward (dstrain.offload.early_step) switched off: the step steps everything
     out["s3_nvme_late"] = offload_config(3, "nvme", root, sub_group=1024)
     out["s3_nvme_late"]["zero_optimization"]["offload_optimizer"]["step_in_backward"] = False
+    # persistent units stay gathered through backward (refreshed after the step)
+    for device in ("none", "nvme"):
+        out[f"s3_{device}_persist"] = offload_config(
+            3, device, root, sub_group=1024, stage3_param_persistence_threshold=10**5
+        )
     # gradient accumulation: only the last micro-batch's backward may step
     for device in ("none", "cpu", "nvme"):
         cfg = offload_config(3, device, root, sub_group=1024)
@@ -104,6 +109,7 @@ def test_nvme_really_swapped(runs: list[dict[str, Any]], stage: int) -> None:
         ("s3_nvme_ga2", "s3_none_ga2", True),
         ("s3_nvme_clip", "s3_none_clip", False),  # clipping needs the global norm first
         ("s3_nvme_bf16", "s3_none_bf16", True),
+        ("s3_nvme_persist", "s3_none_persist", True),
     ],
 )
 def test_stepping_during_backward(runs: list[dict[str, Any]], name: str, base: str, early: bool) -> None:
