@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from . import pool as _pool
 from ._backends import open_engine
 from ._dispatch import READ, Dispatcher
 from ._stats import HandleStatistics, IOEngineStatistics
@@ -47,7 +48,8 @@ class Operations:
         self.engine = open_engine(cfg)
         self.disp = Dispatcher(self.engine)
         try:
-            self.pool = PinnedPool(cfg.pool_bytes, cfg.staging_buffer_bytes)
+            # The staging pool on huge pages: staged reads then run at the direct path's speed.
+            self.pool = PinnedPool(cfg.pool_bytes, cfg.staging_buffer_bytes, hugepage=_pool.HUGEPAGES)
         except BaseException:
             self.engine.close()
             raise

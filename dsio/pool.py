@@ -41,10 +41,12 @@ class PoolStatistics:
     """Whether the region is advised onto transparent huge pages (see ``PinnedPool``)."""
 
 
-#: Pools are backed by transparent huge pages unless told otherwise (``PinnedPool(hugepage=)``).
-#: Measured for staged reads (issue 17): with 4 KiB pages a pool's read speed depends on where
-#: its pages landed (1.2-2.0 GB/s across pools of one process, each pool steady); huge-page
-#: pools ran at 1.9-2.3, the direct path's speed. Benchmarks flip this for their A/B.
+#: A handle's staging pool is on transparent huge pages (``dsio._op`` reads this when it builds
+#: a handle). Measured for staged reads (issue 17): with 4 KiB pages a pool's read speed depends
+#: on where its pages landed (1.2-2.0 GB/s across pools of one process, each pool steady);
+#: huge-page pools ran at the direct path's speed. Other pools (``PinnedPool()``) stay on 4 KiB
+#: pages unless asked: populating fresh huge pages cost 2-4x more here (a 2 GiB region 5-10 s vs
+#: 2-3 s), which large pools would pay at start-up. Benchmarks flip this for their A/B.
 HUGEPAGES = True
 
 
@@ -79,8 +81,8 @@ def _cuda_register(ptr: int, nbytes: int) -> bool:
 
 class PinnedPool:
     """``nbytes`` of page-aligned host memory, mlock'ed (and registered with CUDA when torch sees
-    a GPU), cut into ``nbytes // buffer_size`` buffers. With ``hugepage`` (default: the module's
-    ``HUGEPAGES``) the region starts on a 2 MiB boundary and is advised onto transparent huge
+    a GPU), cut into ``nbytes // buffer_size`` buffers. With ``hugepage`` (a handle's staging
+    pool: see ``HUGEPAGES``) the region starts on a 2 MiB boundary and is advised onto transparent huge
     pages before it is touched (``statistics().hugepages`` says whether the kernel accepted).
 
     ``async with pool.buffer() as buf`` lends a uint8 tensor and waits while every buffer is out.
@@ -89,7 +91,7 @@ class PinnedPool:
     """
 
     def __init__(
-        self, nbytes: int, buffer_size: int, *, lock: bool = True, hugepage: bool | None = None
+        self, nbytes: int, buffer_size: int, *, lock: bool = True, hugepage: bool = False
     ) -> None:
         if buffer_size <= 0 or buffer_size % ALIGNMENT:
             raise ConfigError(f"buffer_size must be a positive multiple of {ALIGNMENT}, got {buffer_size}")
@@ -99,8 +101,8 @@ class PinnedPool:
         count = nbytes // buffer_size
         self.buffer_bytes = buffer_size
         # Huge pages: each 2 MiB of the region physically contiguous (the kernel's transparent
-        # huge pages, when enabled); None takes the module default ``HUGEPAGES``.
-        self._mem = C.AlignedBuffer(count * buffer_size, lock, HUGEPAGES if hugepage is None else hugepage)
+        # huge pages, when enabled).
+        self._mem = C.AlignedBuffer(count * buffer_size, lock, hugepage)
         if lock and not self._mem.locked:
             import os
 

@@ -55,8 +55,8 @@ def mappings() -> int:
 
 
 @needs_thp
-def test_pool_is_on_huge_pages_by_default():
-    with PinnedPool(8 * MIB, MIB) as pool:
+def test_pool_on_huge_pages_when_asked():
+    with PinnedPool(8 * MIB, MIB, hugepage=True) as pool:
         st = pool.statistics()
         assert st.hugepages and st.locked
         base = pool.try_acquire()
@@ -80,13 +80,15 @@ def test_pool_opts_out_of_huge_pages():
         lease.release()
 
 
-def test_module_default_is_read_at_construction(monkeypatch):
+def test_handle_pool_follows_the_module_switch(monkeypatch):
+    async def pool_hugepages() -> bool:
+        async with dsio.AsyncIOHandle(dsio.IOConfig(pool_bytes=4 * MIB, staging_buffer_bytes=MIB)) as h:
+            return h.statistics().pool.hugepages
+
     monkeypatch.setattr(dsio.pool, "HUGEPAGES", False)
-    with PinnedPool(4 * MIB, MIB) as pool:
-        assert not pool.statistics().hugepages
+    assert not asyncio.run(pool_hugepages())
     monkeypatch.setattr(dsio.pool, "HUGEPAGES", True)
-    with PinnedPool(4 * MIB, MIB) as pool:
-        assert pool.statistics().hugepages == (thp_mode() in ("always", "madvise"))
+    assert asyncio.run(pool_hugepages()) == (thp_mode() in ("always", "madvise"))
 
 
 def test_small_and_odd_sized_huge_buffers_work_and_unmap_whole():
