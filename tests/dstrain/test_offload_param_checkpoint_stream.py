@@ -2,7 +2,9 @@
 fp32 master from the checkpoint file into the shard file (fp32) or the master file and the shard file
 (bf16), a swap buffer at a time, checksums checked on the way: the peak RSS grows by a small
 fraction of the master, where reading it into memory first grew by all of it. The result resumes
-bitwise in every offload setting, and a corrupted master is a ``ChecksumError``."""
+bitwise in every offload setting, whether it was saved synchronously or asynchronously (the save
+streams the master from the swap files too: test_offload_param_checkpoint_save), and a corrupted
+master is a ``ChecksumError``."""
 
 from __future__ import annotations
 
