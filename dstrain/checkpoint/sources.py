@@ -33,7 +33,16 @@ from dsio.checkpoint import FileRegions, LazyTensor
 if TYPE_CHECKING:
     from dsio.handle import AsyncIOHandle
 
-__all__ = ["Pin", "SwapRegions", "has_lazy", "materialize", "read_lazy", "release_sources", "verify_lazy"]
+__all__ = [
+    "Pin",
+    "Snapshot",
+    "SwapRegions",
+    "has_lazy",
+    "materialize",
+    "read_lazy",
+    "release_sources",
+    "verify_lazy",
+]
 
 
 class Pin(Protocol):
@@ -86,6 +95,26 @@ class SwapRegions(FileRegions):
                 )
             await asyncio.shield(self._ready)  # a failed swap write fails the save
         await super().read_into(io, offset, out)
+
+
+class Snapshot(LazyTensor):
+    """A private copy of a small tensor taken when the state is described (e.g. Adam's step count):
+    nothing else holds it, so it is ``stable`` -- written beside pinned swap versions, it does not
+    make their window one the owner's step has to wait for."""
+
+    stable = True
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        copy = tensor.detach().to("cpu", copy=True).contiguous()
+        super().__init__(copy.dtype, tuple(copy.shape))
+        self._bytes = copy.reshape(-1).view(torch.uint8)
+
+    async def read_into(self, io: AsyncIOHandle, offset: int, out: torch.Tensor) -> None:
+        if offset < 0 or offset + out.numel() > self.nbytes:
+            raise ValueError(
+                f"bytes [{offset}, {offset + out.numel()}) are outside a {self.nbytes}-byte tensor"
+            )
+        out.copy_(self._bytes[offset : offset + out.numel()])
 
 
 def _walk(value: Any) -> Iterator[LazyTensor]:

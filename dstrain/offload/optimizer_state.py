@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dstrain.checkpoint.sources import SwapRegions, read_lazy
+from dstrain.checkpoint.sources import Snapshot, SwapRegions, read_lazy
 from dstrain.offload.swapper import align_up
 
 if TYPE_CHECKING:
@@ -51,8 +51,11 @@ def swapped_state(opt: OffloadAdam) -> dict[str, Any]:
         if i not in state:
             m, v = pieces[i]
             shape = tuple(sg.param.shape)
+            step = opt._steps[sg.group]
             state[i] = {
-                "step": opt._steps[sg.group].clone().cpu(),
+                # a stable copy beside the pinned m, v (an in-memory one would make the save's
+                # window around it, mostly swapped bytes, one the next step waits for)
+                "step": Snapshot(step) if pin is not None else step.clone().cpu(),
                 "exp_avg": SwapRegions(m, torch.float32, shape, after=after, pin=pin),
                 "exp_avg_sq": SwapRegions(v, torch.float32, shape, after=after, pin=pin),
             }
