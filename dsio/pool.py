@@ -44,7 +44,10 @@ class PoolStatistics:
 #: A handle's staging pool is on transparent huge pages (``dsio._op`` reads this when it builds
 #: a handle). Measured for staged reads (issue 17): with 4 KiB pages a pool's read speed depends
 #: on where its pages landed (1.2-2.0 GB/s across pools of one process, each pool steady);
-#: huge-page pools ran at the direct path's speed. Other pools (``PinnedPool()``) stay on 4 KiB
+#: huge-page pools ran at the direct path's speed. Why: a request to the disk holds at most
+#: ``max_segments`` (254 here) physically contiguous pieces of memory, so a 1 MiB slot on scattered
+#: 4 KiB pages cannot merge with its neighbours into the 2-4 MiB requests the device serves best;
+#: a huge-page slot is one segment. Other pools (``PinnedPool()``) stay on 4 KiB
 #: pages unless asked: populating fresh huge pages cost 2-4x more here (a 2 GiB region 5-10 s vs
 #: 2-3 s), which large pools would pay at start-up. Benchmarks flip this for their A/B.
 HUGEPAGES = True
@@ -90,9 +93,7 @@ class PinnedPool:
     never dangles.
     """
 
-    def __init__(
-        self, nbytes: int, buffer_size: int, *, lock: bool = True, hugepage: bool = False
-    ) -> None:
+    def __init__(self, nbytes: int, buffer_size: int, *, lock: bool = True, hugepage: bool = False) -> None:
         if buffer_size <= 0 or buffer_size % ALIGNMENT:
             raise ConfigError(f"buffer_size must be a positive multiple of {ALIGNMENT}, got {buffer_size}")
         if nbytes < buffer_size:
