@@ -26,7 +26,10 @@ $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
 	  echo "make: dsio needs Python 3.11+; $(PYTHON) is $$($(PYTHON) -V 2>&1). Try: make PYTHON=python3.11 ..."; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	@# pip older than 21.3 cannot install PEP 660 editables: upgrade only then (a fresh 3.11 venv's pip is
+	@# 23.x; the upgrade is a network round-trip, ~8 s of a fresh clone's set-up under load)
+	$(BIN)/python -c 'import sys, pip; sys.exit(tuple(map(int, pip.__version__.split(".")[:2])) < (21, 3))' \
+	  || $(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.stamp-deps: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
