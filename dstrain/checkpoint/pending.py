@@ -42,6 +42,9 @@ class PendingSave:
         self._unreported = 0.0
         self.blocked_seconds = 0.0
         """Time `wait_staged` and `wait_captured` blocked their caller."""
+        self.gate_seconds = 0.0
+        """The part of it `wait_captured` waited (a step waiting, piece by piece, for the save to read
+        what it is about to change)."""
 
     @property
     def gated(self) -> bool:
@@ -60,6 +63,7 @@ class PendingSave:
         fut.result()
         waited = time.perf_counter() - t0
         self.blocked_seconds += waited
+        self.gate_seconds += waited
         self._unreported += waited
         return waited
 
