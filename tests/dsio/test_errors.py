@@ -3,9 +3,6 @@
 import asyncio
 import errno
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -23,30 +20,55 @@ async def test_missing_directory(data_dir):
             await h.pread(torch.ones(10), os.path.join(data_dir, "missing.bin"))
 
 
+def _in_child(fn, *args, timeout: float = 120.0):
+    """``fn(*args)`` in a child forked from the session's fork server (torch and dsio already imported:
+    no interpreter start-up); (exit code, what ``fn`` returned or None)."""
+    import _forkserver
+
+    ctx = _forkserver.context()
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_child_main, args=(send, fn, args))
+    p.start()
+    send.close()
+    got = recv.recv() if recv.poll(timeout) else None
+    p.join(timeout)
+    if p.exitcode is None:
+        p.kill()
+        p.join()
+        pytest.fail(f"{fn.__name__}: the child did not finish within {timeout:.0f} s")
+    return p.exitcode, got
+
+
+def _child_main(send, fn, args) -> None:
+    send.send(fn(*args))
+    send.close()
+
+
+def _write_as_nobody(path: str) -> str:
+    """Root ignores permission bits: drop to an unprivileged user first (this is a child process)."""
+    if os.geteuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+
+    async def main() -> str:
+        async with dsio.AsyncIOHandle() as h:
+            try:
+                await h.pwrite(torch.ones(10), path)
+            except PermissionError as e:
+                return "PERMISSION_ERROR" if e.errno == errno.EACCES else f"errno {e.errno}"
+        return "written"
+
+    return asyncio.run(main())
+
+
 def test_read_only_directory(data_dir):
     ro = os.path.join(data_dir, "ro")
     os.mkdir(ro)
     os.chmod(ro, 0o555)
-    # Root ignores permission bits, so the check runs as an unprivileged user when we are root.
-    code = textwrap.dedent(
-        f"""
-        import asyncio, errno, os, torch, dsio
-        if os.geteuid() == 0:
-            os.setgid(65534); os.setuid(65534)
-        async def main():
-            async with dsio.AsyncIOHandle() as h:
-                try:
-                    await h.pwrite(torch.ones(10), {os.path.join(ro, "f.bin")!r})
-                except PermissionError as e:
-                    assert e.errno == errno.EACCES
-                    print("PERMISSION_ERROR")
-        asyncio.run(main())
-        """
-    )
     os.chmod(data_dir, 0o755)
     os.chmod(os.path.dirname(data_dir), 0o755)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
-    assert "PERMISSION_ERROR" in r.stdout, r.stderr
+    code, got = _in_child(_write_as_nobody, os.path.join(ro, "f.bin"))
+    assert code == 0 and got == "PERMISSION_ERROR", (code, got)
 
 
 async def test_file_shorter_than_tensor(data_dir):
@@ -173,24 +195,28 @@ async def test_bad_offsets_are_offset_errors_before_the_file_exists(data_dir, of
         assert os.path.getsize(p) == 0
 
 
+def _write_past_rlimit_fsize(data_dir: str) -> str:
+    """A 1 MiB RLIMIT_FSIZE (this is a child process): a write past it is an OffsetError, not SIGXFSZ."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+
+    async def main() -> str:
+        async with dsio.AsyncIOHandle() as h:
+            p = os.path.join(data_dir, "limited")
+            await h.pwrite(torch.ones(4096, dtype=torch.uint8), p, offset=(1 << 20) - 4096)
+            try:
+                await h.pwrite(torch.ones(4096, dtype=torch.uint8), p, offset=1 << 20)
+            except dsio.OffsetError:
+                return "typed"
+        return "no error"
+
+    return asyncio.run(main())
+
+
 def test_rlimit_fsize_is_an_offset_error(data_dir):
-    code = textwrap.dedent(
-        f"""
-        import asyncio, os, resource, torch, dsio
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
-        async def main():
-            async with dsio.AsyncIOHandle() as h:
-                p = os.path.join({data_dir!r}, "limited")
-                await h.pwrite(torch.ones(4096, dtype=torch.uint8), p, offset=(1 << 20) - 4096)
-                try:
-                    await h.pwrite(torch.ones(4096, dtype=torch.uint8), p, offset=1 << 20)
-                except dsio.OffsetError:
-                    print("typed")
-        asyncio.run(main())
-        """
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == "typed", r.stderr
+    code, got = _in_child(_write_past_rlimit_fsize, data_dir)
+    assert code == 0 and got == "typed", (code, got)
 
 
 async def test_large_valid_offset_still_works(data_dir):

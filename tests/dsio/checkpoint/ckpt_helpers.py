@@ -114,6 +114,7 @@ def _entry(rank: int, world: int, port: int, fn: Any, args: tuple, out_dir: str,
 
     os.environ.clear()  # the caller's environment (a forked child has the fork server's)
     os.environ.update(env)
+    torch.seed()  # a seed of its own, as a new interpreter has (a fork copies the server's RNG)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
