@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from _dstrain_helpers import engine_losses, global_batch, make_model
-from _offload_helpers import offload_config
+from _offload_helpers import final_params, offload_config
 
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 
@@ -71,7 +71,7 @@ def test_reads_follow_the_order_backward_finishes_gradients(tmp_path, device: st
         order = [sg.index for sg in opt._order]
         # the head's (last) sub-group is final first; the tied embedding's (first) only at the end
         assert sorted(order) == list(range(n)) and order[0] == n - 1 and order[-1] == 0
-        engine_losses(engine, 2, start=1)
+        engine_losses(engine, 2, start=1, hook=lambda step, micro: opt.drain())  # reads in first
         st = opt.statistics()
         assert st.stepped_in_backward > 0
         if device == "cpu":  # nothing to wait for: every sub-group final before after_backward steps
@@ -187,3 +187,37 @@ def test_async_save_holds_stepping_in_backward_for_the_step_it_gates(tmp_path, s
         assert torch.equal(got["exp_avg_sq"].view(-1), e["exp_avg_sq"].view(-1))
     for a, b in zip(saved["zero"]["master"], master, strict=True):
         assert torch.equal(a, b)
+
+
+def _early_vs_reference(root: str, device: str, model_device: str) -> None:
+    """Sub-groups step during backward with the masters on ``model_device`` (state on the host or
+    NVMe, stepped there by the same fused kernel), bitwise equal to no offload."""
+    out: dict[str, Any] = {}
+    for name, where in (("ref", "none"), ("early", device)):
+        cfg = offload_config(3, where, root, sub_group=1024)
+        engine, opt = dstrain.initialize(model=make_model().to(model_device), config=cfg)[:2]
+        try:
+            drain = getattr(opt, "drain", None)  # the state read in before each backward: deterministic
+            losses = engine_losses(engine, 4, hook=lambda step, micro, d=drain: d() if d else None)
+            params = [t.detach().cpu() for t in final_params(engine)]
+            stats = opt.statistics() if hasattr(opt, "statistics") else None
+        finally:
+            engine.close()
+        out[name] = (losses, params, stats)
+    assert out["early"][0] == out["ref"][0]
+    for a, b in zip(out["early"][1], out["ref"][1], strict=True):
+        assert torch.equal(a, b)
+    st = out["early"][2]
+    assert st.stepped_in_backward >= 3 * (st.sub_groups - 1) > 0  # every step after the first
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_steps_in_backward_with_cpu_masters(tmp_path, device: str) -> None:
+    _early_vs_reference(str(tmp_path), device, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_steps_in_backward_with_cuda_masters(tmp_path, device: str) -> None:
+    _early_vs_reference(str(tmp_path), device, f"cuda:{torch.cuda.current_device()}")
