@@ -6,6 +6,14 @@ Each window is filled in file order (lazy tensors read their bytes into it, in-m
 copied into it), checksummed, and written with one O_DIRECT request; at most ``buffers`` windows
 exist, so the memory a save uses is ``buffers x chunk_bytes`` whatever the state's size. The
 checksums of a tensor spanning windows are continued window by window (crc32c is incremental).
+
+One exception, for async saves whose owner goes on training: a window holding only bytes of
+in-memory tensors that training can change (a master held in RAM beside swapped Adam state) may get
+a buffer of its own beyond the ``buffers``, up to ``capture_bytes`` of such extra windows, so those
+bytes are copied at memory speed instead of waiting for the disk to write the windows before them:
+the owner waits on them (`Capture`) before it changes them. That memory is at most the in-memory
+state's own size, what a save of a state without lazy sources stages anyway; lazy sources (swap
+files, a master in its file) always stream through the ``buffers`` windows.
 """
 
 from __future__ import annotations
@@ -33,6 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = ["STREAM_BUFFERS", "STREAM_CHUNK_BYTES", "write_streamed"]
 
+#: ``capture_bytes`` default: every window of in-memory bytes training can change gets a buffer.
+CAPTURE_ALL = -1
+
 #: Bytes per window (a multiple of 4096, so every window but the last is one aligned write).
 STREAM_CHUNK_BYTES = 8 << 20
 #: Windows in flight: one being filled while the others are written.
@@ -59,6 +70,8 @@ async def write_streamed(
     buffers: int = STREAM_BUFFERS,
     touch_order: TouchOrder | None = None,
     capture: Capture | None = None,
+    capture_bytes: int = CAPTURE_ALL,
+    counters: dict[str, int] | None = None,
 ) -> dict[str, int]:
     """Write ``[data_start, file_size)`` of ``f`` from ``sources``; return each entry's crc32c.
 
@@ -69,6 +82,11 @@ async def write_streamed(
     copies and checksums run in window order on ``executor`` (one thread, kept between saves: no
     thread is started or joined on the event loop). Returns once every window is written (not
     fsynced). On failure, waits for the work in flight and raises the first error.
+
+    ``capture_bytes``: extra window memory (beyond ``buffers``) for windows holding only bytes of
+    in-memory, non-stable tensors, so an async save captures them without waiting for the disk
+    (`CAPTURE_ALL`: as much as they need; 0: none). ``counters``, if given, receives
+    ``window_bytes`` (the most window memory allocated at once) and ``extra_windows``.
     """
     if chunk_bytes <= 0 or chunk_bytes % 4096:
         raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
@@ -86,6 +104,26 @@ async def write_streamed(
     free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
     for m in mems:
         free.put_nowait(torch.frombuffer(m, dtype=torch.uint8))
+    lazy_windows: set[int] = set()
+    for e in entries:
+        if e.nbytes and isinstance(sources[e.name], LazyTensor):
+            lazy_windows.update(range(e.begin // chunk_bytes, (e.end - 1) // chunk_bytes + 1))
+    extra_left = len(plan.order) * chunk_bytes if capture_bytes == CAPTURE_ALL else capture_bytes
+    if capture is None:
+        extra_left = 0  # nobody waits on the capture: the windows can wait for the disk
+
+    def next_buffer(w: int) -> torch.Tensor | None:
+        """A new buffer for window ``w`` if it holds in-memory volatile bytes only and the extra
+        budget allows; else None (wait for a free one)."""
+        nonlocal extra_left
+        if not free.empty() or extra_left < chunk_bytes:
+            return None
+        if not plan.volatile[w] or w in lazy_windows:
+            return None
+        extra_left -= chunk_bytes
+        m = _C.AlignedBuffer(chunk_bytes, False)  # unlocked: O_DIRECT needs alignment only
+        mems.append(m)
+        return torch.frombuffer(m, dtype=torch.uint8)
     # in-memory tensors: contiguous, once (a no-op for the usual contiguous CPU tensor)
     eager: dict[str, torch.Tensor] = {
         n: t.detach().reshape(-1) if t.is_contiguous() else t.detach().contiguous().reshape(-1)
@@ -168,7 +206,8 @@ async def write_streamed(
     turn.set_result(None)
     try:
         for w in plan.order:
-            buf = await free.get()
+            got = next_buffer(w)
+            buf = got if got is not None else await free.get()
             if any(t.done() and not t.cancelled() and t.exception() is not None for t in tasks):
                 free.put_nowait(buf)
                 break  # a window failed: stop here, report it below
@@ -178,6 +217,9 @@ async def write_streamed(
     finally:
         if tasks:
             await asyncio.wait(tasks)
+    if counters is not None:
+        counters["window_bytes"] = len(mems) * chunk_bytes
+        counters["extra_windows"] = len(mems) - n_buf
     await wait_all(tasks)  # the first error, in window order
     short = [e.name for e in entries if done_to[e.name] != e.nbytes or ahead[e.name]]
     if short:  # a bug, never user input: every byte of every tensor is checksummed exactly once

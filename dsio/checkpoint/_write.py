@@ -223,18 +223,23 @@ class FileWriter:
         chunk = _stream.STREAM_CHUNK_BYTES  # read at call time (tests shrink it)
         windows = min(STREAM_BUFFERS, max(1, -(-(self.file_size - self.data_start) // chunk)))
         self.buffer_bytes = windows * chunk if self.file_size > self.data_start else 0
-        self._crcs = await write_streamed(
-            self.handle,
-            self._file,
-            self.entries,
-            self.tensors,
-            self.data_start,
-            self.file_size,
-            executor=_pool("dsio-ckpt-stream", 1),
-            chunk_bytes=chunk,
-            touch_order=self.touch_order,
-            capture=self.capture,
-        )
+        counters: dict[str, int] = {}
+        try:
+            self._crcs = await write_streamed(
+                self.handle,
+                self._file,
+                self.entries,
+                self.tensors,
+                self.data_start,
+                self.file_size,
+                executor=_pool("dsio-ckpt-stream", 1),
+                chunk_bytes=chunk,
+                touch_order=self.touch_order,
+                capture=self.capture,
+                counters=counters,
+            )
+        finally:
+            self.buffer_bytes = counters.get("window_bytes", self.buffer_bytes)
         self.tensors = {}  # the caller's tensors and sources are free from here on
 
     async def _finish_streamed(self, fsync: bool) -> int:
