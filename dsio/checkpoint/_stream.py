@@ -124,6 +124,7 @@ async def write_streamed(
         m = _C.AlignedBuffer(chunk_bytes, False)  # unlocked: O_DIRECT needs alignment only
         mems.append(m)
         return torch.frombuffer(m, dtype=torch.uint8)
+
     # in-memory tensors: contiguous, once (a no-op for the usual contiguous CPU tensor)
     eager: dict[str, torch.Tensor] = {
         n: t.detach().reshape(-1) if t.is_contiguous() else t.detach().contiguous().reshape(-1)
