@@ -6,6 +6,8 @@ and receives matches them, as on NCCL."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from typing import Any
 
@@ -85,8 +87,14 @@ def _scenarios(ordered: bool) -> dict[str, Any]:
     dist.barrier()
     # 3. a peer that sends nothing: the wait times out (rank 0 stays alive meanwhile, silent: a timed-out
     # gloo wait closes the connection, so nothing collective follows)
+    # (rank 0 leaves once rank 1 says its wait ended, through a file: no collective after a timed-out wait)
+    done = os.path.join(tempfile.gettempdir(), f"dstrain-p2p-silent-{os.environ['MASTER_PORT']}")
     if rank == 0:
-        time.sleep(4.0)
+        deadline = time.monotonic() + 60.0
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.path.exists(done):
+            os.unlink(done)
     else:
         r = Receiver(peer=0, tag=30, transport=t, timeout=1.0, name="silent")
         r.expect(1)
@@ -96,6 +104,8 @@ def _scenarios(ordered: bool) -> dict[str, Any]:
             out["timeout"] = None
         except P2PTimeoutError:
             out["timeout"] = time.monotonic() - start
+        with open(done, "w"):
+            pass
     return out
 
 
