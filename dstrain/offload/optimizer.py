@@ -37,7 +37,6 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -54,6 +53,7 @@ from dstrain.offload.optimizer_state import (
     touch_order,
 )
 from dstrain.offload.optimizer_stats import OffloadOptimizerStatistics
+from dstrain.offload.state_reads import StateReads
 from dstrain.offload.sub_groups import CUT, SubGroup, plan_sub_groups
 from dstrain.offload.swapper import STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
 
@@ -167,9 +167,9 @@ class OffloadAdam(torch.optim.Optimizer):
             for sg in self._subs:
                 sg.m = torch.zeros(sg.numel, dtype=torch.float32)
                 sg.v = torch.zeros(sg.numel, dtype=torch.float32)
-        self._ahead: deque[list[Any]] = deque()  # [sub-group, state lease future, master future, grad future]
+        # reads ahead of the state (and in the step the swapped master / gradient ranges)
+        self._reads = StateReads(self._swapper, master_store, grad_store) if self._swapper else None
         self._order: list[SubGroup] = list(self._subs)  # the step's (and the reads') order
-        self._next = 0  # position in `_order` of the next read to submit
         self._stepped: set[int] = set()  # sub-groups stepped in the optimizer step under way
         self._begun = False  # the step under way has stepped its first sub-group
         self._hyper: list[tuple[Any, ...]] = []  # hyperparameters the step under way began with
@@ -180,8 +180,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._early_s = 0.0
         self._stores: list[concurrent.futures.Future[None]] = []  # the last step's writes
         self._gate: Callable[[int], float] | None = None  # an async save's wait, lent for one step
-        self._stall = self._step_s = 0.0
-        self._hits = self._misses = 0
+        self._step_s = 0.0
         self._count = 0
         from dstrain.offload.metrics import register_offload
 
@@ -204,54 +203,10 @@ class OffloadAdam(torch.optim.Optimizer):
         for f in futs:
             f.result()
 
-    @property
-    def _lookahead(self) -> int:
-        return self._swapper._buffers if self._swapper is not None else 0
-
     def _top_up(self) -> None:
-        """Keep reads submitted for the next sub-groups of the step order not stepped yet (one per
-        buffer). Every sub-group before ``_next`` in the order is either stepped or in ``_ahead``."""
-        assert self._swapper is not None
-        while len(self._ahead) < self._lookahead and self._next < len(self._order):
-            sg = self._order[self._next]
-            self._next += 1
-            if sg.index not in self._stepped:
-                self._ahead.append([sg, self._swapper.fetch(sg.index), None, None])
-        if self._grads is not None and self._in_step:  # gradients are final only once the step runs
-            for entry in self._ahead:
-                if entry[3] is None:
-                    entry[3] = self._grads.fetch(entry[0].group, entry[0].master_start, entry[0].numel)
-        if self._master is not None and self._in_step:
-            # master reads only inside the step: during forward/backward the parameter pool
-            # belongs to the shard reads of the gathers
-            for entry in self._ahead:
-                if entry[2] is None:
-                    sg = entry[0]
-                    entry[2] = self._master.fetch_master(sg.group, sg.master_start, sg.numel)
-
-    def _take(self, sg: SubGroup) -> tuple[Lease, Any, Any]:
-        """The sub-group's state lease, its (master lease, master view) when the master is swapped,
-        and its (gradient lease, gradient view) when the gradients are."""
-        at = next((i for i, entry in enumerate(self._ahead) if entry[0] is sg), None)
-        if at is None:
-            raise RuntimeError("offload read-ahead out of order")  # a bug, never user input
-        _, fut, mfut, gfut = self._ahead[at]
-        del self._ahead[at]
-        if gfut is not None:
-            self._grads.took(gfut)
-        futs = [f for f in (fut, mfut, gfut) if f is not None]
-        if all(f.done() for f in futs):
-            self._hits += 1
-        else:
-            self._misses += 1
-            t0 = time.perf_counter()
-            concurrent.futures.wait(futs)
-            self._stall += time.perf_counter() - t0
-        return (
-            fut.result(),
-            mfut.result() if mfut is not None else None,
-            gfut.result() if gfut is not None else None,
-        )
+        """Keep reads submitted for the next sub-groups of the step order not stepped yet."""
+        assert self._reads is not None
+        self._reads.top_up(self._order, self._stepped, self._in_step)
 
     # -- the Stepper surface ------------------------------------------------------------------
 
@@ -296,7 +251,8 @@ class OffloadAdam(torch.optim.Optimizer):
         g = self.param_groups[sg.group]
         lease = master = swapped = None
         if self._swapper is not None:
-            lease, master, swapped = self._take(sg)
+            assert self._reads is not None
+            lease, master, swapped = self._reads.take(sg)
             self._top_up()
             m, v = self._views(lease, sg)
         else:
@@ -352,26 +308,16 @@ class OffloadAdam(torch.optim.Optimizer):
         many were stepped. `step` steps the rest."""
         t0 = time.perf_counter()
         done = 0
-        if self._swapper is None:
+        if self._reads is None:  # state in host memory: every final sub-group can step now
             for sg in self._order:
                 if sg.index in ready and sg.index not in self._stepped:
                     self._begin()
                     self._step_one(sg, None)
                     done += 1
-        else:
-            while True:
-                entry = next(
-                    (
-                        e
-                        for e in self._ahead
-                        if e[0].index in ready and e[1].done() and e[2] is None and e[3] is None
-                    ),
-                    None,
-                )
-                if entry is None:
-                    break
+        else:  # only those whose reads are done: backward never waits for the disk
+            while (sg_in := self._reads.read_in(ready)) is not None:
                 self._begin()
-                self._step_one(entry[0], None)  # its reads are done: a hit, no wait
+                self._step_one(sg_in, None)
                 done += 1
         self._early_steps += done
         self._early_s += time.perf_counter() - t0
@@ -404,12 +350,13 @@ class OffloadAdam(torch.optim.Optimizer):
         self._stepped.clear()
         self._touch_pos = {}
         self._hold_early = False
-        self._next = 0
+        if self._reads is not None:
+            self._reads.next = 0  # every sub-group was taken: the next step's reads start afresh
         if self._early is not None:
             order = self._early.finish()
             if order is not None:  # read the next step's state in the order backward finishes it
                 self._order = [self._subs[i] for i in order]
-        if self._swapper is not None:
+        if self._reads is not None:
             self._top_up()  # next step's first reads: they run during forward/backward
         self._step_s += time.perf_counter() - t0
 
@@ -433,16 +380,8 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _cancel_ahead(self) -> None:
         """Hand back read-ahead buffers unused (before state is replaced or read another way)."""
-        assert self._swapper is not None
-        self._next = 0  # between steps: nothing stepped, the next reads start at the order's head
-        while self._ahead:
-            _, fut, mfut, gfut = self._ahead.popleft()
-            self._swapper.discard(fut.result())
-            if mfut is not None:
-                self._master.discard_master(mfut.result()[0])
-            if gfut is not None:
-                self._grads.discard(gfut.result()[0])
-        self._swapper.drain()
+        assert self._reads is not None
+        self._reads.cancel()
 
     def _state_of(self, sgs: list[SubGroup]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of (m, v) of ``sgs``."""
@@ -525,10 +464,10 @@ class OffloadAdam(torch.optim.Optimizer):
             sub_groups=len(self._subs),
             sub_group_numel=self.sub_group_numel,
             steps=self._count,
-            stall_seconds=self._stall,
+            stall_seconds=self._reads.stall if self._reads is not None else 0.0,
             step_seconds=self._step_s,
-            prefetch_hits=self._hits,
-            prefetch_misses=self._misses,
+            prefetch_hits=self._reads.hits if self._reads is not None else 0,
+            prefetch_misses=self._reads.misses if self._reads is not None else 0,
             stepped_in_backward=self._early_steps,
             backward_step_seconds=self._early_s,
             pinned_budget=self._budget,

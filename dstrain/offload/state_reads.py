@@ -1,0 +1,98 @@
+"""`StateReads`: `OffloadAdam`'s read-ahead of swapped sub-group state, along the step order.
+
+One entry per sub-group read ahead: its m, v lease (from the optimizer's `Swapper`) and, inside the
+step only, its master range (stage 3 with the master in the parameter file) and its gradient range
+(gradients on NVMe). As many entries as the swapper has buffers; reads are submitted in the step
+order (``order``), so the pool hands buffers out in the order they are consumed. Entries may be
+consumed out of order (sub-groups stepped during backward as their gradients become final); every
+sub-group before position ``next`` of the order is either stepped or still queued here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections import deque
+from typing import Any
+
+from dstrain.offload.sub_groups import SubGroup
+from dstrain.offload.swapper import Lease, Swapper
+
+__all__ = ["StateReads"]
+
+
+class StateReads:
+    """Reads ahead of ``swapper``'s sub-group slots (plus ``master`` / ``grads`` ranges in the step)."""
+
+    def __init__(self, swapper: Swapper, master: Any = None, grads: Any = None) -> None:
+        self.swapper = swapper
+        self.master = master
+        self.grads = grads
+        self.ahead: deque[list[Any]] = deque()  # [sub-group, state future, master future, grad future]
+        self.next = 0  # position in the order of the next read to submit
+        self.hits = self.misses = 0
+        self.stall = 0.0
+        """Seconds `take` waited for reads that were late."""
+
+    def top_up(self, order: list[SubGroup], stepped: set[int], in_step: bool) -> None:
+        """Keep reads submitted for the next sub-groups of ``order`` not in ``stepped`` (one per
+        buffer); inside the step (``in_step``) also their master and gradient ranges."""
+        while len(self.ahead) < self.swapper._buffers and self.next < len(order):
+            sg = order[self.next]
+            self.next += 1
+            if sg.index not in stepped:
+                self.ahead.append([sg, self.swapper.fetch(sg.index), None, None])
+        if self.grads is not None and in_step:  # gradients are final only once the step runs
+            for entry in self.ahead:
+                if entry[3] is None:
+                    entry[3] = self.grads.fetch(entry[0].group, entry[0].master_start, entry[0].numel)
+        if self.master is not None and in_step:
+            # master reads only inside the step: during forward/backward the parameter pool
+            # belongs to the shard reads of the gathers
+            for entry in self.ahead:
+                if entry[2] is None:
+                    sg = entry[0]
+                    entry[2] = self.master.fetch_master(sg.group, sg.master_start, sg.numel)
+
+    def read_in(self, ready: set[int]) -> SubGroup | None:
+        """A queued sub-group of ``ready`` whose reads are all done (taking it will not wait)."""
+        for sg, fut, mfut, gfut in self.ahead:
+            if sg.index in ready and fut.done() and mfut is None and gfut is None:
+                return sg
+        return None
+
+    def take(self, sg: SubGroup) -> tuple[Lease, Any, Any]:
+        """The sub-group's state lease, its (master lease, master view) when the master is swapped,
+        and its (gradient lease, gradient view) when the gradients are; waits if a read is late."""
+        at = next((i for i, entry in enumerate(self.ahead) if entry[0] is sg), None)
+        if at is None:
+            raise RuntimeError("offload read-ahead out of order")  # a bug, never user input
+        _, fut, mfut, gfut = self.ahead[at]
+        del self.ahead[at]
+        if gfut is not None:
+            self.grads.took(gfut)
+        futs = [f for f in (fut, mfut, gfut) if f is not None]
+        if all(f.done() for f in futs):
+            self.hits += 1
+        else:
+            self.misses += 1
+            t0 = time.perf_counter()
+            concurrent.futures.wait(futs)
+            self.stall += time.perf_counter() - t0
+        return (
+            fut.result(),
+            mfut.result() if mfut is not None else None,
+            gfut.result() if gfut is not None else None,
+        )
+
+    def cancel(self) -> None:
+        """Hand every buffer read ahead back unused and restart at the order's head."""
+        self.next = 0
+        while self.ahead:
+            _, fut, mfut, gfut = self.ahead.popleft()
+            self.swapper.discard(fut.result())
+            if mfut is not None:
+                self.master.discard_master(mfut.result()[0])
+            if gfut is not None:
+                self.grads.discard(gfut.result()[0])
+        self.swapper.drain()
