@@ -71,7 +71,7 @@ def shared_runs(name: str) -> list[Any]:
         pending = {k: v for k, v in _PARTS.items() if k not in _RESULTS}
         if _ROOT is None:
             _ROOT = tempfile.TemporaryDirectory(prefix="dstrain-onebit-")
-        ranks = spawn(_run_parts, _ROOT.name, pending, world=2)
+        ranks = spawn(_run_parts, _ROOT.name, pending, world=2, start_method="forkserver")
         for key in pending:
             _RESULTS[key] = [r.get(key, {"error": "not run: an earlier worker failed"}) for r in ranks]
     results = _RESULTS[name]

@@ -27,7 +27,7 @@ def _all_pairs(root: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> list[dict[str, Any]]:
-    return spawn(_all_pairs, str(tmp_path_factory.mktemp("offload-ckpt")), world=2)
+    return spawn(_all_pairs, str(tmp_path_factory.mktemp("offload-ckpt")), world=2, start_method="forkserver")
 
 
 @pytest.mark.parametrize(("stage", "saved", "loaded"), PAIRS)

@@ -126,7 +126,7 @@ def _scenarios(root: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
     root = tempfile.mkdtemp(prefix="offload-grads-", dir=os.environ.get("DSTRAIN_NVME_DIR"))
-    return spawn(_scenarios, root, world=2)
+    return spawn(_scenarios, root, world=2, start_method="forkserver")
 
 
 @pytest.mark.parametrize("name", ["grads_nvme", "grads_nvme_gas2", "grads_nvme_bf16"])

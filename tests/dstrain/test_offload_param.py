@@ -40,7 +40,7 @@ def _scenarios(root: str) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
     root = tempfile.mkdtemp(prefix="offload-param-", dir=os.environ.get("DSTRAIN_NVME_DIR"))
-    return spawn(_build_and_run, root, world=2)
+    return spawn(_build_and_run, root, world=2, start_method="forkserver")
 
 
 def _build_and_run(root: str) -> dict[str, Any]:
