@@ -15,7 +15,7 @@ from . import pool as _pool
 from ._backends import open_engine
 from ._dispatch import READ, Dispatcher
 from ._stats import HandleStatistics, IOEngineStatistics
-from ._transfer import FileRef, TransferCounters, check_readable, submit_one, transfer
+from ._transfer import FileRef, TransferCounters, check_readable, read_fresh, submit_one, transfer
 from .config import ALIGNMENT, IOConfig
 from .errors import BackendUnavailableError, ClosedError, IOFailedError
 from .pool import PinnedPool
@@ -83,6 +83,8 @@ class Operations:
         and length 4096-aligned. None when the transfer needs the general path."""
         if not ref.direct or n == 0 or (ptr | off | n) & (ALIGNMENT - 1):
             return None
+        if read_fresh(op, ptr, n):
+            return None  # fresh memory: staged, faulted in on the copier threads (_transfer.FRESH_STAGED)
         if op == READ:
             check_readable(ref, n, off)
         fut = submit_one(self.disp, ref, op, ptr, n, off, keep)

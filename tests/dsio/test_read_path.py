@@ -97,9 +97,14 @@ async def test_short_file_is_short_io_error_and_prefault_stops(backend, data_dir
         assert h.statistics().engine.prefault_ranges == 0
 
 
-async def test_prefault_populates_fresh_and_skips_touched(data_dir):
+async def test_prefault_populates_fresh_and_skips_touched(data_dir, monkeypatch):
     """Every byte of a queued destination is accounted for: populated (fresh pages), skipped
-    (already resident) or cancelled (the read finished first); touched memory is never populated."""
+    (already resident) or cancelled (the read finished first); touched memory is never populated.
+    (Fresh aligned memory read directly: with ``FRESH_STAGED`` off; on, it is staged, as the touched
+    tensor here: tests/dsio/test_read_fresh_staged.py.)"""
+    from dsio import _transfer
+
+    monkeypatch.setattr(_transfer, "FRESH_STAGED", False)
     n = 8 * MIB
     path = os.path.join(data_dir, "p.bin")
     src = fill_random(torch.empty(n, dtype=torch.uint8))
