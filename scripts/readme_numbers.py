@@ -355,7 +355,46 @@ def render_io_loop(src: dict[str, Any], source: str) -> str:
     return f"`{source}` ({meta.get('date', '?')}, host {meta.get('host', '?')}): 64 KiB ops/s, median (min-max).\n\n{table}\n"
 
 
+def render_io_read_path(src: dict[str, Any], source: str) -> str:
+    """bench/io.py --read-path (issue 17's matrix): each case's read (write) over DeepSpeed's, per group."""
+    rp = _bench_module("io_read_path")
+    res, meta, args = _get(src, "results"), _get(src, "meta"), _get(src, "args")
+    groups = list(res)
+    cases = [c for c in (*rp.READ_CASES, rp.WRITE_CASES[0]) if any(c in res[g] for g in groups)]
+    cold = (
+        "page cache dropped and checked before every operation" if src.get("cold") else "WARM (drop failed)"
+    )
+    lines = [
+        f"`{source}` ({meta['date']}, host {meta['host']}): {args['runs']} runs x {args['reps']} interleaved reps "
+        f"per case, `IOConfig()` defaults, {cold}; median over runs of (the run's median / DeepSpeed's "
+        "`aio_handle()` read into its locked buffer, or its write, in the same run), min-max over runs.",
+        "",
+        "| case | target | " + " | ".join(groups) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in groups) + " |",
+    ]
+    met = total = 0
+    for case in cases:
+        target = rp.TARGETS.get(case)
+        cells = []
+        for g in groups:
+            c = res[g]
+            ref = c.get(rp.DS_READ if "read" in case else rp.WRITE_CASES[1])
+            if not ref or case not in c:
+                cells.append("-")
+                continue
+            r = rp._ratios(c[case], ref)
+            cells.append(f"{ratio(statistics.median(r), 1.0)} ({min(r):.2f}-{max(r):.2f})")
+            if target is not None:
+                total += 1
+                met += statistics.median(r) >= target
+        t = "-" if target is None else f">= {target:.2f}x"
+        lines.append(f"| {case} | {t} | " + " | ".join(cells) + " |")
+    lines += ["", f"Targets met: {met} of {total}.", ""]
+    return "\n".join(lines)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str], str]] = {
+    "io-read-path": render_io_read_path,
     "io-tuned": render_io_tuned,
     "io-loop": render_io_loop,
     "io-seq": render_io_seq,
