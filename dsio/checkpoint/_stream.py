@@ -132,6 +132,12 @@ async def write_streamed(
         if isinstance(t, torch.Tensor)
     }
     starts = [e.begin for e in entries]
+    # Windows of stable bytes only (pinned versions nobody changes) start reading once every volatile
+    # window is filled: the bytes training waits for go first, and a stable read never races them
+    # for the disk. Volatile windows precede stable ones in the plan, so they already hold buffers.
+    volatile_filled = asyncio.Event()
+    if plan.volatile_left == 0:
+        volatile_filled.set()
     loop = asyncio.get_running_loop()
 
     def pieces_of(w: int) -> list[tuple[TensorEntry, int, int]]:
@@ -181,6 +187,8 @@ async def write_streamed(
     ) -> None:
         try:
             pieces = pieces_of(w)
+            if not plan.volatile[w]:
+                await volatile_filled.wait()
             reads, at = [], 0
             for e, off, n in pieces:  # lazy bytes: read concurrently into their places
                 src = sources[e.name]
@@ -194,8 +202,14 @@ async def write_streamed(
             mine.set_result(None)
             await filled
             plan.filled(w, capture)
+            if plan.volatile_left == 0:
+                volatile_filled.set()
             pos = data_start + w * chunk_bytes
             await f.pwrite(buf[: min(chunk_bytes, file_size - pos)], pos)
+        except BaseException:
+            if plan.volatile[w]:
+                volatile_filled.set()  # the stable windows must not wait for a window that failed
+            raise
         finally:
             if not mine.done():
                 mine.set_exception(_Skipped())

@@ -120,3 +120,48 @@ def test_capture_bytes_zero_keeps_the_fixed_windows(tmp_path, monkeypatch) -> No
     out = asyncio.run(go())
     assert counters == {"window_bytes": _stream.STREAM_BUFFERS * CHUNK, "extra_windows": 0}
     assert torch.equal(out["b_master"], master) and torch.equal(out["a_exp_avg"], m)  # type: ignore[index]
+
+
+def test_stable_windows_wait_for_volatile_ones_and_a_failed_volatile_window_does_not_hang(
+    tmp_path, monkeypatch
+) -> None:
+    """Stable windows start reading only once every volatile window is filled; when a volatile
+    window fails instead (its file is gone), the save fails promptly instead of leaving the stable
+    windows waiting."""
+    monkeypatch.setattr(_stream, "STREAM_CHUNK_BYTES", CHUNK)
+    state, order, _, _ = _state(tmp_path, stable=True)
+    order_seen: list[str] = []
+    stable_read = Stable.read_into
+
+    async def traced(self, io, offset, out):  # type: ignore[no-untyped-def]
+        order_seen.append("stable")
+        await stable_read(self, io, offset, out)
+
+    monkeypatch.setattr(Stable, "read_into", traced)
+
+    class Failing(C.FileRegions):
+        """Volatile (not stable) and lazy: fails its read late, once the stable windows got
+        buffers freed by the master's written windows."""
+
+        async def read_into(self, io, offset, out):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(0.5)
+            raise OSError(5, "injected read error")
+
+    broken = Failing([(str(tmp_path / "swap.bin"), 0, 1024 * 4)], torch.float32, (1024,))
+
+    async def go(st) -> tuple[object, bool]:  # type: ignore[no-untyped-def]
+        async with C.Checkpointer(tmp_path / f"ck{len(st)}") as ck:
+            task = await ck.save(1, st, background_staging=True, touch_order=order)
+            try:
+                await asyncio.wait_for(task, 30)
+            except TimeoutError:
+                return "hung", False
+            except Exception as e:  # noqa: BLE001
+                return e, ck.staging_capture.volatile.done()
+            return None, ck.staging_capture.volatile.done()
+
+    err, _ = asyncio.run(go(state))
+    assert err is None and order_seen  # the stable source was read, after the master's windows
+    order_seen.clear()
+    err, volatile_done = asyncio.run(go({**state, "c_broken": broken}))
+    assert isinstance(err, OSError) and volatile_done
