@@ -118,3 +118,21 @@ def reset_peak() -> bool:
         return True
     except OSError:
         return False
+
+
+def slow_swap_reads(monkeypatch: Any, delay: float, chunk_bytes: int = 16 << 10) -> None:
+    """An async save's swap-file reads each take ``delay`` seconds more and its windows are
+    ``chunk_bytes``, so its staging outlasts the forward and backward after it."""
+    import asyncio
+
+    from dsio.checkpoint import _stream
+    from dstrain.checkpoint.sources import SwapRegions
+
+    monkeypatch.setattr(_stream, "STREAM_CHUNK_BYTES", chunk_bytes)
+    read = SwapRegions.read_into
+
+    async def slow(self: SwapRegions, io: Any, offset: int, out: torch.Tensor) -> None:
+        await asyncio.sleep(delay)
+        await read(self, io, offset, out)
+
+    monkeypatch.setattr(SwapRegions, "read_into", slow)

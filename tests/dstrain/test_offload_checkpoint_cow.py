@@ -27,14 +27,6 @@ DIM = 96  # ~60k parameters: ~15 sub-groups of 4096 elements
 
 
 @pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
 def held_reads(monkeypatch, one_thread):
     """Small windows; once a save has captured everything training can change, its further reads
     of pinned swap versions wait until the test lets them go (``release()``) -- a step that waited

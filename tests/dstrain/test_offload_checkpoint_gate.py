@@ -7,21 +7,19 @@ for some sub-groups, and this test sees that."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
 import pytest
 import torch
 from _dstrain_helpers import engine_losses, make_model
-from _offload_helpers import offload_config
+from _offload_helpers import offload_config, slow_swap_reads
 
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 
 import dstrain  # noqa: E402
 from dsio._bridge import run_sync  # noqa: E402
 from dsio.checkpoint import Checkpointer, _stream  # noqa: E402
-from dstrain.checkpoint.sources import SwapRegions  # noqa: E402
 from dstrain.offload.optimizer import OffloadAdam  # noqa: E402
 
 DIM = 96  # ~60k parameters: ~15 sub-groups of 4096 elements, ~60 windows of 16 KiB
@@ -30,14 +28,7 @@ READ_DELAY = 0.02  # seconds per swap-file read of the save: staging outlasts fo
 
 @pytest.fixture
 def slow_small_windows(monkeypatch):
-    monkeypatch.setattr(_stream, "STREAM_CHUNK_BYTES", 16 << 10)
-    read = SwapRegions.read_into
-
-    async def slow(self: SwapRegions, io: Any, offset: int, out: torch.Tensor) -> None:
-        await asyncio.sleep(READ_DELAY)
-        await read(self, io, offset, out)
-
-    monkeypatch.setattr(SwapRegions, "read_into", slow)
+    slow_swap_reads(monkeypatch, READ_DELAY)
     crc = _stream._crc_more
 
     def slow_crc(ptr: int, nbytes: int, value: int) -> int:  # every window's copy, masters included

@@ -26,14 +26,6 @@ def _engine(swap: str, device: str = "nvme", seed: int = 0) -> tuple[Any, Any]:
     return engine, opt
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same float reductions in every engine of the test
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_save_streams_swapped_state_without_materializing_it(tmp_path, one_thread) -> None:
     swap = tmp_path / "swap"
     swap.mkdir()

@@ -6,20 +6,18 @@ ranks) is checked in test_offload_parity.py; these run in one process (world siz
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
 import torch
 from _dstrain_helpers import engine_losses, global_batch, make_model
-from _offload_helpers import final_params, offload_config
+from _offload_helpers import final_params, offload_config, slow_swap_reads
 
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 
 import dstrain  # noqa: E402
 from dsio._bridge import run_sync  # noqa: E402
-from dsio.checkpoint import Checkpointer, _stream  # noqa: E402
-from dstrain.checkpoint.sources import SwapRegions  # noqa: E402
+from dsio.checkpoint import Checkpointer  # noqa: E402
 from dstrain.offload.early_step import EarlyStepError  # noqa: E402
 
 
@@ -146,14 +144,7 @@ READ_DELAY = 0.02
 @pytest.fixture
 def slow_save(monkeypatch):
     """The save's swap-file reads are slow, so its staging outlasts forward and backward."""
-    monkeypatch.setattr(_stream, "STREAM_CHUNK_BYTES", 16 << 10)
-    read = SwapRegions.read_into
-
-    async def slow(self: SwapRegions, io: Any, offset: int, out: torch.Tensor) -> None:
-        await asyncio.sleep(READ_DELAY)
-        await read(self, io, offset, out)
-
-    monkeypatch.setattr(SwapRegions, "read_into", slow)
+    slow_swap_reads(monkeypatch, READ_DELAY)
 
 
 def test_async_save_holds_stepping_in_backward_for_the_step_it_gates(tmp_path, slow_save) -> None:

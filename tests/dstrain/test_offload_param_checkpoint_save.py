@@ -7,7 +7,6 @@ such a save leaves the previous checkpoint, which resumes bitwise."""
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import os
 import signal
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from _dstrain_helpers import engine_losses, make_model
-from _offload_helpers import reset_peak, rss
+from _offload_helpers import reset_peak, rss, slow_swap_reads
 from _offload_param_helpers import param_config
 
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
@@ -37,14 +36,6 @@ BIG = 1448  # ~16.9M parameters: a 67 MB master
 DIM = 96  # ~60k parameters: ~15 sub-groups of 4096 elements, ~15 master windows of 16 KiB
 READ_DELAY = 0.02  # seconds per swap-file read of the save: staging outlasts forward and backward
 BOTH = {"param": "nvme", "optimizer": "nvme"}
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same float reductions in every engine of the test
-    yield
-    torch.set_num_threads(threads)
 
 
 def _engine(
@@ -111,14 +102,7 @@ def test_save_streams_the_offloaded_master_without_materializing_it(
 
 @pytest.fixture
 def slow_small_windows(monkeypatch):
-    monkeypatch.setattr(_stream, "STREAM_CHUNK_BYTES", 16 << 10)
-    read = SwapRegions.read_into
-
-    async def slow(self: SwapRegions, io: Any, offset: int, out: torch.Tensor) -> None:
-        await asyncio.sleep(READ_DELAY)
-        await read(self, io, offset, out)
-
-    monkeypatch.setattr(SwapRegions, "read_into", slow)
+    slow_swap_reads(monkeypatch, READ_DELAY)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -29,14 +29,6 @@ SMALL = 256  # ~0.53M parameters: a 2.1 MB master, above the 1 MiB a load leaves
 BIG = 1448  # ~16.9M parameters: a 67 MB master
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same float reductions in every engine of the test
-    yield
-    torch.set_num_threads(threads)
-
-
 def _engine(root: Path, *, dim: int, seed: int = 0, **offload: Any) -> Any:
     cfg = param_config(str(root), sub_group=1 << 20, **offload)
     engine, _, _, _ = dstrain.initialize(model=make_model(seed=seed, dim=dim), config=cfg)
