@@ -194,23 +194,14 @@ class OffloadedGrads:
             (max(p * ALIGN // _F32, start), min(q * ALIGN // _F32, start + numel))
             for p, q in self._valid_runs(group, p0, p1, False)
         ]
-        inner = sw.fetch_range(first, nbytes)
-        out: concurrent.futures.Future[tuple[Lease, torch.Tensor]] = concurrent.futures.Future()
 
-        def done(f: concurrent.futures.Future[Lease]) -> None:
-            exc = f.exception()
-            if exc is not None:
-                out.set_exception(exc)
-                return
-            lease = f.result()
-            view = lease.view(torch.float32, at, numel)
+        def zero_stale(view: torch.Tensor) -> None:
             for a, z in stale:  # bytes of an earlier step: zeros
                 view[a - start : z - start].zero_()
-            out.set_result((lease, view))
 
-        inner.add_done_callback(done)
+        fut = sw.fetch_view(first, nbytes, at, numel, prepare=zero_stale)
         self._fetches += 1
-        return out
+        return fut
 
     def took(self, fut: concurrent.futures.Future[Any]) -> None:
         """Count a read-ahead consumed by the optimizer as a hit or a miss."""

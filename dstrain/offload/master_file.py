@@ -110,20 +110,8 @@ class MasterFile:
     ) -> concurrent.futures.Future[tuple[Lease, torch.Tensor]]:
         """A buffer with elements ``[start, start + numel)`` of ``group``'s master and the fp32 view."""
         off, nbytes, at = self._span(group, start, numel)
-        inner = self._live().fetch_range(off, nbytes)
-        out: concurrent.futures.Future[tuple[Lease, torch.Tensor]] = concurrent.futures.Future()
-
-        def done(f: concurrent.futures.Future[Lease]) -> None:
-            exc = f.exception()
-            if exc is not None:
-                out.set_exception(exc)
-                return
-            lease = f.result()
-            lease.key = (group, off, nbytes, start, numel, at)
-            out.set_result((lease, lease.view(torch.float32, at, numel)))
-
-        inner.add_done_callback(done)
-        return out
+        key = (group, off, nbytes, start, numel, at)
+        return self._live().fetch_view(off, nbytes, at, numel, key=key)
 
     def store(self, lease: Lease) -> concurrent.futures.Future[None]:
         """Hand the stepped range to ``on_store`` (the half-precision shard), then write it back."""

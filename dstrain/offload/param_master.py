@@ -78,21 +78,9 @@ class SwappedMaster:
             return self._mfile.fetch(group, start, numel)
         g = self._groups[group]
         off, nbytes, at = self._span(g, start, numel)
-        inner = self._swapper.fetch_range(off, nbytes)
-        out: concurrent.futures.Future[tuple[Lease, torch.Tensor]] = concurrent.futures.Future()
-
-        def done(f: concurrent.futures.Future[Lease]) -> None:
-            exc = f.exception()
-            if exc is not None:
-                out.set_exception(exc)
-                return
-            lease = f.result()
-            lease.key = (g.index, off, nbytes)
-            out.set_result((lease, lease.view(torch.float32, at, numel)))
-
-        inner.add_done_callback(done)
+        fut = self._swapper.fetch_view(off, nbytes, at, numel, key=(g.index, off, nbytes))
         self._master_reads += 1
-        return out
+        return fut
 
     def store_master(self, lease: Lease) -> concurrent.futures.Future[None]:
         """Write a stepped master range back (once per step) and return its buffer."""

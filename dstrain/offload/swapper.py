@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Coroutine, Hashable, Iterable
+from collections.abc import Callable, Coroutine, Hashable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -234,6 +234,38 @@ class Swapper:
         still in flight."""
         key = ("range", offset, self._range_size(offset, nbytes))
         return self._submit(self._acquire(key, read=True, where=self._where(key), slot=False))
+
+    def fetch_view(
+        self,
+        offset: int,
+        nbytes: int,
+        at: int,
+        numel: int,
+        *,
+        key: Hashable | None = None,
+        prepare: Callable[[torch.Tensor], None] | None = None,
+    ) -> concurrent.futures.Future[tuple[Lease, torch.Tensor]]:
+        """`fetch_range`, then the buffer's ``numel`` fp32 elements from byte ``at`` as a view:
+        ``(lease, view)``. ``key`` (if given) becomes the lease's key (what its later `store_range`
+        or hand-back names); ``prepare(view)`` runs before the result is published."""
+        inner = self.fetch_range(offset, nbytes)
+        out: concurrent.futures.Future[tuple[Lease, torch.Tensor]] = concurrent.futures.Future()
+
+        def done(f: concurrent.futures.Future[Lease]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+                return
+            lease = f.result()
+            if key is not None:
+                lease.key = key
+            view = lease.view(torch.float32, at, numel)
+            if prepare is not None:
+                prepare(view)
+            out.set_result((lease, view))
+
+        inner.add_done_callback(done)
+        return out
 
     def store_range(self, lease: Lease, offset: int, nbytes: int) -> concurrent.futures.Future[None]:
         """Write the buffer's first ``nbytes`` (rounded up to pages) at ``offset``, then return it to
