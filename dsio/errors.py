@@ -22,7 +22,9 @@ __all__ = [
     "OffsetError",
     "PoolBusyError",
     "ShortIOError",
+    "SliceRangeError",
     "TensorLayoutError",
+    "TensorNotFoundError",
     "UnsupportedStateError",
     "WrongLoopError",
 ]
@@ -136,3 +138,39 @@ class CheckpointFormatError(DsioError, ValueError):
 
 class CheckpointMismatchError(DsioError, ValueError):
     """A committed checkpoint does not fit the job loading it (e.g. written by another world size)."""
+
+
+class TensorNotFoundError(DsioError, KeyError):
+    """A read named tensors that the checkpoint file does not hold. ``names`` lists every missing
+    name (sorted), ``path`` is the file; raised before any byte is read."""
+
+    def __init__(self, path: str, names: list[str] | tuple[str, ...]) -> None:
+        self.path = path
+        self.names = tuple(sorted(names))
+        shown = ", ".join(repr(n) for n in self.names[:20])
+        more = f" and {len(self.names) - 20} more" if len(self.names) > 20 else ""
+        super().__init__(f"{path} has no tensor {shown}{more}")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.names))
+
+
+class SliceRangeError(DsioError, IndexError):
+    """A slice read asked for elements ``[start, stop)`` of a tensor that has ``numel`` elements
+    (a negative start, or a stop past the end); raised before any byte is read."""
+
+    def __init__(self, path: str, name: str, start: int, stop: int, numel: int) -> None:
+        super().__init__(
+            f"{path}: elements [{start}, {stop}) are outside tensor {name!r} of {numel} elements"
+        )
+        self.path = path
+        self.name = name
+        self.start = start
+        self.stop = stop
+        self.numel = numel
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.name, self.start, self.stop, self.numel))

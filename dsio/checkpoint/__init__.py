@@ -13,6 +13,9 @@ they are stored as ordinary tensors but streamed through a few fixed windows, ne
 ``save(..., background_staging=True, touch_order=[[MemorySpan | FileSpan, ...], ...])`` streams them
 in the order the caller will change them; ``staging_capture.future(i)`` says when set ``i`` is free.
 
+``SliceReader`` / ``read_slices`` read element ranges of named tensors of any safetensors file
+(Hugging Face's or dsio's) straight into caller-provided tensors: only those bytes are read.
+
 ``dsio.checkpoint.dcp`` holds ``DsioStorageWriter`` / ``DsioStorageReader`` for
 ``torch.distributed.checkpoint`` (imported on first use).
 """
@@ -24,12 +27,15 @@ from ..errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     ChecksumError,
+    SliceRangeError,
+    TensorNotFoundError,
     UnsupportedStateError,
 )
 from ._api import DEFAULT_IO, load, save
 from ._capture import Capture, FileSpan, MemorySpan, TouchOrder
 from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError
 from ._lazy import FileRegions, LazyTensor
+from ._slices import SliceReader, TensorInfo, TensorSlice, read_slices
 from ._stored import StoredTensor
 from .checkpointer import Checkpointer, CheckpointStatistics, SaveResult
 
@@ -52,10 +58,16 @@ __all__ = [
     "LazyTensor",
     "MemorySpan",
     "SaveResult",
+    "SliceRangeError",
+    "SliceReader",
     "StoredTensor",
+    "TensorInfo",
+    "TensorNotFoundError",
+    "TensorSlice",
     "TouchOrder",
     "UnsupportedStateError",
     "load",
+    "read_slices",
     "save",
 ]
 

@@ -145,12 +145,17 @@ def encode_header(entries: Iterable[TensorEntry], metadata: Mapping[str, str], *
     return struct.pack("<Q", n) + body + b" " * (n - len(body))
 
 
-def parse_header_length(prefix: bytes, file_size: int, path: str) -> int:
-    """N from the first 8 bytes, checked against the file size and the safetensors limit."""
+def parse_header_length(prefix: bytes, file_size: int, path: str, limit: int = MAX_HEADER_BYTES) -> int:
+    """N from the first 8 bytes, checked against the file size and ``limit`` (at most the
+    safetensors limit), before anything of that size is allocated."""
     if file_size < 8 or len(prefix) < 8:
         raise CheckpointFormatError(f"{path}: {file_size} bytes is too short for a safetensors file")
     (n,) = struct.unpack("<Q", prefix[:8])
-    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+    if n > min(limit, MAX_HEADER_BYTES):
+        raise CheckpointFormatError(
+            f"{path}: header length {n} is over the limit of {min(limit, MAX_HEADER_BYTES)} bytes"
+        )
+    if 8 + n > file_size:
         raise CheckpointFormatError(
             f"{path}: header length {n} does not fit the file ({file_size} bytes): truncated or not safetensors"
         )

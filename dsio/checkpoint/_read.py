@@ -19,7 +19,7 @@ import torch
 from ..errors import ChecksumError
 from ..file import AsyncFile
 from ..handle import AsyncIOHandle
-from ._format import Header, TensorEntry, parse_header, parse_header_length
+from ._format import MAX_HEADER_BYTES, Header, TensorEntry, parse_header, parse_header_length
 from ._integrity import crc_of, parse_checksums
 from ._stored import StoredFile, StoredTensor
 
@@ -33,11 +33,13 @@ RUN_BYTES = 16 << 20
 _FIRST_READ = 64 << 10
 
 
-async def read_header(f: AsyncFile, path: str, size: int) -> Header:
+async def read_header(f: AsyncFile, path: str, size: int, limit: int = MAX_HEADER_BYTES) -> Header:
+    """The validated header of the open file ``f`` of ``size`` bytes; a header over ``limit``
+    bytes is refused before it is read."""
     first = torch.empty(min(size, _FIRST_READ), dtype=torch.uint8)
     if first.numel():
         await f.pread(first, 0)
-    n = parse_header_length(first.numpy().tobytes()[:8], size, path)
+    n = parse_header_length(first.numpy().tobytes()[:8], size, path, limit)
     if 8 + n <= first.numel():
         raw = first[8 : 8 + n].numpy().tobytes()
     else:

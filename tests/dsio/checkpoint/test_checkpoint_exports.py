@@ -24,10 +24,16 @@ def test_public_surface():
             "LazyTensor",
             "MemorySpan",
             "SaveResult",
+            "SliceRangeError",
+            "SliceReader",
             "StoredTensor",
+            "TensorInfo",
+            "TensorNotFoundError",
+            "TensorSlice",
             "TouchOrder",
             "UnsupportedStateError",
             "load",
+            "read_slices",
             "save",
         ]
     )
