@@ -20,6 +20,7 @@ __all__ = [
     "DsioError",
     "IOFailedError",
     "OffsetError",
+    "PicklesByState",
     "PoolBusyError",
     "ShortIOError",
     "SliceRangeError",
@@ -30,7 +31,37 @@ __all__ = [
 ]
 
 
-class DsioError(Exception):
+class PicklesByState(Exception):
+    """An exception that unpickles without calling its ``__init__``: the same ``args`` (so the same
+    message), the same attributes, and for an ``OSError`` the same errno, strerror and filenames.
+
+    Exception's own pickling rebuilds ``cls(*self.args)``, which fails for a subclass whose
+    ``__init__`` takes other arguments than the ones it passes up (``ConfigError(field, message)``:
+    unpickling raised TypeError, and a multiprocessing pool that received such an error from a
+    worker hung) or silently changes the message (``IOFailedError`` lost its detail). `DsioError`
+    and ``dstrain.DstrainError`` derive from this, so every error of both packages round-trips
+    (tests/test_errors_pickle.py walks them all).
+    """
+
+    def __reduce__(self):
+        os_fields = None
+        if isinstance(self, OSError):  # these live in OSError's C fields, not in __dict__
+            os_fields = (self.errno, self.strerror, self.filename, self.filename2)
+        return (_rebuild, (type(self), self.args, os_fields), self.__dict__ or None)
+
+
+def _rebuild(cls: type[BaseException], args: tuple, os_fields: tuple | None = None) -> BaseException:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    if os_fields is not None:
+        assert isinstance(exc, OSError)
+        for name, value in zip(("errno", "strerror", "filename", "filename2"), os_fields, strict=True):
+            if value is not None:  # an explicit None filename2 would print as "-> None"
+                setattr(exc, name, value)
+    return exc
+
+
+class DsioError(PicklesByState):
     """Base class of every error dsio raises on purpose."""
 
 
@@ -44,13 +75,6 @@ class ConfigError(DsioError, ValueError):
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
-
-    def __reduce__(self):  # pickling keeps ``field``
-        return (_config_error, (str(self), self.field))
-
-
-def _config_error(message: str, field: str | None) -> ConfigError:
-    return ConfigError(message, field=field)
 
 
 class BackendUnavailableError(DsioError, RuntimeError):
@@ -106,9 +130,6 @@ class IOFailedError(DsioError, OSError):
         super().__init__(err, msg, filename)
         self.offset = offset
 
-    def __reduce__(self):  # keep pickling (multiprocessing) working with the extra argument
-        return (type(self), (self.errno, self.filename, self.offset))
-
 
 class ShortIOError(IOFailedError):
     """A read reached end of file before the tensor was full, or a write stored fewer bytes than asked.
@@ -122,9 +143,6 @@ class ShortIOError(IOFailedError):
         super().__init__(_errno.EIO, filename, offset, f"short transfer: {transferred} of {expected} bytes")
         self.transferred = transferred
         self.expected = expected
-
-    def __reduce__(self):
-        return (type(self), (self.filename, self.offset, self.transferred, self.expected))
 
 
 class ChecksumError(DsioError, ValueError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dsio.errors import PicklesByState
+
 __all__ = [
     "CheckpointNotFoundError",
     "ConfigError",
@@ -11,8 +13,9 @@ __all__ = [
 ]
 
 
-class DstrainError(Exception):
-    """Base class of every exception dstrain raises on purpose."""
+class DstrainError(PicklesByState):
+    """Base class of every exception dstrain raises on purpose (it round-trips through pickle with its
+    message and attributes, whatever its subclass's ``__init__`` takes)."""
 
 
 class ConfigError(DstrainError, ValueError):

@@ -44,9 +44,6 @@ class CheckpointCommitError(DsioError, OSError):
         super().__init__(code, f"checkpoint of step {step} was not committed: {detail} ({os.strerror(code)})")
         self.step = step
 
-    def __reduce__(self):  # keep pickling working with the extra arguments
-        return (type(self), (self.errno, self.step, self.strerror))
-
 
 class LatestNotUpdatedError(CheckpointCommitError):
     """The step IS committed (listed by ``steps()``, loadable with ``load(step=...)``) but
@@ -67,6 +64,3 @@ class LatestNotUpdatedError(CheckpointCommitError):
         )
         self.step = step
         self.previous = previous
-
-    def __reduce__(self):  # keep pickling working with the extra arguments
-        return (type(self), (self.errno, self.step, self.strerror, self.previous))
