@@ -10,6 +10,7 @@ __all__ = [
     "DstrainError",
     "NotImplementedConfigError",
     "TopologyError",
+    "UnsupportedOptimizerError",
 ]
 
 
@@ -46,3 +47,9 @@ class TopologyError(DstrainError, ValueError):
     """A parallel layout does not fit the world: a degree (``pp``, ``ep``) that is not a positive int or
     does not divide the world (or data-parallel) size, or a rank outside the world. Raised by
     `dstrain.dist.Layout` and `dstrain.dist.Topology` (so by `initialize`)."""
+
+
+class UnsupportedOptimizerError(DstrainError, TypeError):
+    """`initialize(optimizer=...)` got a torch optimizer dstrain cannot step over its master tensors:
+    one whose step needs a closure (LBFGS), one that has already stepped (its state cannot follow the
+    parameters), or one whose class cannot be rebuilt from its constructor arguments."""

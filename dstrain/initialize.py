@@ -22,9 +22,10 @@ from dstrain.checkpoint import CheckpointStore, default_store
 from dstrain.config import DSConfig
 from dstrain.dist.topology import Topology
 from dstrain.engine import Engine
+from dstrain.errors import ConfigError
 from dstrain.moe.compose import bind_expert_groups, expert_parallel_size, expert_routes, split_expert_groups
-from dstrain.optim.build import ClientOptimizer, build_optimizer
-from dstrain.optim.stepper import Stepper, TorchStepper
+from dstrain.optim.build import ClientOptimizer, build_optimizer, client_param_groups
+from dstrain.optim.stepper import NoOptimizer, Stepper, TorchStepper
 from dstrain.pipe.compose import attach, pipeline_stages, tied_groups
 from dstrain.pipe.module import PipelineModule
 from dstrain.precision import Precision
@@ -44,7 +45,10 @@ __all__ = [
 ]
 
 
-_ONEBIT = ("OneBitAdam", "ZeroOneAdam")  # optimizers built by dstrain/onebit (room.NAMES; not imported eagerly)
+_ONEBIT = (
+    "OneBitAdam",
+    "ZeroOneAdam",
+)  # optimizers built by dstrain/onebit (room.NAMES; not imported eagerly)
 
 
 def init_distributed(backend: str | None = None) -> bool:
@@ -132,12 +136,13 @@ def build_zero(
     """The ZeRO strategy of the configured stage, partitioning over the data-parallel group."""
     zc = config.zero_optimization
     if zc.stage == 3:
+        from dstrain.offload.build import build_param_store  # offload_param: shards on CPU/NVMe
         from dstrain.zero.stage3 import Stage3Zero
 
-        from dstrain.offload.build import build_param_store  # offload_param: shards on CPU/NVMe
-
         store = build_param_store(zc, dtype, config.aio)
-        return Stage3Zero(module, groups, config=zc, comm=topology.dp, dtype=dtype, routes=routes, store=store)
+        return Stage3Zero(
+            module, groups, config=zc, comm=topology.dp, dtype=dtype, routes=routes, store=store
+        )
     return DataParallelZero(groups, stage=zc.stage, config=zc, comm=topology.dp, dtype=dtype, routes=routes)
 
 
@@ -168,6 +173,8 @@ def build_stepper(zero: ZeroStrategy, config: DSConfig, client: ClientOptimizer 
         from dstrain.onebit.room import build_stepper as onebit_stepper
 
         return onebit_stepper(zero, config)
+    if client is None and config.optimizer is None:
+        return NoOptimizer()  # DeepSpeed takes a model without one (evaluation); step() says so
     if callable(client) and not isinstance(client, torch.optim.Optimizer):
         made = client(zero.param_groups())
         if isinstance(made, torch.optim.Optimizer):
@@ -180,20 +187,46 @@ def build_stepper(zero: ZeroStrategy, config: DSConfig, client: ClientOptimizer 
     return TorchStepper(build_optimizer(zero.param_groups(), config.optimizer, client))
 
 
+ClientScheduler = LRSchedule | torch.optim.lr_scheduler.LRScheduler | Callable[[Any], Any]
+
+
 def build_schedule(
     stepper: Stepper,
     config: DSConfig,
-    client: Callable[[Any], LRSchedule] | None,
-) -> LRSchedule | None:
-    """The LR schedule: the client's callable (given the optimizer), or the config's, or none."""
+    client: ClientScheduler | None,
+    client_optimizer: ClientOptimizer | None = None,
+) -> Any:
+    """The LR schedule: the client's (an object, or a callable given the optimizer), or the config's, or none.
+
+    A scheduler object must be bound to the client optimizer passed as ``optimizer=``. That optimizer
+    is the one stepped (moved onto the master tensors) except under optimizer offload, where the
+    offloading stepper takes its place and the scheduler is bound to it instead.
+    """
     optimizer = getattr(stepper, "optimizer", stepper)
+    if client is not None and optimizer is None:
+        raise ConfigError("lr_scheduler", "a scheduler needs an optimizer (this engine has none)")
+    if isinstance(client, LRSchedule | torch.optim.lr_scheduler.LRScheduler):
+        if client.optimizer is not client_optimizer or client_optimizer is None:
+            raise ValueError("lr_scheduler= is bound to another optimizer than the one passed as optimizer=")
+        if client.optimizer is not optimizer:  # offload: the stepper replaced the client optimizer
+            client.optimizer = optimizer
+            if isinstance(client, torch.optim.lr_scheduler.LRScheduler):
+                if not isinstance(optimizer, torch.optim.Optimizer):
+                    raise TypeError(f"a torch LR scheduler cannot drive {type(optimizer).__name__}")
+                # torch checks once that the optimizer's step was wrapped by a scheduler built on it (to
+                # warn of a wrong call order); a scheduler that leaves the lrs as they are wraps it
+                torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0)
+        return client
     if client is not None:
-        if not callable(client) or isinstance(client, LRSchedule):
-            raise ValueError(
-                "lr_scheduler must be a callable taking the optimizer (it is rebuilt over ZeRO's)"
+        if not callable(client):
+            raise TypeError(
+                f"lr_scheduler= must be a scheduler object or a callable taking the optimizer, "
+                f"got {type(client).__name__}"
             )
         return client(optimizer)
     if config.scheduler is not None:
+        if optimizer is None:
+            raise ConfigError("scheduler", "a scheduler needs an optimizer (this config has none)")
         return build_scheduler(optimizer, config.scheduler)
     return None
 
@@ -224,7 +257,7 @@ def initialize(
     optimizer: ClientOptimizer | None = None,
     model_parameters: Iterable[Any] | None = None,
     training_data: Dataset[Any] | None = None,
-    lr_scheduler: Callable[[torch.optim.Optimizer], LRSchedule] | None = None,
+    lr_scheduler: ClientScheduler | None = None,
     config: dict[str, Any] | str | os.PathLike[str] | None = None,
     config_params: dict[str, Any] | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -234,10 +267,13 @@ def initialize(
     """DeepSpeed-compatible: returns (engine, optimizer, training dataloader or None, LR schedule or None).
 
     ``model`` is modified in place: cast to the compute dtype, its trainable parameters moved into flat
-    (and, at stage 3, partitioned) storage. ``optimizer`` may be a fresh torch optimizer (rebuilt with
-    its class and defaults over the fp32 master tensors) or a callable taking param groups;
-    ``lr_scheduler`` a callable taking the optimizer. ``args.deepspeed_config`` is read like DeepSpeed.
-    The optimizer returned is the torch optimizer (or the `Stepper` when one replaces it).
+    (and, at stage 3, partitioned) storage. ``optimizer`` may be a fresh torch optimizer (its param
+    groups, with their options, become ZeRO's groups and it is moved onto the fp32 master tensors;
+    ``model_parameters`` is then not used), a callable taking param groups, or None (with no
+    ``"optimizer"`` section either, the engine cannot `step`). ``lr_scheduler`` may be a scheduler object
+    bound to that optimizer or a callable taking the optimizer. ``args.deepspeed_config`` is read like
+    DeepSpeed. The optimizer returned is the torch optimizer (or the `Stepper` when one replaces it,
+    or None).
     """
     if model is None:
         raise ValueError("initialize needs model=")
@@ -255,6 +291,8 @@ def initialize(
         torch.manual_seed(cfg.seed)
     precision = Precision(cfg.precision, cfg.fp16)
 
+    if isinstance(optimizer, torch.optim.Optimizer):  # its groups, each with its own options (as DeepSpeed)
+        model_parameters = client_param_groups(optimizer)
     groups = split_expert_groups(_param_groups(model, model_parameters))  # experts: groups of their own
     routes = build_routes(groups, topology, cfg)
     _place_and_broadcast(model, groups, routes, topology)
@@ -263,7 +301,7 @@ def initialize(
     zero = build_zero(model, groups, routes, cfg, topology, precision.dtype)
 
     stepper = build_stepper(zero, cfg, optimizer)
-    schedule = build_schedule(stepper, cfg, lr_scheduler)
+    schedule = build_schedule(stepper, cfg, lr_scheduler, optimizer)
     loader = _build_loader(training_data, cfg, topology, collate_fn)
 
     engine = Engine(

@@ -44,17 +44,30 @@ def io_config_from(aio: Any) -> Any:
         raise ConfigError(f"aio.{getattr(e, 'field', None) or 'block'}", str(e)) from e
 
 
-def _adam_settings(optimizer: Any, client: Any) -> dict[str, Any]:
-    """lr, betas, eps, weight_decay and adamw from the ``"optimizer"`` section or a torch Adam(W)."""
+def _adam_settings(optimizer: Any, client: Any, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """lr, betas, eps, weight_decay and adamw from the ``"optimizer"`` section or a torch Adam(W).
+
+    These are the defaults; each of ``param_groups`` keeps its own options (a client optimizer's
+    groups arrive here with theirs: `dstrain.optim.build.client_param_groups`), and `OffloadAdam`
+    steps every group with its own lr / betas / eps / weight decay.
+    """
     if client is not None:
         if not isinstance(client, torch.optim.Adam | torch.optim.AdamW):
             raise NotImplementedConfigError(
                 _FIELD, f"offloaded optimizers are Adam/AdamW; got {type(client).__name__} from optimizer="
             )
         d = client.defaults
-        if d.get("amsgrad") or d.get("maximize") or d.get("differentiable"):
-            raise NotImplementedConfigError(_FIELD, "amsgrad / maximize / differentiable are not offloaded")
+        for i, g in enumerate([d, *param_groups]):
+            asked = [k for k in ("amsgrad", "maximize", "differentiable") if g.get(k)]
+            if asked:
+                where = "optimizer=" if i == 0 else f"param group {i - 1} of optimizer="
+                raise NotImplementedConfigError(_FIELD, f"{', '.join(asked)} ({where}) is not offloaded")
         adamw = isinstance(client, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay"))
+        if any(bool(g.get("decoupled_weight_decay", adamw)) != adamw for g in param_groups):
+            raise NotImplementedConfigError(
+                _FIELD,
+                "param groups of optimizer= mix decoupled and L2 weight decay; offloaded Adam steps one kind",
+            )
         return {
             "lr": float(d["lr"]),
             "betas": tuple(d["betas"]),
@@ -105,7 +118,7 @@ def build_offload_optimizer(
     """
     if not offload.enabled:
         raise ValueError("build_offload_optimizer needs offload_optimizer.device 'cpu' or 'nvme'")
-    settings = _adam_settings(optimizer_config, client)
+    settings = _adam_settings(optimizer_config, client, param_groups)
     if offload.device == "nvme":
         assert offload.nvme_path is not None  # the config requires it
         check_nvme_path(f"{_FIELD}.nvme_path", offload.nvme_path)

@@ -21,7 +21,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Stepper", "StepperStatistics", "TorchStepper"]
+from dstrain.errors import DstrainError
+
+__all__ = ["NoOptimizer", "Stepper", "StepperStatistics", "TorchStepper"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,6 +97,40 @@ class TorchStepper:
 
     def statistics(self) -> StepperStatistics:
         return StepperStatistics(steps=self._steps, prepares=self._prepares)
+
+    def close(self) -> None:
+        return None
+
+
+class NoOptimizer:
+    """The stepper of an engine built without an optimizer (``initialize`` with neither an ``"optimizer"``
+    section nor ``optimizer=``, as DeepSpeed allows for evaluation): forward and backward run, `step`
+    at an accumulation boundary raises `DstrainError` naming what is missing."""
+
+    optimizer = None
+    """What `initialize` returns as the optimizer: None, as DeepSpeed returns."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return []
+
+    def prepare(self) -> None:
+        return None
+
+    def step(self) -> None:
+        raise DstrainError(
+            'engine.step(): this engine has no optimizer (set "optimizer" in the config or pass optimizer= '
+            "to initialize)"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def statistics(self) -> StepperStatistics:
+        return StepperStatistics(steps=0, prepares=0)
 
     def close(self) -> None:
         return None

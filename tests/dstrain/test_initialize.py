@@ -96,13 +96,6 @@ def test_client_optimizer_and_scheduler_are_rebuilt_over_masters() -> None:
     engine.close()
 
 
-def test_missing_optimizer_is_an_error() -> None:
-    cfg = base_config(0, world=1)
-    del cfg["optimizer"]
-    with pytest.raises(ValueError):
-        dstrain.initialize(model=make_model(), config=cfg)
-
-
 def test_seed_from_config_is_applied() -> None:
     # The RNG is left in a different state before each initialize() (make_model() reseeds, so the
     # disturbance comes after it): only initialize's own seeding can make the draws agree.
