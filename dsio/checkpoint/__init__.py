@@ -16,6 +16,10 @@ in the order the caller will change them; ``staging_capture.future(i)`` says whe
 ``SliceReader`` / ``read_slices`` read element ranges of named tensors of any safetensors file
 (Hugging Face's or dsio's) straight into caller-provided tensors: only those bytes are read.
 
+Rank files written by other means (dstrain's ``torch.save`` fallback) are committed through the same
+protocol: ``write_rank_file(os.path.join(step_tmp_dir(root, step), name), fill)`` on each rank, then
+``commit_written(root, step, names)`` on rank 0.
+
 ``dsio.checkpoint.dcp`` holds ``DsioStorageWriter`` / ``DsioStorageReader`` for
 ``torch.distributed.checkpoint`` (imported on first use).
 """
@@ -34,6 +38,7 @@ from ..errors import (
 from ._api import DEFAULT_IO, load, save
 from ._capture import Capture, FileSpan, MemorySpan, TouchOrder
 from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError
+from ._finish import commit_written, step_tmp_dir, write_rank_file
 from ._lazy import FileRegions, LazyTensor
 from ._slices import SliceReader, TensorInfo, TensorSlice, read_slices
 from ._stored import StoredTensor
@@ -66,9 +71,12 @@ __all__ = [
     "TensorSlice",
     "TouchOrder",
     "UnsupportedStateError",
+    "commit_written",
     "load",
     "read_slices",
     "save",
+    "step_tmp_dir",
+    "write_rank_file",
 ]
 
 

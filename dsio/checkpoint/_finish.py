@@ -2,6 +2,9 @@
 
 Runs on a worker thread (every step is a metadata operation with an fsync): write the manifest,
 rename ``step-N.tmp`` to ``step-N``, point ``latest`` at it, retire old steps (``keep_last``).
+
+`commit_written` is the same end for rank files someone else wrote (dstrain's ``torch.save``
+fallback store): one commit protocol for every checkpoint directory.
 """
 
 from __future__ import annotations
@@ -9,12 +12,23 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
+from typing import BinaryIO
 
-from . import _commit
-from ._errors import CheckpointLockedError
+from . import _commit, _fs
+from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError
 from ._locate import rank_file
 
-__all__ = ["Outcome", "commit_or_discard", "describe", "latest_or_none", "remove_quietly"]
+__all__ = [
+    "Outcome",
+    "commit_or_discard",
+    "commit_written",
+    "describe",
+    "latest_or_none",
+    "remove_quietly",
+    "step_tmp_dir",
+    "write_rank_file",
+]
 
 log = logging.getLogger("dsio.checkpoint")
 
@@ -29,9 +43,11 @@ def commit_or_discard(
     step: int,
     tmpdir: str,
     failures: list[tuple[int | None, str]],
+    names: Sequence[str] | None = None,
 ) -> tuple[Outcome, list[str]]:
     """Commit ``tmpdir`` as ``step`` when no rank failed, else remove it; returns the outcome and
-    the retired steps' directories to delete (off the save's critical path)."""
+    the retired steps' directories to delete (off the save's critical path). ``names``: rank r's
+    file in ``tmpdir`` (default dsio's ``rank-NNNNN.safetensors``)."""
     if failures:
         remove_quietly(tmpdir)
         err = next((e for e, _ in failures if isinstance(e, int)), None)
@@ -39,7 +55,7 @@ def commit_or_discard(
     try:
         files = []
         for r in range(world_size):
-            name = rank_file(r)
+            name = rank_file(r) if names is None else names[r]
             files.append({"rank": r, "path": name, "bytes": os.path.getsize(os.path.join(tmpdir, name))})
         manifest = {
             "format": "dsio.checkpoint",
@@ -66,6 +82,50 @@ def commit_or_discard(
         log.warning("dsio.checkpoint: retention failed: %r", e)
         doomed = []
     return None, doomed
+
+
+def step_tmp_dir(directory: str | os.PathLike[str], step: int) -> str:
+    """Where the rank files of ``step`` are written before `commit_written` (created if missing)."""
+    path = os.path.join(os.fspath(directory), _commit.tmp_name(step))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def write_rank_file(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> None:
+    """Create ``path`` and let ``write`` fill it, then flush and fsync it (the protocol's file sync)."""
+    path = os.fspath(path)
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        _fs.fsync_fd(f.fileno(), path)
+
+
+def commit_written(
+    directory: str | os.PathLike[str],
+    step: int,
+    names: Sequence[str],
+    *,
+    failures: Sequence[str] = (),
+    keep_last: int | None = None,
+) -> None:
+    """Rank 0's end of a save whose rank files were written (with `write_rank_file`) into
+    `step_tmp_dir`: ``names[r]`` is rank r's file. With no ``failures``: write the manifest,
+    commit the step, point ``latest`` at it and retire steps beyond ``keep_last``, each made
+    durable as ``Checkpointer`` does. With failures (one message per failed rank), or when the
+    commit fails, the partial step is removed and `CheckpointCommitError` raised;
+    `LatestNotUpdatedError` when the step is committed but ``latest`` could not be updated."""
+    root = os.fspath(directory)
+    tmpdir = os.path.join(root, _commit.tmp_name(step))
+    outcome, doomed = commit_or_discard(
+        root, len(names), keep_last, step, tmpdir, [(None, m) for m in failures], names
+    )
+    _commit.remove_trees(doomed)
+    if outcome is None:
+        return
+    kind, err, msg, previous = outcome
+    if kind == "latest":
+        raise LatestNotUpdatedError(err, step, msg, previous)
+    raise CheckpointCommitError(err, step, msg)
 
 
 def remove_quietly(path: str) -> None:

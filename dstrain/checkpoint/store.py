@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -243,14 +242,6 @@ class DsioStore:
 # -- torch.save fallback ------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _snapshot(value: Any) -> Any:
     """A deep copy of a state's tensors on the CPU, so training can go on while it is written."""
     if isinstance(value, torch.Tensor):
@@ -266,8 +257,9 @@ class TorchSaveStore:
     """``torch.save`` files in the layout above, for machines without dsio's native core.
 
     Each rank writes ``step-N.tmp/rank-NNNNN.pt`` and fsyncs it; once every rank reported success,
-    rank 0 renames the directory to ``step-N``, fsyncs, and points ``latest`` at it (write, fsync,
-    rename). A failure on any rank fails the save on every rank and commits nothing. Loading uses
+    rank 0 commits the step through dsio's commit protocol (``dsio.checkpoint.commit_written``:
+    manifest, fsyncs, rename into ``step-N``, ``latest``), the one every checkpoint directory uses.
+    A failure on any rank fails the save on every rank and commits nothing. Loading uses
     ``weights_only=True`` (no arbitrary unpickling) unless ``allow_pickle`` is set, which
     ``client_state`` holding custom objects needs.
     """
@@ -288,9 +280,11 @@ class TorchSaveStore:
         touch_order: TouchOrder | None = None,
     ) -> PendingSave:
         # ``touch_order`` needs no handling: the state is snapshotted before this returns
-        tmp_dir = directory / (step_name(step) + ".tmp")
+        from dsio.checkpoint import commit_written, step_tmp_dir, write_rank_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp_dir = Path(step_tmp_dir(directory, step))
         name = f"rank-{world.rank:05d}{self.suffix}"
-        tmp_dir.mkdir(parents=True, exist_ok=True)
         lazy = state
         try:
             state = materialize(state)  # torch.save cannot stream lazy sources (swap files): read them
@@ -298,10 +292,7 @@ class TorchSaveStore:
             release_sources(lazy)  # the swap versions pinned for this save
 
         def write(state: dict[str, Any]) -> None:
-            with open(tmp_dir / name, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
+            write_rank_file(tmp_dir / name, lambda f: torch.save(state, f))
 
         future: concurrent.futures.Future[None]
         if background:
@@ -322,13 +313,11 @@ class TorchSaveStore:
             failures = [v for v in verdicts if v is not None]
             commit_error = None
             if world.rank == 0:
-                if failures:  # nothing is committed: the partial step goes
-                    shutil.rmtree(tmp_dir, ignore_errors=True)
-                else:
-                    try:
-                        _commit(directory, step, tmp_dir)
-                    except OSError as e:
-                        commit_error = f"rank 0 could not commit: {e!r}"
+                names = [f"rank-{r:05d}{self.suffix}" for r in range(world.world_size)]
+                try:  # with failures: nothing is committed, the partial step goes
+                    commit_written(directory, step, names, failures=failures)
+                except OSError as e:  # dsio's CheckpointCommitError (an OSError) among them
+                    commit_error = f"rank 0 could not commit: {e!r}"
             outcome = _broadcast(world, commit_error)
             if error is not None:
                 raise error
@@ -351,27 +340,6 @@ class TorchSaveStore:
 
     def close(self) -> None:
         return None
-
-
-def _commit(directory: Path, step: int, tmp_dir: Path) -> None:
-    final = directory / step_name(step)
-    _fsync_dir(tmp_dir)
-    if final.exists():  # the same step saved again: the old copy becomes garbage first
-        old = directory / (step_name(step) + ".old.tmp")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp_dir, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp_dir, final)
-    _fsync_dir(directory)
-    latest_tmp = directory / f"latest.{os.getpid()}.tmp"
-    with open(latest_tmp, "w") as f:
-        f.write(step_name(step) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(latest_tmp, directory / "latest")
-    _fsync_dir(directory)
 
 
 def _gather(world: Comm, obj: Any) -> list[Any]:

@@ -32,9 +32,12 @@ def test_public_surface():
             "TensorSlice",
             "TouchOrder",
             "UnsupportedStateError",
+            "commit_written",
             "load",
             "read_slices",
             "save",
+            "step_tmp_dir",
+            "write_rank_file",
         ]
     )
     for name in C.__all__:

@@ -107,7 +107,7 @@ def check(events, *, root: str) -> list[str]:
                         for e in seg[:i]
                         if e[0] == "fsync"
                         and os.path.dirname(e[1]) == step_dir
-                        and e[1].endswith(".safetensors")
+                        and e[1].endswith((".safetensors", ".pt"))
                     }
                 )
                 if not files:
@@ -207,6 +207,36 @@ def test_dcp_metadata_and_data_are_durable_in_order(tmp_path, monkeypatch):
     meta_rename = next(i for i, e in enumerate(ev) if e[0] == "rename" and e[2].endswith("/.metadata"))
     assert any(e == ("fsync", data) for e in ev[:meta_rename]), "data file not fsynced before .metadata"
     assert check(ev, root=str(tmp_path)) == []
+
+
+def test_files_written_elsewhere_commit_durably_in_order(tmp_path, monkeypatch):
+    """dstrain's torch.save fallback writes its rank files itself and commits them through
+    ``commit_written``: the same rules hold (new step, re-save, a failed rank removes the step)."""
+    root = str(tmp_path / "run")
+    rec = Recorder(monkeypatch)
+    names = ["rank-00000.pt", "rank-00001.pt"]
+
+    def save(step: int, fill: bytes) -> None:
+        tmp = C.step_tmp_dir(root, step)
+        for n in names:
+            C.write_rank_file(os.path.join(tmp, n), lambda f: f.write(fill))
+
+    os.makedirs(root)
+    save(1, b"one")
+    C.commit_written(root, 1, names)
+    rec.mark("save 1")
+    save(1, b"two")
+    C.commit_written(root, 1, names)
+    rec.mark("save 1 again")
+    assert check(rec.events, root=root) == []
+    with open(os.path.join(root, "step-000000001", names[1]), "rb") as f:
+        assert f.read() == b"two"
+    with open(os.path.join(root, "latest")) as f:
+        assert f.read().strip() == "step-000000001"
+    save(2, b"three")
+    with pytest.raises(C.CheckpointCommitError):
+        C.commit_written(root, 2, names, failures=["rank 1: disk full"])
+    assert sorted(os.listdir(root)) == ["latest", "step-000000001"]
 
 
 def test_the_checker_catches_a_missing_sync():
