@@ -166,7 +166,7 @@ parameters) it silently keeps them in memory, and with ``max_in_cpu: 0`` its pre
 
 DEFAULT_METHODS = [m for m in METHODS if m != "dstrain-nvme-late"]
 """What a plain run measures; ``dstrain-nvme-late`` (stepping during backward off, the before/after
-of `dstrain.offload.early_step`) runs when named in ``--methods``."""
+of `dstrain.offload.optimizer.early_step`) runs when named in ``--methods``."""
 
 
 def expected_bytes(

@@ -136,7 +136,7 @@ def build_zero(
     """The ZeRO strategy of the configured stage, partitioning over the data-parallel group."""
     zc = config.zero_optimization
     if zc.stage == 3:
-        from dstrain.offload.build import build_param_store  # offload_param: shards on CPU/NVMe
+        from dstrain.offload.compose import build_param_store  # offload_param: shards on CPU/NVMe
         from dstrain.zero.stage3 import Stage3Zero
 
         store = build_param_store(zc, dtype, config.aio)
@@ -155,7 +155,7 @@ def build_stepper(zero: ZeroStrategy, config: DSConfig, client: ClientOptimizer 
     """
     zc = config.zero_optimization
     if zc.offload_optimizer.enabled:  # ZeRO-Infinity: optimizer state on CPU or NVMe (dstrain/offload)
-        from dstrain.offload.build import build_offload_optimizer
+        from dstrain.offload.compose import build_offload_optimizer
 
         return build_offload_optimizer(
             zero.param_groups(),

@@ -10,7 +10,7 @@ usually finds each one already read.
 What the gate still covers: state in memory (fp32 masters, CPU-offloaded m and v, the parameters)
 and file regions a save reads in place (a Stage-3 master in the parameter file). Swapped Adam m and
 v are not in it: the save pins their slot versions and the step writes around them
-(``dstrain.offload.swap_slots``), so the step never waits for the save to read the swap file.
+(``dstrain.offload.swap.slots``), so the step never waits for the save to read the swap file.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ return tensors: the checkpoint writer reads each one window at a time from the s
 swap writes it names have finished, so the state is never materialized. `materialize` turns them
 into tensors for a writer that cannot stream (``torch.save``).
 
-A `SwapRegions` built over a *pin* (``dstrain.offload.swap_slots.SwapPin``: slot versions that
+A `SwapRegions` built over a *pin* (``dstrain.offload.swap.slots.SwapPin``: slot versions that
 training's later writes go around) is ``stable``: training may change the state while the save
 still reads it, so an async save neither orders its windows for nor waits on it
 (``dsio.checkpoint._capture``). The saver calls `release_sources` once it no longer reads the state
@@ -46,7 +46,7 @@ __all__ = [
 
 
 class Pin(Protocol):
-    """What a `SwapRegions` holds its bytes with (``dstrain.offload.swap_slots.SwapPin``)."""
+    """What a `SwapRegions` holds its bytes with (``dstrain.offload.swap.slots.SwapPin``)."""
 
     @property
     def released(self) -> bool: ...

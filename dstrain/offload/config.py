@@ -65,7 +65,7 @@ class OffloadOptimizerConfig:
     step_in_backward: bool = True
     """dstrain extension: at stage 3, step each sub-group during the accumulation boundary's
     backward as soon as its gradient is final, its state read ahead in the order backward finishes
-    the gradients (`dstrain.offload.early_step`); bitwise the same result. Used only where legal:
+    the gradients (`dstrain.offload.optimizer.early_step`); bitwise the same result. Used only where legal:
     no gradient clipping, no fp16, master and gradients in memory; ``false`` steps everything in
     ``engine.step()``."""
 

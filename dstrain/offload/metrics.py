@@ -46,7 +46,7 @@ def samples(s: Any, rank: int, kind: str = "optimizer") -> Iterator[Sample]:
     if hasattr(s, "stepped_in_backward"):
         yield counter(
             "dstrain_offload_stepped_in_backward",
-            "Sub-groups stepped during the boundary backward (dstrain.offload.early_step)",
+            "Sub-groups stepped during the boundary backward (dstrain.offload.optimizer.early_step)",
             s.stepped_in_backward,
         )
     if hasattr(s, "step_seconds"):

@@ -195,7 +195,7 @@ class Stage3Zero(ZeroStrategy):
         into master gradient ``[offset, offset + numel)`` of param group ``group`` (during backward, in
         the order reductions finish; the last ones at `after_backward`). On the accumulation boundary's
         backward that range is then final unless the unit is reduced again in the same pass (a
-        parameter used across reentrant checkpoints): `dstrain.offload.early_step` steps on it."""
+        parameter used across reentrant checkpoints): `dstrain.offload.optimizer.early_step` steps on it."""
         self._reduced_listeners.append(listener)
 
     def _reduced(self, group: int, offset: int, numel: int) -> None:

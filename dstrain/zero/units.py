@@ -25,7 +25,7 @@ __all__ = ["ShardStore", "Unit"]
 class ShardStore:
     """Where a stage-3 rank's shards live between uses. This default keeps them resident: every unit's
     shard is a view of its group's one shard buffer, which (at fp32) is also the master the optimizer
-    steps. Parameter offload (`dstrain.offload.param_store`) replaces it with shards on CPU or NVMe."""
+    steps. Parameter offload (`dstrain.offload.param.shards`) replaces it with shards on CPU or NVMe."""
 
     holds_master = False
     """True when the fp32 master is not resident but read and written through this store by the

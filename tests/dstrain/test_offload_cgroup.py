@@ -20,7 +20,7 @@ imports ``torch._dynamo`` (822 modules): the interpreter's, now part of the warm
 shard copied at construction before the store placed it (2 B/param per rank at 2 ranks): the
 offloaded store now builds one unit's shard at a time from the model's own memory; (3) the fp32
 gradient shards (2 B/param per rank): with ``offload_pinned_bytes`` below them they go to NVMe
-(`dstrain.offload.grad_store`).
+(`dstrain.offload.param.grads`).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def _warm_up(root: str) -> None:
     the interpreter's, not the run's parameters, gradients or optimizer state."""
     import torch.distributed as dist
 
-    from dstrain.offload.swapper import Swapper
+    from dstrain.offload.swap.swapper import Swapper
 
     layer = torch.nn.Linear(WIDTH, WIDTH)
     torch.nn.functional.mse_loss(torch.tanh(layer(torch.randn(4, WIDTH))), torch.zeros(4, WIDTH)).backward()

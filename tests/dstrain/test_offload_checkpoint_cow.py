@@ -21,7 +21,7 @@ import dstrain  # noqa: E402
 from dsio._bridge import run_sync  # noqa: E402
 from dsio.checkpoint import Checkpointer, _stream  # noqa: E402
 from dstrain.checkpoint.sources import SwapRegions  # noqa: E402
-from dstrain.offload.swap_slots import SlotTable  # noqa: E402
+from dstrain.offload.swap.slots import SlotTable  # noqa: E402
 
 DIM = 96  # ~60k parameters: ~15 sub-groups of 4096 elements
 

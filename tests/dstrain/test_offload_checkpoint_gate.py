@@ -20,7 +20,7 @@ pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 import dstrain  # noqa: E402
 from dsio._bridge import run_sync  # noqa: E402
 from dsio.checkpoint import Checkpointer, _stream  # noqa: E402
-from dstrain.offload.optimizer import OffloadAdam  # noqa: E402
+from dstrain.offload.optimizer.adam import OffloadAdam  # noqa: E402
 
 DIM = 96  # ~60k parameters: ~15 sub-groups of 4096 elements, ~60 windows of 16 KiB
 READ_DELAY = 0.02  # seconds per swap-file read of the save: staging outlasts forward and backward

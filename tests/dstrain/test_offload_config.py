@@ -130,7 +130,7 @@ def test_nvme_path_on_a_filesystem_without_o_direct_is_a_logged_fallback(no_odir
 def test_nvme_offload_runs_buffered_where_o_direct_is_refused(no_odirect_fs) -> None:
     import torch
 
-    from dstrain.offload.optimizer import OffloadAdam
+    from dstrain.offload.optimizer.adam import OffloadAdam
 
     master = torch.randn(5000)
     master.requires_grad_(True)

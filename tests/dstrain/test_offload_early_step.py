@@ -1,4 +1,4 @@
-"""Stepping offloaded sub-groups during the boundary backward (`dstrain.offload.early_step`): where it
+"""Stepping offloaded sub-groups during the boundary backward (`dstrain.offload.optimizer.early_step`): where it
 is composed, what it refuses, and that an async checkpoint save still gets the state of its step.
 
 Bitwise equality with stepping after backward (none / cpu / nvme, gradient accumulation, bf16, 2 gloo
@@ -18,7 +18,7 @@ pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 import dstrain  # noqa: E402
 from dsio._bridge import run_sync  # noqa: E402
 from dsio.checkpoint import Checkpointer  # noqa: E402
-from dstrain.offload.early_step import EarlyStepError  # noqa: E402
+from dstrain.offload.optimizer.early_step import EarlyStepError  # noqa: E402
 
 
 def _engine(tmp_path: Any, stage: int = 3, device: str = "nvme", dim: int = 16, **extra: Any) -> Any:

@@ -174,7 +174,7 @@ def test_grad_store_sums_bitwise_and_unwritten_blocks_read_as_zero(tmp_path) -> 
     on a resident buffer bit for bit; after `zero`, pages not written again read as zeros although
     the file still holds the last step's bytes; a closed store raises ClosedError."""
     from dsio.errors import ClosedError
-    from dstrain.offload.grad_store import OffloadedGrads
+    from dstrain.offload.param.grads import OffloadedGrads
 
     store = OffloadedGrads(str(tmp_path), pinned_budget=256 << 10)
     total = 3 * store.buffer_bytes // 4 + 777  # 3 buffers' worth and a partial one

@@ -28,7 +28,7 @@ import dstrain  # noqa: E402
 from dsio._bridge import run_sync  # noqa: E402
 from dsio.checkpoint import Checkpointer, LazyTensor, _stream  # noqa: E402
 from dstrain.checkpoint.sources import SwapRegions  # noqa: E402
-from dstrain.offload.param_master import SwappedMaster  # noqa: E402
+from dstrain.offload.param.swapped_master import SwappedMaster  # noqa: E402
 from dstrain.zero.stage3 import Stage3Zero  # noqa: E402
 
 TINY = 16  # the helpers' default model: ~3k parameters

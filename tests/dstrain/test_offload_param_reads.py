@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import dstrain
-from dstrain.offload.swapper import ALIGN
+from dstrain.offload.swap.swapper import ALIGN
 
 DIM, LAYERS, STEPS = 64, 6, 4
 

@@ -29,7 +29,7 @@ def _scenarios(root: str) -> dict[str, dict[str, Any]]:
         out[f"s{stage}_{device}_clip"] = offload_config(stage, device, root, clip=0.05, sub_group=1024)
     for device in ("none", "nvme"):  # bf16 compute, fp32 master in memory, Adam state swapped
         out[f"s3_{device}_bf16"] = offload_config(3, device, root, sub_group=1024, bf16=True)
-    # stepping during backward (dstrain.offload.early_step) switched off: the step steps everything
+    # stepping during backward (dstrain.offload.optimizer.early_step) switched off: the step steps everything
     out["s3_nvme_late"] = offload_config(3, "nvme", root, sub_group=1024)
     out["s3_nvme_late"]["zero_optimization"]["offload_optimizer"]["step_in_backward"] = False
     # persistent units stay gathered through backward (refreshed after the step)

@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 
 from dstrain.errors import ConfigError  # noqa: E402
-from dstrain.offload.optimizer import OffloadAdam, plan_sub_groups  # noqa: E402
-from dstrain.offload.swapper import Swapper  # noqa: E402
+from dstrain.offload.optimizer.adam import OffloadAdam, plan_sub_groups  # noqa: E402
+from dstrain.offload.swap.swapper import Swapper  # noqa: E402
 
 
 def test_roundtrip_and_slot_layout(tmp_path) -> None:
@@ -312,7 +312,7 @@ def test_a_pinned_version_outlives_later_writes_and_its_region_is_reused(tmp_pat
 def test_a_spare_with_a_transfer_in_flight_is_not_handed_out() -> None:
     """An old version's write still in flight when its pin is released: its region must not take a
     new version (the late write would land on top of it) until that write is done."""
-    from dstrain.offload.swap_slots import SlotTable
+    from dstrain.offload.swap.slots import SlotTable
 
     t = SlotTable("swap")
     a, b = t.reserve("k", 4096), t.reserve("j", 4096)

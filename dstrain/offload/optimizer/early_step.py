@@ -22,7 +22,7 @@ times each unit is reduced; later passes treat a unit as final once it has been 
 times. If a pass then reduces a unit again after its sub-group was stepped (the model's control flow
 changed), `EarlyStepError` says so and names the key that turns the feature off.
 
-Composed by `dstrain.offload.build` where legal: stage 3, master and gradients in memory, no
+Composed by `dstrain.offload.compose` where legal: stage 3, master and gradients in memory, no
 clipping, no fp16; ``zero_optimization.offload_optimizer.step_in_backward`` (default true) turns it
 off. An async checkpoint save in flight holds it for the step the save gates (that step waits for the
 save sub-group by sub-group, in `OffloadAdam.step`: the gate is called in one place).
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from dstrain.errors import DstrainError
 
 if TYPE_CHECKING:
-    from dstrain.offload.optimizer import OffloadAdam
+    from dstrain.offload.optimizer.adam import OffloadAdam
 
 __all__ = ["KEY", "EarlyStep", "EarlyStepError"]
 

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from dstrain.offload.swapper import Lease
+from dstrain.offload.swap.swapper import Lease
 from dstrain.zero.units import Unit
 
 __all__ = ["TraceReadAhead"]

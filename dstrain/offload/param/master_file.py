@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dstrain.errors import ConfigError
-from dstrain.offload.swapper import ALIGN, Lease, Swapper, SwapperStatistics, align_up, budget_buffers
+from dstrain.offload.swap.swapper import ALIGN, Lease, Swapper, SwapperStatistics, align_up, budget_buffers
 
 __all__ = ["MasterFile", "ShardStream"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dstrain.offload.swapper import SwapperStatistics
+from dstrain.offload.swap.swapper import SwapperStatistics
 
 __all__ = ["OffloadOptimizerStatistics"]
 
@@ -26,7 +26,7 @@ class OffloadOptimizerStatistics:
     """Sub-groups whose state was already in memory when the step reached them."""
     prefetch_misses: int
     stepped_in_backward: int
-    """Sub-groups stepped during the boundary backward (`dstrain.offload.early_step`), not in `step`."""
+    """Sub-groups stepped during the boundary backward (`dstrain.offload.optimizer.early_step`), not in `step`."""
     backward_step_seconds: float
     """Time spent stepping sub-groups during backward (not in ``step_seconds``)."""
     pinned_budget: int

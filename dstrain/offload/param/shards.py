@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstrain.errors import ConfigError
-from dstrain.offload.grad_store import GradStoreStatistics, OffloadedGrads
-from dstrain.offload.master_file import MasterFile, ShardStream
-from dstrain.offload.param_master import SwappedMaster
-from dstrain.offload.read_order import TraceReadAhead
-from dstrain.offload.swapper import ALIGN, STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
+from dstrain.offload.param.grads import GradStoreStatistics, OffloadedGrads
+from dstrain.offload.param.master_file import MasterFile, ShardStream
+from dstrain.offload.param.read_ahead import TraceReadAhead
+from dstrain.offload.param.swapped_master import SwappedMaster
+from dstrain.offload.swap.swapper import ALIGN, STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
 from dstrain.zero.units import ShardStore, Unit
 
 if TYPE_CHECKING:

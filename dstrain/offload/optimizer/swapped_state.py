@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstrain.checkpoint.sources import Snapshot, SwapRegions, read_lazy
-from dstrain.offload.swapper import align_up
+from dstrain.offload.swap.swapper import align_up
 
 if TYPE_CHECKING:
-    from dstrain.offload.optimizer import OffloadAdam
+    from dstrain.offload.optimizer.adam import OffloadAdam
 
 __all__ = ["groups_state", "load_adam_state", "swapped_state", "torch_keys", "touch_order"]
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from dstrain.errors import ConfigError
-from dstrain.offload.swapper import align_up
+from dstrain.offload.swap.swapper import align_up
 
 __all__ = ["CUT", "SubGroup", "plan_sub_groups"]
 

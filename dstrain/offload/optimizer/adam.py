@@ -15,7 +15,7 @@ Where the state lives:
   writes drain, which need no gradients) during the next forward and backward. The training
   thread waits only when a read is truly late; that wait is `stall_seconds`.
 
-Stepping during backward (`dstrain.offload.early_step`, stage 3 where legal): sub-groups whose
+Stepping during backward (`dstrain.offload.optimizer.early_step`, stage 3 where legal): sub-groups whose
 gradients are final are stepped from the boundary backward (`step_ready`, never waiting for a
 read), and the step order (so the read order) becomes the order in which the last backward
 finished them, so the reads and write-backs run during backward; `step` steps the rest.
@@ -43,19 +43,19 @@ from typing import Any
 import torch
 
 from dstrain.errors import ConfigError, NotImplementedConfigError
-from dstrain.offload.device_copy import DeviceStager
-from dstrain.offload.early_step import KEY as EARLY_KEY
-from dstrain.offload.early_step import EarlyStep, EarlyStepError
-from dstrain.offload.optimizer_state import (
+from dstrain.offload.optimizer.device_stager import DeviceStager
+from dstrain.offload.optimizer.early_step import KEY as EARLY_KEY
+from dstrain.offload.optimizer.early_step import EarlyStep, EarlyStepError
+from dstrain.offload.optimizer.state_reads import StateReads
+from dstrain.offload.optimizer.statistics import OffloadOptimizerStatistics
+from dstrain.offload.optimizer.sub_groups import CUT, SubGroup, plan_sub_groups
+from dstrain.offload.optimizer.swapped_state import (
     groups_state,
     load_adam_state,
     swapped_state,
     touch_order,
 )
-from dstrain.offload.optimizer_stats import OffloadOptimizerStatistics
-from dstrain.offload.state_reads import StateReads
-from dstrain.offload.sub_groups import CUT, SubGroup, plan_sub_groups
-from dstrain.offload.swapper import STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
+from dstrain.offload.swap.swapper import STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
 
 __all__ = ["CUT", "OffloadAdam", "OffloadOptimizerStatistics", "plan_sub_groups"]
 
@@ -113,7 +113,7 @@ class OffloadAdam(torch.optim.Optimizer):
         # stage 3, parameters and state on NVMe, fp32: the master views have no storage; each
         # sub-group's master is read from (and written back to) the parameter shard file
         self._master = master_store
-        # gradients on NVMe (dstrain.offload.grad_store): each sub-group's range is read in the step
+        # gradients on NVMe (dstrain.offload.param.grads): each sub-group's range is read in the step
         self._grads = grad_store
         self._in_step = False
         # on the masters' device, like torch's fused Adam (its CUDA kernel reads the step there)
@@ -173,7 +173,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self._stepped: set[int] = set()  # sub-groups stepped in the optimizer step under way
         self._begun = False  # the step under way has stepped its first sub-group
         self._hyper: list[tuple[Any, ...]] = []  # hyperparameters the step under way began with
-        self._early: EarlyStep | None = None  # stepping during backward (dstrain.offload.early_step)
+        self._early: EarlyStep | None = (
+            None  # stepping during backward (dstrain.offload.optimizer.early_step)
+        )
         self._hold_early = False  # an async save gates the next step: no stepping during its backward
         self._touch_pos: dict[int, int] = {}  # sub-group -> its touch set in the last touch order
         self._early_steps = 0
@@ -212,7 +214,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def prepare(self) -> None:
         """Start reading the next step's first sub-groups (called during the boundary backward);
-        with stepping during backward composed (`dstrain.offload.early_step`), arm it."""
+        with stepping during backward composed (`dstrain.offload.optimizer.early_step`), arm it."""
         self._between_steps("a second boundary backward")  # its gradient would miss stepped ones
         if self._swapper is not None:
             self._top_up()
@@ -221,7 +223,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     @property
     def steps_in_backward(self) -> bool:
-        """Whether sub-groups are stepped during the boundary backward (`dstrain.offload.early_step`)."""
+        """Whether sub-groups are stepped during the boundary backward (`dstrain.offload.optimizer.early_step`)."""
         return self._early is not None
 
     def attach_early_step(self, early: EarlyStep) -> None:

@@ -8,7 +8,7 @@ region (``dstrain.checkpoint.SwapRegions``, read after this store's master write
 `master_span` tells an async save which bytes each sub-group's step rewrites, so the step waits
 until the save has read them (``dstrain.checkpoint.gate``): the master is never read into memory.
 
-A mixin of `dstrain.offload.param_store.OffloadedShards` (its state is declared below), kept apart
+A mixin of `dstrain.offload.param.shards.OffloadedShards` (its state is declared below), kept apart
 so that the store's module stays about the shards.
 """
 
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstrain.checkpoint.sources import SwapRegions
-from dstrain.offload.master_file import MasterFile, ShardStream
-from dstrain.offload.read_order import TraceReadAhead
-from dstrain.offload.swapper import ALIGN, Lease, Swapper
+from dstrain.offload.param.master_file import MasterFile, ShardStream
+from dstrain.offload.param.read_ahead import TraceReadAhead
+from dstrain.offload.swap.swapper import ALIGN, Lease, Swapper
 
 if TYPE_CHECKING:
     from dsio.checkpoint import FileSpan

@@ -10,9 +10,9 @@ import torch
 
 from dstrain.errors import ConfigError, NotImplementedConfigError
 from dstrain.offload.config import OffloadOptimizerConfig, check_nvme_path
-from dstrain.offload.early_step import KEY as EARLY_KEY
-from dstrain.offload.early_step import EarlyStep
-from dstrain.offload.optimizer import CUT, OffloadAdam
+from dstrain.offload.optimizer.adam import CUT, OffloadAdam
+from dstrain.offload.optimizer.early_step import KEY as EARLY_KEY
+from dstrain.offload.optimizer.early_step import EarlyStep
 from dstrain.zero.flat import STEP_CHUNK
 
 __all__ = [
@@ -114,7 +114,7 @@ def build_offload_optimizer(
 
     Where legal (`early_step_legal`: stage 3, master and gradients in memory, no clipping, not
     fp16) and ``offload.step_in_backward`` is on, sub-groups are stepped during the boundary
-    backward as their gradients become final (`dstrain.offload.early_step.EarlyStep`).
+    backward as their gradients become final (`dstrain.offload.optimizer.early_step.EarlyStep`).
     """
     if not offload.enabled:
         raise ValueError("build_offload_optimizer needs offload_optimizer.device 'cpu' or 'nvme'")
@@ -183,7 +183,7 @@ def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> 
     param = zero_config.offload_param
     if not param.enabled:
         return None
-    from dstrain.offload.param_store import OffloadedShards
+    from dstrain.offload.param.shards import OffloadedShards
 
     if param.device == "nvme":
         assert param.nvme_path is not None  # the config requires it

@@ -15,8 +15,8 @@ import time
 from collections import deque
 from typing import Any
 
-from dstrain.offload.sub_groups import SubGroup
-from dstrain.offload.swapper import Lease, Swapper
+from dstrain.offload.optimizer.sub_groups import SubGroup
+from dstrain.offload.swap.swapper import Lease, Swapper
 
 __all__ = ["StateReads"]
 

@@ -16,7 +16,7 @@ the order they will be consumed cannot deadlock while every buffer lent is event
 Copy-on-write (`pin`): a checkpoint save pins the version of every slot current at save time and
 reads it while training goes on; a write of a pinned slot goes to another region of the file (a
 spare, or the file grows), so the training step never waits for the save
-(`dstrain.offload.swap_slots`: what it costs in disk space, when regions are reused). Ranges
+(`dstrain.offload.swap.slots`: what it costs in disk space, when regions are reused). Ranges
 (`reserve_region`) are never pinned or moved.
 """
 
@@ -36,7 +36,7 @@ import torch
 
 from dsio._bridge import LoopThread, shared_loop
 from dsio.config import IOConfig
-from dstrain.offload.swap_slots import SlotTable, SlotTableStatistics, SwapPin
+from dstrain.offload.swap.slots import SlotTable, SlotTableStatistics, SwapPin
 
 __all__ = ["ALIGN", "Lease", "SwapPin", "Swapper", "SwapperStatistics", "align_up"]
 
