@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from dsio.config import DEEPSPEED_AIO_DEFAULTS, IOConfig
 from dstrain._parse import build, check_bool, check_float, check_int, reject_unknown
+from dstrain.checkpointing.config import ActivationCheckpointingConfig
 from dstrain.config_sections import (
     BF16Config,
     CheckpointConfig,
@@ -97,13 +98,14 @@ class DSConfig:
     """Checkpoint options."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline-parallel settings (the model must be a `dstrain.pipe.PipelineModule`); parsed strictly."""
+    activation_checkpointing: ActivationCheckpointingConfig | None = None
+    """`dstrain.checkpointing` settings (parsed by that room); `initialize` configures it when present."""
     seed: int | None = None
     """If set, `initialize` seeds torch's RNG with it (same on every rank) before building anything."""
 
     _ALIASES: ClassVar[dict[str, str]] = {"bfloat16": "bf16"}
     _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
         "amp",
-        "activation_checkpointing",
         "autotuning",
         "communication_data_type",
         "comms_logger",
@@ -150,6 +152,10 @@ class DSConfig:
                 raise ConfigError(name, f"expected {cls.__name__}, got {type(getattr(self, name)).__name__}")
         if self.optimizer is not None and not isinstance(self.optimizer, OptimizerConfig):
             raise ConfigError("optimizer", "expected OptimizerConfig or None")
+        if self.activation_checkpointing is not None and not isinstance(
+            self.activation_checkpointing, ActivationCheckpointingConfig
+        ):
+            raise ConfigError("activation_checkpointing", "expected ActivationCheckpointingConfig or None")
         if self.scheduler is not None and not isinstance(self.scheduler, SchedulerConfig):
             raise ConfigError("scheduler", "expected SchedulerConfig or None")
         if self.fp16.enabled and self.bf16.enabled:
@@ -190,6 +196,7 @@ class DSConfig:
             "pipeline": PipelineConfig,
             "optimizer": OptimizerConfig,
             "scheduler": SchedulerConfig,
+            "activation_checkpointing": ActivationCheckpointingConfig,
         }
         if kwargs.get("aio") is not None:
             kwargs["aio"] = _parse_aio(kwargs["aio"])

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from dstrain.checkpoint import CheckpointStore, default_store
+from dstrain.checkpointing import compose as activation_checkpointing
 from dstrain.config import DSConfig
 from dstrain.dist.topology import Topology
 from dstrain.engine import Engine
@@ -290,6 +291,8 @@ def initialize(
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     precision = Precision(cfg.precision, cfg.fp16)
+    if activation_checkpointing.applies(cfg):  # dstrain.checkpointing.checkpoint follows the section
+        activation_checkpointing.build(cfg)
 
     if isinstance(optimizer, torch.optim.Optimizer):  # its groups, each with its own options (as DeepSpeed)
         model_parameters = client_param_groups(optimizer)

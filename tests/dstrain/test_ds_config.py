@@ -182,7 +182,7 @@ def test_unknown_keys_are_errors_with_did_you_mean(
 
 
 UNIMPLEMENTED = [
-    ({"activation_checkpointing": {}}, "activation_checkpointing"),
+    ({"elasticity": {"enabled": True}}, "elasticity"),
     ({"prescale_gradients": True}, "prescale_gradients"),
     ({"communication_data_type": "fp32"}, "communication_data_type"),
     ({"fp16": {"auto_cast": True}}, "fp16.auto_cast"),
