@@ -195,7 +195,7 @@ def run_config(args: argparse.Namespace, offload: str, root: str) -> dict[str, A
             t0 = time.perf_counter()
             engine.save_checkpoint(d, async_save=method != "sync")
             call = time.perf_counter() - t0
-            pending = engine._pending_save  # None after a synchronous save
+            pending = engine.checkpoints.pending  # None after a synchronous save
             during = _train(engine, x, args.steps_after) if method != "sync" else []
             blocked = engine.statistics().checkpoint_blocked_seconds - b0
             gate = pending.gate_seconds if pending is not None else 0.0

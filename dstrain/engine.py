@@ -11,23 +11,21 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dstrain.checkpoint.gate import lend_gate, touch_order
-from dstrain.checkpoint.state import STREAMED, CountersPart, Part, RngPart, collect, restore
-from dstrain.checkpoint.store import CheckpointStore, PendingSave, load_any, step_name, validate_tag
+from dstrain.checkpoint.policy import EngineCheckpoints
+from dstrain.checkpoint.state import CountersPart, Part, RngPart
+from dstrain.checkpoint.store import CheckpointStore
 from dstrain.config import DSConfig
 from dstrain.dist.comm import CommStatistics
 from dstrain.dist.topology import Topology
-from dstrain.errors import CheckpointNotFoundError, DstrainError
-from dstrain.moe.compose import check_expert_layout, expert_layout
+from dstrain.errors import DstrainError
 from dstrain.optim.clip import GradSet, clip_grads_, global_grad_norm
 from dstrain.optim.stepper import Stepper
 from dstrain.precision import Precision
@@ -37,8 +35,6 @@ from dstrain.zero.base import ZeroStatistics, ZeroStrategy
 __all__ = ["Engine", "EngineStatistics"]
 
 log = logging.getLogger(__name__)
-
-_DEFAULT_TAG = re.compile(r"global_step(\d+)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,6 +78,7 @@ class Engine:
         stepper: Stepper,
         lr_scheduler: LRSchedule | None,
         store: CheckpointStore,
+        parts: Mapping[str, Part] | None = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -91,7 +88,6 @@ class Engine:
         self.zero = zero
         self.stepper = stepper
         self.lr_scheduler = lr_scheduler
-        self.store = store
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -103,8 +99,17 @@ class Engine:
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._last_step_end: float | None = None
         self._last_step_seconds = 0.0
-        self._pending_save: PendingSave | None = None
-        self._ckpt_blocked = 0.0
+        self._extra_parts = dict(parts or {})
+        self.checkpoints = EngineCheckpoints(
+            self,
+            store,
+            parts=self.checkpoint_parts,
+            world=topology.world,
+            dp=self.comm,
+            stage=zero.stage,
+            tag_validation=config.checkpoint.tag_validation,
+        )
+        """The checkpoint policy (`dstrain.checkpoint.policy`); ``checkpoints.pending``: a save in flight."""
         self.runner: Any = None
         """What runs whole batches (`train_batch` / `eval_batch`): a `dstrain.pipe.PipelineRunner` that
         `initialize` attaches for a pipeline model; None otherwise (train with forward/backward/step)."""
@@ -284,23 +289,27 @@ class Engine:
             backward_seconds=self._times["backward"],
             step_seconds=self._times["step"],
             last_step_seconds=self._last_step_seconds,
-            checkpoint_blocked_seconds=self._ckpt_blocked,
+            checkpoint_blocked_seconds=self.checkpoints.blocked_seconds,
             comm=self.comm.statistics(),
             zero=self.zero.statistics(),
         )
 
-    # -- checkpoints ---------------------------------------------------------------------------
+    # -- checkpoints (the policy is dstrain.checkpoint.policy's) ---------------------------------
 
-    def _module_states(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """(entries every rank saves: buffers and frozen parameters, full state dict on rank 0 below stage 3)."""
-        trainable = {n for n, p in self.module.named_parameters(remove_duplicate=False) if p.requires_grad}
-        sd = self.module.state_dict()
-        extra = {k: v for k, v in sd.items() if k not in trainable}
-        return extra, sd if self.zero.stage < 3 and self.comm.rank == 0 else None
+    @property
+    def store(self) -> CheckpointStore:
+        """Where checkpoints go (`dstrain.checkpoint.store`)."""
+        return self.checkpoints.store
+
+    @store.setter
+    def store(self, store: CheckpointStore) -> None:
+        self.checkpoints.store = store
 
     def checkpoint_parts(self) -> dict[str, Part | None]:
-        """The parts that save and restore their own state, by checkpoint key (see dstrain.checkpoint.state)."""
+        """The parts that save and restore their own state, by checkpoint key (see dstrain.checkpoint.state);
+        the rooms' own parts (``parts=``, e.g. MoE's expert layout) first: they check before anything loads."""
         return {
+            **self._extra_parts,
             "engine": CountersPart(self),
             "zero": self.zero,
             "stepper": self.stepper,
@@ -309,18 +318,6 @@ class Engine:
             "rng": RngPart(),
             "pipeline": self.runner,  # a pipeline's layout, checked on load (None without one)
         }
-
-    def _where(self, root: Path, tag: str | None, save_latest: bool) -> tuple[Path, int]:
-        """(checkpoint directory, step) of a save: the default tag ``global_step<N>`` is step N of
-        ``save_dir``; any other tag, or ``save_latest=False``, is a checkpoint directory of its own,
-        ``save_dir/<tag>`` (so ``save_dir``'s ``latest`` is left alone)."""
-        tag = tag or f"global_step{self.global_steps}"
-        m = _DEFAULT_TAG.fullmatch(tag)
-        if m is not None and save_latest:
-            return root, int(m.group(1))
-        if not tag or "/" in tag or tag in (".", ".."):
-            raise DstrainError(f"checkpoint tag {tag!r} is not a plain name")
-        return root / tag, self.global_steps
 
     def save_checkpoint(
         self,
@@ -339,52 +336,14 @@ class Engine:
         at `wait_checkpoint`, or at the next `save_checkpoint`, `load_checkpoint` or `close` (all
         collective: call them on every rank).
         """
-        t0 = time.perf_counter()
-        self.wait_checkpoint()
-        directory, step = self._where(Path(save_dir), tag, save_latest)
-        validate_tag(
-            str(directory / step_name(step)), self.topology.world, self.config.checkpoint.tag_validation
-        )
-        extra, full = self._module_states()
-        if async_save:  # buffers (e.g. BatchNorm statistics) change in forward: snapshot them now
-            copies = {k: v.detach().clone() for k, v in extra.items() if isinstance(v, torch.Tensor)}
-            extra = {**extra, **copies}
-            full = None if full is None else {k: copies.get(k, v) for k, v in full.items()}
-            client_state = _cloned(client_state or {})
-        state = collect(
-            self.checkpoint_parts(),
-            {
-                "module_extra": extra,
-                "module": full,
-                "moe": expert_layout(self.module),  # which experts this rank's state holds
-                "client_state": client_state or {},
-            },
-        )
-        order = touch_order(self.stepper, self.module) if async_save else None
-        pending = self.store.save(
-            directory, step, state, self.topology.world, background=async_save, touch_order=order
-        )
-        if async_save:  # staged while forward and backward run; the next step waits if unfinished
-            self._pending_save = pending
-            self._ckpt_blocked += time.perf_counter() - t0
-            return pending.path
-        path = pending.wait()
-        self._ckpt_blocked += time.perf_counter() - t0
-        return path
+        return self.checkpoints.save(save_dir, tag, client_state, save_latest, async_save)
 
     def _staging_fence(self, lend: bool = False) -> None:
-        """Before the optimizer changes parameters and state: wait for an async save's staging, or
-        (``lend``) let a stepper that steps sub-group by sub-group wait for each one
-        (`dstrain.checkpoint.gate`); its waits are counted at the next full fence."""
-        pending = self._pending_save
-        if pending is None or (lend and lend_gate(self.stepper, pending)):
-            return
-        self._ckpt_blocked += pending.wait_staged()
+        self.checkpoints.fence(lend)
 
     def wait_checkpoint(self) -> Path | None:
         """Finish an asynchronous save (a collective); returns its file, or None when none was pending."""
-        pending, self._pending_save = self._pending_save, None
-        return pending.wait() if pending is not None else None
+        return self.checkpoints.wait()
 
     def load_checkpoint(
         self,
@@ -398,40 +357,18 @@ class Engine:
         ``tag`` None loads ``load_dir``'s latest step; a tag that names a directory ``load_dir/<tag>``
         loads that directory's latest; ``global_step<N>`` loads step N of ``load_dir``.
         """
-        self.wait_checkpoint()
-        root = Path(load_dir)
-        directory, step = root, None
-        if tag is not None:
-            m = _DEFAULT_TAG.fullmatch(tag)
-            if (root / tag).is_dir() and "/" not in tag:
-                directory = root / tag
-            elif m is not None:
-                step = int(m.group(1))
-            else:
-                raise CheckpointNotFoundError(f"no checkpoint tagged {tag!r} in {root}")
-        path, state = load_any(self.store, directory, step, self.topology.world, lazy=STREAMED)
-        saved = state.get("zero") or {}
-        if saved.get("stage") != self.zero.stage or saved.get("world_size") != self.comm.world_size:
-            raise DstrainError(
-                f"{path} was saved at ZeRO stage {saved.get('stage')} with world size {saved.get('world_size')}; "
-                f"this engine runs stage {self.zero.stage} with world size {self.comm.world_size}"
-            )
-        check_expert_layout(state.get("moe"), self.module, str(path))
-        skip = set()
-        if not load_optimizer_states:
-            skip.add("stepper")
-        if not load_lr_scheduler_states:
-            skip.add("lr_scheduler")
-        restore(self.checkpoint_parts(), state, where=str(path), skip=skip)
-        self.module.load_state_dict(state["module_extra"], strict=False)
-        return path, state["client_state"]
+        return self.checkpoints.load(
+            load_dir,
+            tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+        )
 
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Finish a pending asynchronous save, remove the ZeRO strategy's hooks (the model keeps its weights)."""
-        self.wait_checkpoint()
-        self.store.close()  # releases the directories' writer locks
+        self.checkpoints.close()  # finishes a pending save, releases the directories' writer locks
         self.stepper.close()
         self.zero.close()
 
@@ -440,14 +377,3 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _cloned(value: Any) -> Any:
-    """``value`` with its tensors cloned (an async save's client state, captured at the call)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_cloned(v) for v in value)
-    return value

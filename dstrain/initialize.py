@@ -24,7 +24,13 @@ from dstrain.config import DSConfig
 from dstrain.dist.topology import Topology
 from dstrain.engine import Engine
 from dstrain.errors import ConfigError
-from dstrain.moe.compose import bind_expert_groups, expert_parallel_size, expert_routes, split_expert_groups
+from dstrain.moe.compose import (
+    ExpertLayoutPart,
+    bind_expert_groups,
+    expert_parallel_size,
+    expert_routes,
+    split_expert_groups,
+)
 from dstrain.optim.build import ClientOptimizer, build_optimizer, client_param_groups
 from dstrain.optim.stepper import NoOptimizer, Stepper, TorchStepper
 from dstrain.pipe.compose import attach, pipeline_stages, tied_groups
@@ -316,6 +322,7 @@ def initialize(
         stepper=stepper,
         lr_scheduler=schedule,
         store=checkpoint_store or default_store(),
+        parts={"moe": ExpertLayoutPart(model)},  # which experts this rank's state holds (dstrain/moe)
     )
     if isinstance(model, PipelineModule):  # train_batch / eval_batch run the 1F1B schedule (dstrain/pipe)
         engine.runner = attach(engine, model, topology, tied, cfg.pipeline)

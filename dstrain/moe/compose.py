@@ -9,7 +9,8 @@
   expert has seen the tokens of all dp ranks through the all-to-all. Their squared gradient norms add up
   over the expert-parallel group (each ep rank holds different experts).
 - `expert_layout` / `check_expert_layout`: what a checkpoint records about the experts, and the clear
-  error when it is loaded into a model whose experts are laid out differently (another ``ep_size``).
+  error when it is loaded into a model whose experts are laid out differently (another ``ep_size``);
+  `ExpertLayoutPart` is that record as a checkpoint part (``dstrain.checkpoint.state.Part``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dstrain.moe.experts import is_moe_param
 from dstrain.moe.layer import moe_layers
 
 __all__ = [
+    "ExpertLayoutPart",
     "bind_expert_groups",
     "check_expert_layout",
     "expert_layout",
@@ -100,3 +102,17 @@ def check_expert_layout(saved: list[dict[str, int]] | None, model: nn.Module, wh
             f"but this model has {mine}; resuming needs the same num_experts, ep_size and world size "
             "(dstrain does not reshard experts across a different ep_size)"
         )
+
+
+class ExpertLayoutPart:
+    """The experts' layout as a checkpoint part (key ``"moe"``): saved with every checkpoint, checked
+    on load (`check_expert_layout`) before the other parts are applied."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> list[dict[str, int]]:
+        return expert_layout(self.model)
+
+    def load_state_dict(self, state: list[dict[str, int]] | None) -> None:
+        check_expert_layout(state, self.model, "the checkpoint")

@@ -96,7 +96,7 @@ def _async_save_then_steps(tmp_path: Any, box: dict[str, Any], steps: int) -> di
         engine_losses(engine, 2)
         expected = _expected(engine, opt)
         engine.save_checkpoint(tmp_path / "ck", async_save=True)
-        capture = engine._pending_save._capture
+        capture = engine.checkpoints.pending._capture
         box["capture"] = capture
         engine_losses(engine, steps, start=2)  # rewrites every sub-group's m, v while the save streams
         # the steps are done; the save still needs swap reads, which are held from now on

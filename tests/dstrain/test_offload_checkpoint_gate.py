@@ -58,7 +58,7 @@ def _async_save_then_step(tmp_path, monkeypatch, gated: bool) -> dict[str, Any]:
     lend = OffloadAdam.gate_next_step
 
     def spy(self: OffloadAdam, wait: Any) -> None:
-        capture = engine._pending_save._capture
+        capture = engine.checkpoints.pending._capture
 
         def gate(i: int) -> float:
             waited = wait(i)
@@ -77,7 +77,7 @@ def _async_save_then_step(tmp_path, monkeypatch, gated: bool) -> dict[str, Any]:
         expected_opt = opt.state_dict()["state"]  # read from the swap file: the state at step 2
         expected_master = [m.clone() for m in engine.zero.state_dict()["master"]]
         engine.save_checkpoint(tmp_path / "ck", async_save=True)
-        pending = engine._pending_save
+        pending = engine.checkpoints.pending
         engine_losses(engine, 1, start=2)  # changes every sub-group while the save streams
         blocked = engine.statistics().checkpoint_blocked_seconds
         gate_s = pending.gate_seconds

@@ -107,7 +107,7 @@ def test_async_save_is_staged_during_forward_backward_and_resumes_bitwise(tmp_pa
     try:
         engine_losses(engine, 2)
         engine.save_checkpoint(tmp_path / "ck", async_save=True)
-        assert engine._pending_save is not None  # returned before the save committed
+        assert engine.checkpoints.pending is not None  # returned before the save committed
         after = engine_losses(engine, 2, start=2)  # the first of these steps waits for staging
         blocked = engine.statistics().checkpoint_blocked_seconds
         assert engine.wait_checkpoint() is not None

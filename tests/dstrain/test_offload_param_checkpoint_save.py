@@ -121,7 +121,7 @@ def _async_save_then_step(tmp_path: Path, bf16: bool) -> dict[str, Any]:
         engine_losses(engine, 2)
         expected = [engine.zero.store.read_master(g) for g in engine.zero.groups]
         engine.save_checkpoint(tmp_path / "ck", async_save=True)
-        pending = engine._pending_save
+        pending = engine.checkpoints.pending
         assert pending is not None and pending.gated  # still staging: the step below is gated
         capture = pending._capture
         engine_losses(engine, 1, start=2)

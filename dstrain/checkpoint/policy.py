@@ -1,0 +1,203 @@
+"""`EngineCheckpoints`: what an engine's `save_checkpoint` / `load_checkpoint` do, so the engine owns no
+checkpoint policy.
+
+- where a tag goes (``global_step<N>`` is step N of ``save_dir``; any other tag, or
+  ``save_latest=False``, a checkpoint directory ``save_dir/<tag>`` of its own);
+- what a save collects: each part's state (`dstrain.checkpoint.state`), the module's buffers and frozen
+  parameters, the full state dict on rank 0 below stage 3, the client state; an async save snapshots
+  what forward changes (buffers, the client state) at the call;
+- the save in flight (`PendingSave`): the fence before the optimizer changes what it still reads, the
+  time it held training;
+- what a load checks before anything is applied (stage and world size, each part's layout) and what
+  it skips (``load_optimizer_states`` / ``load_lr_scheduler_states``).
+
+The engine hands over its parts once (`EngineCheckpoints.parts`); a room contributes a part of its own
+(MoE's expert layout: ``dstrain.moe.compose.ExpertLayoutPart``) through ``initialize``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from dstrain.checkpoint.gate import lend_gate, touch_order
+from dstrain.checkpoint.pending import PendingSave
+from dstrain.checkpoint.state import STREAMED, Part, collect, restore
+from dstrain.checkpoint.store import CheckpointStore, load_any, step_name, validate_tag
+from dstrain.dist.comm import Comm
+from dstrain.errors import CheckpointNotFoundError, DstrainError
+
+__all__ = ["EngineCheckpoints", "Trained"]
+
+_DEFAULT_TAG = re.compile(r"global_step(\d+)")
+
+
+class Trained(Protocol):
+    """What the checkpoint policy reads of the engine it serves."""
+
+    module: torch.nn.Module
+    global_steps: int
+
+    @property
+    def stepper(self) -> Any: ...
+
+
+class EngineCheckpoints:
+    """One engine's checkpoints over ``store``; ``parts()`` lists the parts by checkpoint key (called at
+    every save and load: a part attached after construction, e.g. a pipeline runner, is seen)."""
+
+    def __init__(
+        self,
+        owner: Trained,
+        store: CheckpointStore,
+        *,
+        parts: Callable[[], Mapping[str, Part | None]],
+        world: Comm,
+        dp: Comm,
+        stage: int,
+        tag_validation: str,
+    ) -> None:
+        self.owner = owner
+        self.store = store
+        self.parts = parts
+        self.world = world
+        self.dp = dp
+        self.stage = stage
+        self.tag_validation = tag_validation
+        self.pending: PendingSave | None = None
+        """The asynchronous save in flight (None when none is)."""
+        self.blocked_seconds = 0.0
+        """Time saves held training (see ``EngineStatistics.checkpoint_blocked_seconds``)."""
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def where(self, root: Path, tag: str | None, save_latest: bool) -> tuple[Path, int]:
+        """(checkpoint directory, step) of a save (see the module docstring)."""
+        tag = tag or f"global_step{self.owner.global_steps}"
+        m = _DEFAULT_TAG.fullmatch(tag)
+        if m is not None and save_latest:
+            return root, int(m.group(1))
+        if not tag or "/" in tag or tag in (".", ".."):
+            raise DstrainError(f"checkpoint tag {tag!r} is not a plain name")
+        return root / tag, self.owner.global_steps
+
+    def module_states(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """(entries every rank saves: buffers and frozen parameters, full state dict on rank 0 below stage 3)."""
+        module = self.owner.module
+        trainable = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+        sd = module.state_dict()
+        extra = {k: v for k, v in sd.items() if k not in trainable}
+        return extra, sd if self.stage < 3 and self.dp.rank == 0 else None
+
+    def save(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None,
+        client_state: dict[str, Any] | None,
+        save_latest: bool,
+        async_save: bool,
+    ) -> Path:
+        """`Engine.save_checkpoint`: returns this rank's file (to be, for an async save)."""
+        t0 = time.perf_counter()
+        self.wait()
+        directory, step = self.where(Path(save_dir), tag, save_latest)
+        validate_tag(str(directory / step_name(step)), self.world, self.tag_validation)
+        extra, full = self.module_states()
+        if async_save:  # buffers (e.g. BatchNorm statistics) change in forward: snapshot them now
+            copies = {k: v.detach().clone() for k, v in extra.items() if isinstance(v, torch.Tensor)}
+            extra = {**extra, **copies}
+            full = None if full is None else {k: copies.get(k, v) for k, v in full.items()}
+            client_state = _cloned(client_state or {})
+        state = collect(
+            self.parts(),
+            {"module_extra": extra, "module": full, "client_state": client_state or {}},
+        )
+        stepper = self.owner.stepper
+        order = touch_order(stepper, self.owner.module) if async_save else None
+        pending = self.store.save(
+            directory, step, state, self.world, background=async_save, touch_order=order
+        )
+        if async_save:  # staged while forward and backward run; the next step waits if unfinished
+            self.pending = pending
+            self.blocked_seconds += time.perf_counter() - t0
+            return pending.path
+        path = pending.wait()
+        self.blocked_seconds += time.perf_counter() - t0
+        return path
+
+    def fence(self, lend: bool = False) -> None:
+        """Before the optimizer changes parameters and state: wait for an async save's staging, or
+        (``lend``) let a stepper that steps sub-group by sub-group wait for each one
+        (`dstrain.checkpoint.gate`); its waits are counted at the next full fence."""
+        pending = self.pending
+        if pending is None or (lend and lend_gate(self.owner.stepper, pending)):
+            return
+        self.blocked_seconds += pending.wait_staged()
+
+    def wait(self) -> Path | None:
+        """Finish an asynchronous save (a collective); returns its file, or None when none was pending."""
+        pending, self.pending = self.pending, None
+        return pending.wait() if pending is not None else None
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def locate(self, load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, int | None]:
+        """(checkpoint directory, step or None for its latest) that ``tag`` names under ``load_dir``."""
+        root = Path(load_dir)
+        if tag is None:
+            return root, None
+        m = _DEFAULT_TAG.fullmatch(tag)
+        if (root / tag).is_dir() and "/" not in tag:
+            return root / tag, None
+        if m is not None:
+            return root, int(m.group(1))
+        raise CheckpointNotFoundError(f"no checkpoint tagged {tag!r} in {root}")
+
+    def load(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None,
+        *,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+    ) -> tuple[Path, dict[str, Any]]:
+        """`Engine.load_checkpoint`: (this rank's file, client_state)."""
+        self.wait()
+        directory, step = self.locate(load_dir, tag)
+        path, state = load_any(self.store, directory, step, self.world, lazy=STREAMED)
+        saved = state.get("zero") or {}
+        if saved.get("stage") != self.stage or saved.get("world_size") != self.dp.world_size:
+            raise DstrainError(
+                f"{path} was saved at ZeRO stage {saved.get('stage')} with world size {saved.get('world_size')}; "
+                f"this engine runs stage {self.stage} with world size {self.dp.world_size}"
+            )
+        skip = set()
+        if not load_optimizer_states:
+            skip.add("stepper")
+        if not load_lr_scheduler_states:
+            skip.add("lr_scheduler")
+        restore(self.parts(), state, where=str(path), skip=skip)
+        self.owner.module.load_state_dict(state["module_extra"], strict=False)
+        return path, state["client_state"]
+
+    def close(self) -> None:
+        """Finish a pending save; release the store's locks."""
+        self.wait()
+        self.store.close()
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` with its tensors cloned (an async save's client state, captured at the call)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cloned(v) for v in value)
+    return value
