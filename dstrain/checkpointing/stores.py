@@ -21,7 +21,7 @@ from dstrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from dsio.config import IOConfig
-    from dstrain.offload.swapper import Lease, Swapper
+    from dstrain.offload.swap import Lease, Swapper
 
 __all__ = ["DeviceStore", "Held", "HostStore", "NvmeStore", "Saved", "Store"]
 
@@ -190,7 +190,7 @@ class HostStore(Store):
 
 class NvmeStore(Store):
     """dstrain's NVMe path: each checkpoint's inputs are copied into one pinned buffer and written to
-    a slot of a swap file (`dstrain.offload.Swapper`, one dsio handle) during forward; backward reads
+    a slot of a swap file (`dstrain.offload.swap.Swapper`, one dsio handle) during forward; backward reads
     them back in reverse order, up to ``window - 1`` checkpoints ahead of the one it recomputes. At
     most ``window`` buffers exist, so host memory is bounded by ``window x buffer_bytes`` whatever the
     depth; a forward that outruns the disk waits for a buffer (backpressure)."""
@@ -214,7 +214,7 @@ class NvmeStore(Store):
         self._ahead = 0  # fetched ahead and not yet loaded
 
     def _open(self, nbytes: int) -> Swapper:
-        from dstrain.offload.swapper import Swapper, align_up
+        from dstrain.offload.swap.swapper import Swapper, align_up
 
         if self._swapper is None:
             size = align_up(self.buffer_bytes or nbytes)
