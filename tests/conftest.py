@@ -1,4 +1,8 @@
-"""Shared fixtures: real files on this machine's disk, both event loops, every backend it has."""
+"""Shared fixtures: real files on this machine's disk, both event loops, every backend it has.
+
+Fixtures and hooks only: helpers that tests import live in tests/_dsio_helpers.py (a module named
+``conftest`` is ambiguous once two directories have one).
+"""
 
 from __future__ import annotations
 
@@ -7,25 +11,15 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _mount  # noqa: E402  (tests/_mount.py: mounts for the disk-full and no-O_DIRECT tests)
-
-try:
-    import dsio
-    from dsio import _C
-
-    AVAILABLE = {s.name: s for s in dsio.backend_status()}
-    _NO_DSIO = ""
-except Exception as e:  # dsio is not built here (BackendUnavailableError): dstrain tests still run
-    AVAILABLE = {}
-    _NO_DSIO = f"dsio's native core is not built here: {e}"
+from _dsio_helpers import backend_params  # noqa: E402  (shared helpers: tests/_dsio_helpers.py)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -80,18 +74,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         shutil.rmtree(_NAMESPACE_RUN["base"], ignore_errors=True)
 
 
-def backend_params() -> list[Any]:
-    out = []
-    for name in ("io_uring", "aio", "posix"):
-        st = AVAILABLE.get(name)
-        if st is None:
-            marks = [pytest.mark.skip(reason=_NO_DSIO)]
-        else:
-            marks = [] if st.available else [pytest.mark.skip(reason=f"{name} unavailable here: {st.reason}")]
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
-
 def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     try:
         import uvloop
@@ -109,19 +91,6 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
     if uv is not None:
         factories["uvloop"] = uv
     return factories
-
-
-def run_loop(kind: str, coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run ``coro`` on a fresh loop of ``kind`` ("asyncio" or "uvloop"). For tests that need a loop of
-    their own (a loop's lifetime is part of what they check); everything else is ``async def`` and gets
-    both loops from pytest-asyncio (pytest_asyncio_loop_factories)."""
-    if kind == "uvloop":
-        import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
-            return r.run(coro)
-    with asyncio.Runner() as r:
-        return r.run(coro)
 
 
 @pytest.fixture
@@ -156,47 +125,3 @@ def data_dir(tmp_path) -> str:
     d = tmp_path / "data"
     d.mkdir()
     return str(d)
-
-
-def aligned_tensor(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """A tensor whose memory starts on a 4096-byte boundary (mlock'ed, like a pinned buffer)."""
-    mem = _C.AlignedBuffer(max(nbytes, 1), True)
-    t = torch.frombuffer(mem, dtype=torch.uint8)[:nbytes]
-    assert t.data_ptr() % 4096 == 0
-    return t.view(dtype)
-
-
-def unaligned_tensor(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """A tensor whose memory is deliberately not 4096-aligned (but aligned for its dtype)."""
-    esize = torch.empty(0, dtype=dtype).element_size()
-    base = torch.empty(nbytes + 3 * 4096, dtype=torch.uint8)
-    start = (-base.data_ptr()) % 4096 + 8 * esize  # 4096-aligned address + a few elements
-    t = base[start : start + nbytes]
-    assert t.data_ptr() % 4096 != 0
-    return t.view(dtype)
-
-
-def fill_random(t: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    t.view(torch.uint8).copy_(
-        torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=g)
-    )
-    return t
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def user_threads() -> int:
-    """Threads of this process, not counting io_uring's kernel io-wq workers (they exit on their own)."""
-    n = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except FileNotFoundError:
-            continue
-        if not name.startswith("iou-"):
-            n += 1
-    return n

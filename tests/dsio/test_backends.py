@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import AVAILABLE, aligned_tensor, fill_random
+from _dsio_helpers import AVAILABLE, aligned_tensor, fill_random
 
 import dsio
 from dsio import BackendUnavailableError, _backends

@@ -4,7 +4,7 @@ import asyncio
 import os
 
 import torch
-from conftest import fill_random
+from _dsio_helpers import fill_random
 
 import dsio
 

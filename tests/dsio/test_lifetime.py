@@ -7,7 +7,7 @@ import os
 import time
 
 import torch
-from conftest import open_fds, user_threads
+from _dsio_helpers import open_fds, user_threads
 
 import dsio
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import aligned_tensor, run_loop
+from _dsio_helpers import aligned_tensor, run_loop
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from conftest import fill_random
+from _dsio_helpers import fill_random
 
 import dsio
 import dsio._transfer as transfer

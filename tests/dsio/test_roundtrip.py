@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from conftest import aligned_tensor, fill_random, unaligned_tensor
+from _dsio_helpers import aligned_tensor, fill_random, unaligned_tensor
 
 import dsio
 

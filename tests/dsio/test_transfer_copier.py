@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import fill_random, unaligned_tensor
+from _dsio_helpers import fill_random, unaligned_tensor
 
 import dsio
 from dsio._native import native

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from conftest import fill_random, unaligned_tensor
+from _dsio_helpers import fill_random, unaligned_tensor
 
 import dsio
 import dsio._transfer as transfer

@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _dstrain_helpers import engine_losses, make_model, spawn
 from torch import nn
-
-from tests.dstrain._dstrain_helpers import engine_losses, make_model, spawn
 
 __all__ = [
     "anchor_resume",

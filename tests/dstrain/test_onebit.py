@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _dstrain_helpers import spawn
+from _onebit_workers import anchor_resume, anchor_train, register, shared_runs, summary
 from torch import nn
 
 from dstrain.onebit import CompressedAllReduce, OneBitAdam
 from dstrain.onebit.compressed import pack_signs, padded_numel, sign_pm1, simulate, unpack_signs
-from tests.dstrain._dstrain_helpers import spawn
-from tests.dstrain._onebit_workers import anchor_resume, anchor_train, register, shared_runs, summary
 
 FIXTURE = Path(__file__).parent / "fixtures" / "onebit_deepspeed_0.16.5.json"
 

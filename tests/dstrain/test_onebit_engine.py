@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _dstrain_helpers import base_config, engine_losses, global_batch, make_model, spawn
+from _onebit_workers import engine_run, register, shared_runs
 
 import dstrain
 from dstrain.errors import ConfigError
 from dstrain.onebit import OneBitAdam, ZeroOneAdam
-from tests.dstrain._dstrain_helpers import base_config, engine_losses, global_batch, make_model, spawn
-from tests.dstrain._onebit_workers import engine_run, register, shared_runs
 
 FREEZE = 3
 

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _dstrain_helpers import DIM, VOCAB, Tiny, base_config, make_model
+from _onebit_workers import engine_run, register, shared_runs
 
 import dstrain
 from dstrain.errors import ConfigError
 from dstrain.moe import MoE
-from tests.dstrain._dstrain_helpers import DIM, VOCAB, Tiny, base_config, make_model
-from tests.dstrain._onebit_workers import engine_run, register, shared_runs
 
 FREEZE = 3
 # 0/1 Adam: variance updates at steps 1-4, 6, 8, 10, 12, then every 4 steps; frozen after step 21, then

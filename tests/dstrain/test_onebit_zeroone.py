@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _dstrain_helpers import spawn
+from _onebit_workers import anchor_resume, anchor_train, register, shared_runs, summary
 from torch import nn
 
 from dstrain.onebit import ZeroOneAdam
-from tests.dstrain._dstrain_helpers import spawn
-from tests.dstrain._onebit_workers import anchor_resume, anchor_train, register, shared_runs, summary
 
 FIXTURE = Path(__file__).parent / "fixtures" / "onebit_zeroone_deepspeed_0.16.5.json"
 SMALL = {"var_update_scaler": 4, "local_step_scaler": 4, "local_step_clipper": 4}  # bench/onebit_anchor.py
