@@ -20,7 +20,7 @@ ROOT = TESTS.parent
 
 
 def _pytest(*args: str, cwd: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHONPATH"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
         cwd=cwd,
