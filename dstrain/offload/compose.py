@@ -125,7 +125,7 @@ def build_offload_optimizer(
     if offload.pin_memory and offload.device == "cpu" and not torch.cuda.is_available():
         log.info("%s.pin_memory: no GPU here, page-locking host state would buy nothing; not pinned", _FIELD)
     store = getattr(zero, "store", None)
-    master_store = store if getattr(store, "holds_master", False) else None
+    master_store = store.master if store is not None and store.holds_master else None
     if master_store is not None:
         sub_group_size = min(int(sub_group_size), master_store.max_master_numel)
     grad_store = getattr(store, "grads", None)  # gradients on NVMe (the budget could not hold them)

@@ -87,12 +87,12 @@ def _master_digest(engine: Any) -> str:
         if not store.holds_master:
             h.update(g.master.detach().numpy().tobytes())
             continue
-        per = store.max_master_numel
+        per = store.master.max_master_numel
         for start in range(0, g.total, per):
             n = min(per, g.total - start)
-            lease, view = store.fetch_master(g.index, start, n).result()
+            lease, view = store.master.fetch_master(g.index, start, n).result()
             h.update(view.numpy().tobytes())
-            store.discard_master(lease).result()
+            store.master.discard_master(lease).result()
     return h.hexdigest()
 
 
@@ -120,7 +120,7 @@ def _train(root: str | None, procs: str | None) -> dict[str, Any]:
         engine.step()
         losses.append(loss.item())
     if root is not None:
-        optimizer._swapper.drain()  # the last step's writes, before the master is read back
+        optimizer.swapped.swapper.drain()  # the last step's writes, before the master is read back
     store = engine.zero.store
     out = {
         "losses": losses,

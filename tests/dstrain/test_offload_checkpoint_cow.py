@@ -86,7 +86,7 @@ def _nvme(tmp_path: Any) -> tuple[Any, Any]:
     engine, opt, _, _ = dstrain.initialize(
         model=make_model(dim=DIM), config=offload_config(1, "nvme", str(swap), sub_group=4096)
     )
-    assert len(opt._subs) >= 8
+    assert len(opt.sub_groups) >= 8
     return engine, opt
 
 
@@ -218,7 +218,7 @@ def test_back_to_back_saves_and_a_save_while_one_streams(tmp_path, one_thread, m
         engine_losses(engine, 2, start=3)
         engine.wait_checkpoint()
         v = opt.statistics().swapper.versions
-        state_bytes = sum(opt._swapper.slot_bytes(sg.index) for sg in opt._subs)
+        state_bytes = sum(opt.swapped.swapper.slot_bytes(sg.index) for sg in opt.sub_groups)
     finally:
         engine.close()
     assert _holds(_saved(tmp_path / "a"), at2) and _holds(_saved(tmp_path / "b"), at2)
@@ -245,7 +245,7 @@ def test_failed_saves_release_their_pins(tmp_path, one_thread, monkeypatch) -> N
     store, step = engine.store, 1
     try:
         engine_losses(engine, 1)
-        state_bytes = sum(opt._swapper.slot_bytes(sg.index) for sg in opt._subs)
+        state_bytes = sum(opt.swapped.swapper.slot_bytes(sg.index) for sg in opt.sub_groups)
         for k in range(6):
             fail["on"] = k % 2 == 0
             if k == 4:  # a synchronous save that fails raises at the call

@@ -62,7 +62,7 @@ def test_reads_follow_the_order_backward_finishes_gradients(tmp_path, device: st
     engine, opt = _engine(tmp_path, device=device)
     try:
         assert opt.steps_in_backward
-        n = len(opt._subs)
+        n = len(opt.sub_groups)
         assert n >= 3
         engine_losses(engine, 1)  # the first step records how often each unit reduces
         assert opt.statistics().stepped_in_backward == 0
@@ -126,8 +126,8 @@ def test_a_unit_reduced_again_after_its_sub_group_stepped_is_an_error(tmp_path) 
     try:
         engine_losses(engine, 1)
         _backward(engine, 1)
-        stepped = next(i for i in range(len(opt._subs)) if opt.stepped(i))
-        sg = opt._subs[stepped]
+        stepped = next(i for i in range(len(opt.sub_groups)) if opt.stepped(i))
+        sg = opt.sub_groups[stepped]
         group = engine.zero.groups[sg.group]
         unit = next(
             u for u in group.units if group.offsets[u.index] < sg.master_start + sg.numel
@@ -153,7 +153,7 @@ def test_async_save_holds_stepping_in_backward_for_the_step_it_gates(tmp_path, s
     backward again."""
     engine, opt = _engine(tmp_path, device="nvme", dim=96)
     try:
-        assert opt.steps_in_backward and len(opt._subs) >= 8
+        assert opt.steps_in_backward and len(opt.sub_groups) >= 8
         engine_losses(engine, 2)
         expected = opt.state_dict()["state"]
         master = [m.clone() for m in engine.zero.state_dict()["master"]]

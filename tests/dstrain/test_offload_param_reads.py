@@ -80,13 +80,13 @@ def _check_reads(root: str, prefetch: int, device: str) -> None:
                 lo = store._base[g.index] + g.offsets[u.index] * 4
                 unit_bytes += _span(lo, lo + u.layout.shard * 4)
         master_bytes = 0
-        for sg in optimizer._subs:
+        for sg in optimizer.sub_groups:
             lo = store._base[sg.group] + sg.master_start * 4
             master_bytes += _span(lo, lo + sg.numel * 4)
         shard = store.statistics().shard_bytes
         expected = 2 * unit_bytes + master_bytes
-        assert 3 * shard <= expected < 3 * shard + (2 * len(units) + len(optimizer._subs)) * 2 * ALIGN
-        reads_expected = 2 * len(units) + len(optimizer._subs)
+        assert 3 * shard <= expected < 3 * shard + (2 * len(units) + len(optimizer.sub_groups)) * 2 * ALIGN
+        reads_expected = 2 * len(units) + len(optimizer.sub_groups)
 
         gathers: collections.Counter[int] = collections.Counter()
         inner = store.input_for

@@ -200,7 +200,7 @@ def test_offload_metrics_on_dsio_exporter(tmp_path) -> None:
     for _ in range(2):
         grad.normal_()
         off.step()
-    off._swapper.drain()  # type: ignore[union-attr]  # the last writes are behind
+    off.swapped.swapper.drain()  # type: ignore[union-attr]  # the last writes are behind
     st = off.statistics()
     labels = {"rank": "0", "kind": "optimizer"}
 

@@ -33,7 +33,6 @@ copied back before their swap write. On a CPU run nothing moves: the same code, 
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import time
@@ -46,16 +45,16 @@ from dstrain.errors import ConfigError, NotImplementedConfigError
 from dstrain.offload.optimizer.device_stager import DeviceStager
 from dstrain.offload.optimizer.early_step import KEY as EARLY_KEY
 from dstrain.offload.optimizer.early_step import EarlyStep, EarlyStepError
-from dstrain.offload.optimizer.state_reads import StateReads
 from dstrain.offload.optimizer.statistics import OffloadOptimizerStatistics
 from dstrain.offload.optimizer.sub_groups import CUT, SubGroup, plan_sub_groups
 from dstrain.offload.optimizer.swapped_state import (
+    SwappedState,
     groups_state,
     load_adam_state,
     swapped_state,
     touch_order,
 )
-from dstrain.offload.swap.swapper import STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
+from dstrain.offload.swap.swapper import STAGING_BYTES, Swapper, SwapperStatistics, align_up
 
 __all__ = ["CUT", "OffloadAdam", "OffloadOptimizerStatistics", "plan_sub_groups"]
 
@@ -110,14 +109,11 @@ class OffloadAdam(torch.optim.Optimizer):
                     )
         self.device = device
         self.adamw = adamw
-        # stage 3, parameters and state on NVMe, fp32: the master views have no storage; each
-        # sub-group's master is read from (and written back to) the parameter shard file
-        self._master = master_store
         # gradients on NVMe (dstrain.offload.param.grads): each sub-group's range is read in the step
         self._grads = grad_store
         self._in_step = False
         # on the masters' device, like torch's fused Adam (its CUDA kernel reads the step there)
-        self._steps = [
+        steps = [
             torch.zeros((), dtype=torch.float32, device=g["params"][0].device if g["params"] else "cpu")
             for g in self.param_groups
         ]
@@ -134,42 +130,45 @@ class OffloadAdam(torch.optim.Optimizer):
             )
         self.sub_group_numel = size
         self._stager = DeviceStager(size)  # state -> the master's device and back (no copy on CPU)
-        self._subs: list[SubGroup] = []
+        subs: list[SubGroup] = []
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
                 # equal pieces (multiples of CUT) rather than full ones and a sliver
                 pieces = -(-p.numel() // size)
                 piece = align_up(-(-p.numel() // max(pieces, 1)), CUT)
                 for start in range(0, p.numel(), piece):
-                    self._subs.append(SubGroup(len(self._subs), gi, p, start, min(piece, p.numel() - start)))
+                    subs.append(SubGroup(len(subs), gi, p, start, min(piece, p.numel() - start)))
         self._budget = pinned_budget
-        self._swapper: Swapper | None = None
+        swapper: Swapper | None = None
         self._closed_stats: SwapperStatistics | None = None
         if device == "nvme":
             assert nvme_path is not None
-            self._swapper = Swapper(
+            swapper = Swapper(
                 nvme_path,
                 "optimizer",
                 buffer_bytes=2 * align_up(size * _F32),
                 buffer_count=buffers,
                 io_config=io_config,
             )
-            if self._swapper.pinned_bytes > pinned_budget:
-                self._swapper.close()
+            if swapper.pinned_bytes > pinned_budget:
+                swapper.close()
                 raise ConfigError(
                     "zero_optimization.offload_pinned_bytes",
                     f"{pinned_budget} bytes cannot hold the swap buffers plus dsio's staging pool",
                 )
-            for sg in self._subs:
-                sg.offset = self._swapper.reserve(sg.index, 2 * align_up(sg.numel * _F32))  # m, then v
-            self._initialize_files()
+            for sg in subs:
+                sg.offset = swapper.reserve(sg.index, 2 * align_up(sg.numel * _F32))  # m, then v
         else:
-            for sg in self._subs:
+            for sg in subs:
                 sg.m = torch.zeros(sg.numel, dtype=torch.float32)
                 sg.v = torch.zeros(sg.numel, dtype=torch.float32)
-        # reads ahead of the state (and in the step the swapped master / gradient ranges)
-        self._reads = StateReads(self._swapper, master_store, grad_store) if self._swapper else None
-        self._order: list[SubGroup] = list(self._subs)  # the step's (and the reads') order
+        # the state, with its reads ahead (and in the step the swapped master / gradient ranges);
+        # ``master_store``: stage 3, parameters and state on NVMe, fp32: the master views have no
+        # storage; each sub-group's master is read from (and written back to) the parameter file
+        self.swapped = SwappedState(subs, steps, swapper, master_store, grad_store)
+        if swapper is not None:
+            self._initialize_files()
+        self._order: list[SubGroup] = list(self.swapped.subs)  # the step's (and the reads') order
         self._stepped: set[int] = set()  # sub-groups stepped in the optimizer step under way
         self._begun = False  # the step under way has stepped its first sub-group
         self._hyper: list[tuple[Any, ...]] = []  # hyperparameters the step under way began with
@@ -180,35 +179,29 @@ class OffloadAdam(torch.optim.Optimizer):
         self._touch_pos: dict[int, int] = {}  # sub-group -> its touch set in the last touch order
         self._early_steps = 0
         self._early_s = 0.0
-        self._stores: list[concurrent.futures.Future[None]] = []  # the last step's writes
         self._gate: Callable[[int], float] | None = None  # an async save's wait, lent for one step
         self._step_s = 0.0
-        self._count = 0
         from dstrain.offload.metrics import register_offload
 
         register_offload(self)  # dstrain_offload_* on dsio's metrics exporter (read at scrape time)
 
     # -- swap helpers -------------------------------------------------------------------------
 
-    def _views(self, lease: Lease, sg: SubGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        v_at = align_up(sg.numel * _F32)
-        return lease.view(torch.float32, 0, sg.numel), lease.view(torch.float32, v_at, sg.numel)
-
     def _initialize_files(self) -> None:
         """Write zeroed state for every sub-group (the file is then fully allocated)."""
-        assert self._swapper is not None
+        assert self.swapped.swapper is not None
         futs = []
-        for sg in self._subs:
-            lease = self._swapper.acquire(sg.index).result()
+        for sg in self.swapped.subs:
+            lease = self.swapped.swapper.acquire(sg.index).result()
             lease.tensor[: 2 * align_up(sg.numel * _F32)].zero_()
-            futs.append(self._swapper.store(lease))
+            futs.append(self.swapped.swapper.store(lease))
         for f in futs:
             f.result()
 
     def _top_up(self) -> None:
         """Keep reads submitted for the next sub-groups of the step order not stepped yet."""
-        assert self._reads is not None
-        self._reads.top_up(self._order, self._stepped, self._in_step)
+        assert self.swapped.reads is not None
+        self.swapped.reads.top_up(self._order, self._stepped, self._in_step)
 
     # -- the Stepper surface ------------------------------------------------------------------
 
@@ -216,7 +209,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """Start reading the next step's first sub-groups (called during the boundary backward);
         with stepping during backward composed (`dstrain.offload.optimizer.early_step`), arm it."""
         self._between_steps("a second boundary backward")  # its gradient would miss stepped ones
-        if self._swapper is not None:
+        if self.swapped.swapper is not None:
             self._top_up()
         if self._early is not None and not self._hold_early:
             self._early.arm()
@@ -229,6 +222,11 @@ class OffloadAdam(torch.optim.Optimizer):
     def attach_early_step(self, early: EarlyStep) -> None:
         """Let ``early`` step sub-groups during the boundary backward (`step_ready`)."""
         self._early = early
+
+    @property
+    def sub_groups(self) -> list[SubGroup]:
+        """The sub-groups, by index (`SwappedState.subs`)."""
+        return self.swapped.subs
 
     def stepped(self, index: int) -> bool:
         """Whether sub-group ``index`` is already stepped in the optimizer step under way."""
@@ -243,20 +241,20 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._begun:
             return
         self._begun = True
-        for st in self._steps:
+        for st in self.swapped.steps:
             st.add_(1)
-        self._stores = []
+        self.swapped.stores = []
         self._hyper = self._hyperparameters()
 
     def _step_one(self, sg: SubGroup, gate: Callable[[int], float] | None) -> None:
         """One Adam(W) step of ``sg``: take its state (waiting if the read is late), step, write back."""
         g = self.param_groups[sg.group]
         lease = master = swapped = None
-        if self._swapper is not None:
-            assert self._reads is not None
-            lease, master, swapped = self._reads.take(sg)
+        if self.swapped.swapper is not None:
+            assert self.swapped.reads is not None
+            lease, master, swapped = self.swapped.reads.take(sg)
             self._top_up()
-            m, v = self._views(lease, sg)
+            m, v = self.swapped.views(lease, sg)
         else:
             assert sg.m is not None and sg.v is not None
             m, v = sg.m, sg.v
@@ -284,7 +282,7 @@ class OffloadAdam(torch.optim.Optimizer):
             [m_d],
             [v_d],
             [],
-            [self._steps[sg.group]],
+            [self.swapped.steps[sg.group]],
             lr=float(g["lr"]),
             beta1=float(beta1),
             beta2=float(beta2),
@@ -297,10 +295,10 @@ class OffloadAdam(torch.optim.Optimizer):
         if swapped is not None:
             self._grads.discard(swapped[0])  # read-only: back to the pool unwritten
         if master is not None:
-            self._stores.append(self._master.store_master(master[0]))  # written once per step
+            self.swapped.stores.append(self.swapped.master.store_master(master[0]))  # written once per step
         if lease is not None:
-            assert self._swapper is not None
-            self._stores.append(self._swapper.store(lease))
+            assert self.swapped.swapper is not None
+            self.swapped.stores.append(self.swapped.swapper.store(lease))
         self._stepped.add(sg.index)
 
     @torch.no_grad()
@@ -310,14 +308,14 @@ class OffloadAdam(torch.optim.Optimizer):
         many were stepped. `step` steps the rest."""
         t0 = time.perf_counter()
         done = 0
-        if self._reads is None:  # state in host memory: every final sub-group can step now
+        if self.swapped.reads is None:  # state in host memory: every final sub-group can step now
             for sg in self._order:
                 if sg.index in ready and sg.index not in self._stepped:
                     self._begin()
                     self._step_one(sg, None)
                     done += 1
         else:  # only those whose reads are done: backward never waits for the disk
-            while (sg_in := self._reads.read_in(ready)) is not None:
+            while (sg_in := self.swapped.reads.read_in(ready)) is not None:
                 self._begin()
                 self._step_one(sg_in, None)
                 done += 1
@@ -341,32 +339,32 @@ class OffloadAdam(torch.optim.Optimizer):
             )
         self._begin()
         self._in_step = True
-        if self._swapper is not None:
+        if self.swapped.swapper is not None:
             self._top_up()  # (and the master / gradient reads of the sub-groups already read ahead)
         for sg in self._order:
             if sg.index not in self._stepped:
                 self._step_one(sg, gate)
         self._in_step = False
-        self._count += 1
+        self.swapped.count += 1
         self._begun = False
         self._stepped.clear()
         self._touch_pos = {}
         self._hold_early = False
-        if self._reads is not None:
-            self._reads.next = 0  # every sub-group was taken: the next step's reads start afresh
+        if self.swapped.reads is not None:
+            self.swapped.reads.next = 0  # every sub-group was taken: the next step's reads start afresh
         if self._early is not None:
             order = self._early.finish()
             if order is not None:  # read the next step's state in the order backward finishes it
-                self._order = [self._subs[i] for i in order]
-        if self._reads is not None:
+                self._order = [self.swapped.subs[i] for i in order]
+        if self.swapped.reads is not None:
             self._top_up()  # next step's first reads: they run during forward/backward
         self._step_s += time.perf_counter() - t0
 
     def drain(self) -> None:
         """Block until every swap transfer submitted so far (reads ahead, writes behind) is done;
         the read-ahead buffers stay lent to the next step. For byte counts at a quiet point."""
-        if self._swapper is not None:
-            self._swapper.drain()
+        if self.swapped.swapper is not None:
+            self.swapped.swapper.drain()
 
     def _between_steps(self, what: str) -> None:
         if self._stepped:
@@ -380,23 +378,18 @@ class OffloadAdam(torch.optim.Optimizer):
         every step (torch's version would detach them from the master views)."""
         return None
 
-    def _cancel_ahead(self) -> None:
-        """Hand back read-ahead buffers unused (before state is replaced or read another way)."""
-        assert self._reads is not None
-        self._reads.cancel()
-
     def _state_of(self, sgs: list[SubGroup]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of (m, v) of ``sgs``."""
         self._between_steps("reading the optimizer state")
-        if self._swapper is None:
+        if self.swapped.swapper is None:
             return [(sg.m.clone(), sg.v.clone()) for sg in sgs]  # type: ignore[union-attr]
-        self._cancel_ahead()
+        self.swapped.cancel_ahead()
         out = []
         for sg in sgs:
-            lease = self._swapper.fetch(sg.index).result()
-            m, v = self._views(lease, sg)
+            lease = self.swapped.swapper.fetch(sg.index).result()
+            m, v = self.swapped.views(lease, sg)
             out.append((m.clone(), v.clone()))
-            self._swapper.discard(lease).result()
+            self.swapped.swapper.discard(lease).result()
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -406,33 +399,35 @@ class OffloadAdam(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(params)}
         state: dict[int, dict[str, torch.Tensor]] = {}
         self._between_steps("state_dict")
-        if self._count:
-            for sg, (m, v) in zip(self._subs, self._state_of(self._subs), strict=True):
+        if self.swapped.count:
+            for sg, (m, v) in zip(self.swapped.subs, self._state_of(self.swapped.subs), strict=True):
                 i = index[id(sg.param)]
                 entry = state.setdefault(
                     i,
                     {
-                        "step": self._steps[sg.group].clone().cpu(),
+                        "step": self.swapped.steps[sg.group].clone().cpu(),
                         "exp_avg": torch.zeros(sg.param.shape, dtype=torch.float32),
                         "exp_avg_sq": torch.zeros(sg.param.shape, dtype=torch.float32),
                     },
                 )
                 entry["exp_avg"].view(-1)[sg.start : sg.start + sg.numel].copy_(m)
                 entry["exp_avg_sq"].view(-1)[sg.start : sg.start + sg.numel].copy_(v)
-        return {"state": state, "param_groups": self._groups_state(index)}
+        return {"state": state, "param_groups": groups_state(self.param_groups, self.adamw, index)}
 
     def checkpoint_state(self) -> dict[str, Any]:
         """`state_dict` for a checkpoint: with ``device="nvme"`` each ``exp_avg`` / ``exp_avg_sq`` is
         a lazy source over its slots of the swap file, streamed by the writer once this step's swap
-        writes are done (`dstrain.offload.optimizer_state.swapped_state`)."""
+        writes are done (`dstrain.offload.optimizer.swapped_state.swapped_state`)."""
         self._between_steps("checkpoint_state")
-        return swapped_state(self)
+        if not self.swapped.streams:
+            return self.state_dict()
+        return swapped_state(self.swapped, self.param_groups, self.adamw)
 
     def checkpoint_touch_order(self) -> list[list[Any]]:
         """What the next `step` changes, per sub-group in its order (``dsio.checkpoint`` spans: the
         master range where it is in memory, the m, v slot of the swap file). The save that asks
         gates the next step, which therefore steps nothing during its backward."""
-        sets = touch_order(self)  # one per sub-group, by index
+        sets = touch_order(self.swapped)  # one per sub-group, by index
         self._touch_pos = {sg.index: i for i, sg in enumerate(self._order)}
         self._hold_early = True
         return [sets[sg.index] for sg in self._order]
@@ -441,9 +436,6 @@ class OffloadAdam(torch.optim.Optimizer):
         """Make the next `step` call ``wait(i)`` before it changes the bytes of touch set ``i`` of
         `checkpoint_touch_order` (an async save still streaming them: ``PendingSave.wait_captured``)."""
         self._gate = wait
-
-    def _groups_state(self, index: dict[int, int]) -> list[dict[str, Any]]:
-        return groups_state(self, index)
 
     def load_checkpoint_state(self, state_dict: dict[str, Any]) -> None:
         """`load_state_dict` of a streamed load: ``exp_avg`` / ``exp_avg_sq`` may be tensors left in
@@ -457,19 +449,19 @@ class OffloadAdam(torch.optim.Optimizer):
         """Load torch's Adam format (from this optimizer or a non-offloaded one); ``exp_avg`` and
         ``exp_avg_sq`` may also be lazy sources (`load_checkpoint_state`)."""
         self._between_steps("load_state_dict")
-        load_adam_state(self, state_dict)
+        load_adam_state(self.swapped, self.param_groups, state_dict)
 
     def statistics(self) -> OffloadOptimizerStatistics:
-        sw = self._swapper.statistics() if self._swapper is not None else self._closed_stats
+        sw = self.swapped.swapper.statistics() if self.swapped.swapper is not None else self._closed_stats
         return OffloadOptimizerStatistics(
             device=self.device,
-            sub_groups=len(self._subs),
+            sub_groups=len(self.swapped.subs),
             sub_group_numel=self.sub_group_numel,
-            steps=self._count,
-            stall_seconds=self._reads.stall if self._reads is not None else 0.0,
+            steps=self.swapped.count,
+            stall_seconds=self.swapped.reads.stall if self.swapped.reads is not None else 0.0,
             step_seconds=self._step_s,
-            prefetch_hits=self._reads.hits if self._reads is not None else 0,
-            prefetch_misses=self._reads.misses if self._reads is not None else 0,
+            prefetch_hits=self.swapped.reads.hits if self.swapped.reads is not None else 0,
+            prefetch_misses=self.swapped.reads.misses if self.swapped.reads is not None else 0,
             stepped_in_backward=self._early_steps,
             backward_step_seconds=self._early_s,
             pinned_budget=self._budget,
@@ -482,16 +474,17 @@ class OffloadAdam(torch.optim.Optimizer):
         from dstrain.offload.metrics import unregister_offload
 
         unregister_offload(self)
-        if self._swapper is not None:
+        if self.swapped.swapper is not None:
             try:
-                self._cancel_ahead()
+                self.swapped.cancel_ahead()
             finally:
-                self._swapper.close()
-                self._closed_stats = self._swapper.statistics()  # counters stay readable after close
-                self._swapper = None
+                self.swapped.swapper.close()
+                self._closed_stats = self.swapped.swapper.statistics()  # counters stay readable after close
+                self.swapped.swapper = None
 
     def __del__(self) -> None:
-        sw = getattr(self, "_swapper", None)
+        state = self.__dict__.get("swapped")  # absent when __init__ raised before making it
+        sw = state.swapper if state is not None else None
         if sw is not None:
             with contextlib.suppress(Exception):  # best effort at garbage collection
                 sw.close()

@@ -31,14 +31,13 @@ save sub-group by sub-group, in `OffloadAdam.step`: the gate is called in one pl
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from dstrain.errors import DstrainError
+from dstrain.offload.optimizer.sub_groups import SubGroup
 
-if TYPE_CHECKING:
-    from dstrain.offload.optimizer.adam import OffloadAdam
-
-__all__ = ["KEY", "EarlyStep", "EarlyStepError"]
+__all__ = ["KEY", "EarlyStep", "EarlyStepError", "ReadyStepper"]
 
 KEY = "zero_optimization.offload_optimizer.step_in_backward"
 """The dstrain key that turns stepping during backward off."""
@@ -54,10 +53,27 @@ class EarlyStepError(DstrainError):
     false for such models or training loops."""
 
 
+class ReadyStepper(Protocol):
+    """What `EarlyStep` asks of the optimizer it steps (`OffloadAdam`)."""
+
+    @property
+    def sub_groups(self) -> Sequence[SubGroup]:
+        """Every sub-group, by index."""
+        ...
+
+    def stepped(self, index: int) -> bool:
+        """Whether sub-group ``index`` is already stepped in the optimizer step under way."""
+        ...
+
+    def step_ready(self, ready: set[int]) -> int:
+        """Step the sub-groups of ``ready`` whose state is in memory; how many were stepped."""
+        ...
+
+
 class EarlyStep:
     """Steps ``optimizer``'s sub-groups during the boundary backward of ``zero`` (a `Stage3Zero`)."""
 
-    def __init__(self, optimizer: OffloadAdam, zero: Any) -> None:
+    def __init__(self, optimizer: ReadyStepper, zero: Any) -> None:
         self._opt = optimizer
         units: dict[int, list[tuple[int, int]]] = {}  # group -> [(offset, numel)] of its units' shards
         base: dict[int, int] = {}
@@ -66,7 +82,7 @@ class EarlyStep:
             base[g.index] = g.master.storage_offset()
         self._units_of: dict[int, list[UnitKey]] = {}
         self._subs_of: dict[UnitKey, list[int]] = {}
-        for sg in optimizer._subs:
+        for sg in optimizer.sub_groups:
             lo = sg.param.storage_offset() - base[sg.group] + sg.start  # in the group's master
             hi = lo + sg.numel
             keys = [(sg.group, off) for off, n in units.get(sg.group, []) if off < hi and lo < off + n]
@@ -132,5 +148,5 @@ class EarlyStep:
         self._expected = dict(self._seen)
         order = list(self._sequence)
         seen = set(order)
-        order += [sg.index for sg in self._opt._subs if sg.index not in seen]
+        order += [sg.index for sg in self._opt.sub_groups if sg.index not in seen]
         return order

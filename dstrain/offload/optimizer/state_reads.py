@@ -37,7 +37,7 @@ class StateReads:
     def top_up(self, order: list[SubGroup], stepped: set[int], in_step: bool) -> None:
         """Keep reads submitted for the next sub-groups of ``order`` not in ``stepped`` (one per
         buffer); inside the step (``in_step``) also their master and gradient ranges."""
-        while len(self.ahead) < self.swapper._buffers and self.next < len(order):
+        while len(self.ahead) < self.swapper.buffers and self.next < len(order):
             sg = order[self.next]
             self.next += 1
             if sg.index not in stepped:

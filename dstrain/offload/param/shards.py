@@ -14,10 +14,11 @@ end to end (the group's ``offsets``), as in the resident layout:
   gather. Shards are written once per step, after the optimizer.
 
 The fp32 master: resident (a tensor of the group) unless `holds_master` (parameters and optimizer
-state both on NVMe): then `OffloadAdam` reads and writes it sub-group by sub-group through
-`fetch_master` / `store_master`, and no full-size master or shard copy stays in memory. At fp32 the
-master *is* the shard in the file; at bf16/fp16 it lives in a file of its own (`MasterFile`) and
-each stepped range is cast into the shard file as it is stored (`_stream_shard`).
+state both on NVMe): then `OffloadAdam` reads and writes it sub-group by sub-group through the
+store's `SwappedMaster` (``master``: `fetch_master` / `store_master`), and no full-size master or
+shard copy stays in memory. At fp32 the master *is* the shard in the file; at bf16/fp16 it lives in
+a file of its own (`MasterFile`) and each stepped range is cast into the shard file as it is stored
+(`SwappedMaster.stream_shard`).
 
 Gradients: in memory (`Stage3Zero`'s ``master_grad``) unless ``host_budget`` (the
 ``offload_pinned_bytes`` budget) cannot hold this rank's fp32 gradient shards; then `expect` makes
@@ -37,13 +38,14 @@ import torch
 
 from dstrain.errors import ConfigError
 from dstrain.offload.param.grads import GradStoreStatistics, OffloadedGrads
-from dstrain.offload.param.master_file import MasterFile, ShardStream
+from dstrain.offload.param.master_file import MasterFile
 from dstrain.offload.param.read_ahead import TraceReadAhead
 from dstrain.offload.param.swapped_master import SwappedMaster
 from dstrain.offload.swap.swapper import ALIGN, STAGING_BYTES, Lease, Swapper, SwapperStatistics, align_up
 from dstrain.zero.units import ShardStore, Unit
 
 if TYPE_CHECKING:
+    from dstrain.checkpoint.sources import SwapRegions
     from dstrain.zero.stage3 import ShardGroup
 
 __all__ = ["OffloadedShards", "ParamStoreStatistics"]
@@ -80,7 +82,7 @@ class ParamStoreStatistics:
     """The fp32 master file's swapper (bf16/fp16 shards with `holds_master`; else None)."""
 
 
-class OffloadedShards(SwappedMaster, ShardStore):
+class OffloadedShards(ShardStore):
     """Shards of every stage-3 unit of this rank on ``device`` (``"cpu"`` or ``"nvme"``)."""
 
     streams_initial_shards = True  # `place` builds one unit's shard at a time (no copy of them all)
@@ -120,7 +122,8 @@ class OffloadedShards(SwappedMaster, ShardStore):
         self.grads: OffloadedGrads | None = None
         # bf16/fp16 with `holds_master`: the fp32 master in a file of its own (at fp32 it is the shard)
         self._mfile: MasterFile | None = None
-        self._streams: dict[int, ShardStream] = {}  # group -> its shard file rewrite in progress
+        # with `holds_master`: the fp32 master, for OffloadAdam (made by `expect`, once the file is open)
+        self.master: SwappedMaster | None = None
         self._groups: dict[int, ShardGroup] = {}
         self._host: dict[int, torch.Tensor] = {}  # device="cpu": (group total,) per group
         self._base: dict[int, int] = {}  # device="nvme": the group's region offset in the file
@@ -130,13 +133,12 @@ class OffloadedShards(SwappedMaster, ShardStore):
             self._read_unit,
             self._discard,
             self._unit_of,
-            lambda: self._swapper._buffers if self._swapper else 0,
+            lambda: self._swapper.buffers if self._swapper else 0,
         )
         self._unit_group: dict[int, ShardGroup] = {}
         self._stall = 0.0
         self._hits = self._misses = 0
-        self._master_reads = self._master_writes = self._shard_writes = 0
-        self._master_stores: list[concurrent.futures.Future[None]] = []  # master writes in flight
+        self._shard_writes = 0
         self.buffer_bytes = 0
         from dstrain.offload.metrics import register_offload
 
@@ -226,7 +228,7 @@ class OffloadedShards(SwappedMaster, ShardStore):
             self._budget -= self.grads.pinned_bytes
         if own_master:
             self._mfile = MasterFile(
-                self._nvme_path, pinned_budget=share, on_store=self._stream_shard, io_config=self._io_config
+                self._nvme_path, pinned_budget=share, on_store=self._master_stored, io_config=self._io_config
             )
             self._budget -= self._mfile.pinned_bytes
         room = self._budget - STAGING_BYTES
@@ -251,6 +253,27 @@ class OffloadedShards(SwappedMaster, ShardStore):
         self._swapper = Swapper(
             self._nvme_path, "param", buffer_bytes=size, buffer_count=count, io_config=self._io_config
         )
+        if self.holds_master:
+            self.master = SwappedMaster(
+                self._swapper,
+                self._mfile,
+                dtype=self.dtype,
+                buffer_bytes=size,
+                groups=self._groups,
+                base=self._base,
+                span=self._span,
+                release_reads=self._release_reads,
+            )
+
+    def _master_stored(self, group: int, start: int, values: torch.Tensor) -> None:
+        assert self.master is not None
+        self.master.stream_shard(group, start, values)
+
+    def _release_reads(self) -> None:
+        """The optimizer's step takes the pool: shard read-ahead ends (it restarts in forward)."""
+        self._ahead.end_pass()
+        if self._ahead.queued:
+            self._cancel_queue()
 
     # -- nvme helpers ---------------------------------------------------------------------------
 
@@ -369,19 +392,16 @@ class OffloadedShards(SwappedMaster, ShardStore):
             self._write_values(group, values, wait=False)
 
     def read_master(self, group: ShardGroup) -> torch.Tensor:
-        if not self.holds_master:
+        if self.master is None:
             return group.master.detach()
-        if self._mfile is not None:
-            return self._mfile.read(group.index)
-        out = torch.empty(group.total, dtype=torch.float32)
-        per = (self.buffer_bytes - ALIGN) // self._esize
-        for start in range(0, group.total, per):
-            n = min(per, group.total - start)
-            lease, view = self.fetch_master(group.index, start, n).result()
-            out[start : start + n].copy_(view)
-            assert self._swapper is not None
-            self._swapper.discard(lease).result()
-        return out
+        return self.master.read(group)
+
+    def checkpoint_master(self, group: ShardGroup) -> torch.Tensor | SwapRegions:
+        """``group``'s fp32 master for a checkpoint: with `holds_master`, a lazy source over its
+        file region (`SwappedMaster.checkpoint_master`), never materialized; else the tensor."""
+        if self.master is None:
+            return group.master.detach()
+        return self.master.checkpoint_master(group)
 
     def load_master(self, group: ShardGroup, fill: Callable[[torch.Tensor, int], None]) -> None:
         """Replace ``group``'s master and shards with what ``fill(out, start)`` gives (a checkpoint's
@@ -394,17 +414,11 @@ class OffloadedShards(SwappedMaster, ShardStore):
             return
         self._ahead.end_pass()
         self._cancel_queue()  # the shard buffers are the load's now
-        if self._mfile is None:
+        assert self.master is not None and self._swapper is not None
+        if self.master.file is None:
             self._write_group(group, fill)  # at fp32 the shards are the master
             return
-        try:
-            self._mfile.load(group.index, fill)  # each range also goes to `_stream_shard`
-        except BaseException:
-            partial = self._streams.pop(group.index, None)
-            if partial is not None:  # the next step rewrites the shards from the start
-                partial.cancel()
-            raise
-        assert self._swapper is not None
+        self.master.load_file(group.index, fill)  # each range also cast into the shard file
         self._swapper.drain()  # the shard writes of `ShardStream` (their errors surface here)
 
     # -- introspection and lifetime -------------------------------------------------------------
@@ -431,9 +445,9 @@ class OffloadedShards(SwappedMaster, ShardStore):
             stall_seconds=self._stall,
             prefetch_hits=self._hits,
             prefetch_misses=self._misses,
-            master_reads=self._master_reads,
-            master_writes=self._master_writes,
-            shard_writes=self._shard_writes,
+            master_reads=self.master.reads if self.master is not None else 0,
+            master_writes=self.master.writes if self.master is not None else 0,
+            shard_writes=self._shard_writes + (self.master.shard_writes if self.master is not None else 0),
             pinned_budget=self._budget
             + (self.grads.pinned_bytes if self.grads is not None else 0)
             + (self._mfile.pinned_bytes if self._mfile is not None else 0),

@@ -8,20 +8,21 @@ region (``dstrain.checkpoint.SwapRegions``, read after this store's master write
 `master_span` tells an async save which bytes each sub-group's step rewrites, so the step waits
 until the save has read them (``dstrain.checkpoint.gate``): the master is never read into memory.
 
-A mixin of `dstrain.offload.param.shards.OffloadedShards` (its state is declared below), kept apart
-so that the store's module stays about the shards.
+A member of `dstrain.offload.param.shards.OffloadedShards` (``store.master``), made by the store once
+its swap file is open; the store hands it the layout it shares (the groups, their file regions and
+the span of a range) and a way to take the pool back from the shard read-ahead.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dstrain.checkpoint.sources import SwapRegions
 from dstrain.offload.param.master_file import MasterFile, ShardStream
-from dstrain.offload.param.read_ahead import TraceReadAhead
 from dstrain.offload.swap.swapper import ALIGN, Lease, Swapper
 
 if TYPE_CHECKING:
@@ -30,90 +31,128 @@ if TYPE_CHECKING:
 
 __all__ = ["SwappedMaster"]
 
+Span = Callable[["ShardGroup", int, int], tuple[int, int, int]]
+"""(group, start, numel) -> (file offset, bytes, byte offset inside the buffer) in the shard file."""
+
 
 class SwappedMaster:
-    """The master-access half of `OffloadedShards` (see the module's docstring)."""
+    """The fp32 master of an `OffloadedShards` with ``holds_master`` (see the module's docstring).
 
-    # the store's state this half uses (set by OffloadedShards.__init__ / expect / place)
-    dtype: torch.dtype
-    holds_master: bool
-    buffer_bytes: int
-    _swapper: Swapper | None
-    _mfile: MasterFile | None
-    _ahead: TraceReadAhead
-    _groups: dict[int, ShardGroup]
-    _base: dict[int, int]
-    _streams: dict[int, ShardStream]
-    _master_reads: int
-    _master_writes: int
-    _shard_writes: int
-    _master_stores: list[concurrent.futures.Future[None]]
+    ``swapper``: the shard file's; ``file``: the master's own file (bf16/fp16 shards; None at fp32,
+    where the master is the shard); ``groups`` / ``base``: the store's groups by index and their
+    regions in the shard file (filled as groups are placed); ``span``: the shard file bytes of a
+    range; ``release_reads``: hand the shard read-ahead's buffers back (the step owns the pool).
+    """
 
-    def _span(self, group: ShardGroup, start: int, numel: int) -> tuple[int, int, int]:
-        raise NotImplementedError
-
-    def _cancel_queue(self) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        swapper: Swapper,
+        file: MasterFile | None,
+        *,
+        dtype: torch.dtype,
+        buffer_bytes: int,
+        groups: Mapping[int, ShardGroup],
+        base: Mapping[int, int],
+        span: Span,
+        release_reads: Callable[[], None],
+    ) -> None:
+        self.file = file
+        self._swapper = swapper
+        self._dtype = dtype
+        self._buffer_bytes = buffer_bytes
+        self._groups = groups
+        self._base = base
+        self._span = span
+        self._release_reads = release_reads
+        self._streams: dict[int, ShardStream] = {}  # group -> its shard file rewrite in progress
+        self._stores: list[concurrent.futures.Future[None]] = []  # master writes in flight
+        self.reads = 0
+        """Master ranges read (`fetch_master`)."""
+        self.writes = 0
+        """Master ranges written back (`store_master`)."""
+        self.shard_writes = 0
+        """Shard ranges written from stepped master ranges (bf16/fp16: `stream_shard`)."""
 
     # -- the master, for OffloadAdam (holds_master) ---------------------------------------------
 
     @property
     def max_master_numel(self) -> int:
         """The most master elements one `fetch_master` can hold (a multiple of 1024)."""
-        if self._mfile is not None:
-            return self._mfile.max_numel
-        return (self.buffer_bytes - ALIGN) // 4 // 1024 * 1024
+        if self.file is not None:
+            return self.file.max_numel
+        return (self._buffer_bytes - ALIGN) // 4 // 1024 * 1024
 
     def fetch_master(
         self, group: int, start: int, numel: int
     ) -> concurrent.futures.Future[tuple[Lease, torch.Tensor]]:
         """A buffer with master elements ``[start, start + numel)`` of ``group`` and the fp32 view of
         them (after any write of those pages in flight)."""
-        assert self._swapper is not None and self.holds_master
-        self._ahead.end_pass()
-        if self._ahead.queued:
-            self._cancel_queue()  # the step owns the pool now: read-ahead of shards restarts in forward
-        if self._mfile is not None:
-            self._master_reads += 1
-            return self._mfile.fetch(group, start, numel)
+        self._release_reads()  # the step owns the pool now: read-ahead of shards restarts in forward
+        if self.file is not None:
+            self.reads += 1
+            return self.file.fetch(group, start, numel)
         g = self._groups[group]
         off, nbytes, at = self._span(g, start, numel)
         fut = self._swapper.fetch_view(off, nbytes, at, numel, key=(g.index, off, nbytes))
-        self._master_reads += 1
+        self.reads += 1
         return fut
 
     def store_master(self, lease: Lease) -> concurrent.futures.Future[None]:
         """Write a stepped master range back (once per step) and return its buffer."""
-        assert self._swapper is not None
-        self._master_writes += 1
-        if self._mfile is not None:
-            fut = self._mfile.store(lease)  # and the half-precision shard, via `_stream_shard`
+        self.writes += 1
+        if self.file is not None:
+            fut = self.file.store(lease)  # and the half-precision shard, via `stream_shard`
         else:
             key: Any = lease.key  # (group, file offset, bytes), set by fetch_master
             fut = self._swapper.store_range(lease, int(key[1]), int(key[2]))
         # a checkpoint reads the master's region after these (`checkpoint_master`)
-        self._master_stores = [f for f in self._master_stores if not f.done()]
-        self._master_stores.append(fut)
+        self._stores = [f for f in self._stores if not f.done()]
+        self._stores.append(fut)
         return fut
 
     def discard_master(self, lease: Lease) -> concurrent.futures.Future[None]:
         """Hand a master buffer back unwritten."""
-        assert self._swapper is not None
-        if self._mfile is not None:
-            return self._mfile.discard(lease)
+        if self.file is not None:
+            return self.file.discard(lease)
         return self._swapper.discard(lease)
 
-    def _stream_shard(self, group: int, start: int, values: torch.Tensor) -> None:
-        """A stepped master range, cast into the shard file (`ShardStream`)."""
-        assert self._swapper is not None
+    def stream_shard(self, group: int, start: int, values: torch.Tensor) -> None:
+        """A stepped (or loaded) master range, cast into the shard file (`ShardStream`): the
+        master file's ``on_store``."""
         stream = self._streams.get(group)
         if stream is None:
             g = self._groups[group]
-            stream = ShardStream(self._swapper, self._base[group], g.total, self.dtype)
+            stream = ShardStream(self._swapper, self._base[group], g.total, self._dtype)
             self._streams[group] = stream
-        self._shard_writes += stream.write(start, values)
+        self.shard_writes += stream.write(start, values)
         if stream.done:
             del self._streams[group]
+
+    def read(self, group: ShardGroup) -> torch.Tensor:
+        """``group``'s whole fp32 master, read into memory (a swap buffer at a time at fp32)."""
+        if self.file is not None:
+            return self.file.read(group.index)
+        out = torch.empty(group.total, dtype=torch.float32)
+        per = (self._buffer_bytes - ALIGN) // 4
+        for start in range(0, group.total, per):
+            n = min(per, group.total - start)
+            lease, view = self.fetch_master(group.index, start, n).result()
+            out[start : start + n].copy_(view)
+            self._swapper.discard(lease).result()
+        return out
+
+    def load_file(self, group: int, fill: Callable[[torch.Tensor, int], None]) -> None:
+        """Replace ``group``'s master in its own file with what ``fill(out, start)`` gives; each
+        range is also cast into the shard file (`stream_shard`). A failed load leaves no partial
+        shard rewrite behind (the next step rewrites the shards from the start)."""
+        assert self.file is not None
+        try:
+            self.file.load(group, fill)
+        except BaseException:
+            partial = self._streams.pop(group, None)
+            if partial is not None:
+                partial.cancel()
+            raise
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -123,25 +162,21 @@ class SwappedMaster:
         them before the step writes them)."""
         from dsio.checkpoint import FileSpan
 
-        assert self._swapper is not None and self.holds_master
-        if self._mfile is not None:
-            off, nbytes = self._mfile.written_span(group, start, numel)
-            return FileSpan(self._mfile.path, off, nbytes)
+        if self.file is not None:
+            off, nbytes = self.file.written_span(group, start, numel)
+            return FileSpan(self.file.path, off, nbytes)
         off, nbytes, _ = self._span(self._groups[group], start, numel)
         return FileSpan(self._swapper.path, off, nbytes)
 
-    def checkpoint_master(self, group: ShardGroup) -> torch.Tensor | SwapRegions:
-        """``group``'s fp32 master for a checkpoint: with `holds_master`, a lazy source over its
-        region of the shard file (fp32: the master is the shard) or of the master file (bf16/fp16),
-        read by the checkpoint writer a window at a time once this store's master writes in flight
-        are done, never materialized. The region must not change until the save has read it: the
-        optimizer's step waits per sub-group (`master_span`), any other change waits for staging."""
-        if not self.holds_master:
-            return group.master.detach()
-        assert self._swapper is not None
-        self._master_stores = [f for f in self._master_stores if not f.done()]
-        if self._mfile is not None:
-            path, off, nbytes = self._mfile.region(group.index)
+    def checkpoint_master(self, group: ShardGroup) -> SwapRegions:
+        """``group``'s fp32 master for a checkpoint: a lazy source over its region of the shard
+        file (fp32: the master is the shard) or of the master file (bf16/fp16), read by the
+        checkpoint writer a window at a time once the master writes in flight are done, never
+        materialized. The region must not change until the save has read it: the optimizer's step
+        waits per sub-group (`master_span`), any other change waits for staging."""
+        self._stores = [f for f in self._stores if not f.done()]
+        if self.file is not None:
+            path, off, nbytes = self.file.region(group.index)
         else:
             path, off, nbytes = self._swapper.path, self._base[group.index], group.total * 4
-        return SwapRegions([(path, off, nbytes)], torch.float32, (group.total,), after=self._master_stores)
+        return SwapRegions([(path, off, nbytes)], torch.float32, (group.total,), after=self._stores)

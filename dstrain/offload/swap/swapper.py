@@ -437,6 +437,11 @@ class Swapper:
     # -- introspection and lifetime -----------------------------------------------------------
 
     @property
+    def buffers(self) -> int:
+        """How many swap buffers the pool holds."""
+        return self._buffers
+
+    @property
     def pinned_bytes(self) -> int:
         return self._buffers * self.buffer_bytes + STAGING_BYTES
 
