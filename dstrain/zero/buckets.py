@@ -6,16 +6,11 @@ Both kinds push their reductions through a `ReductionQueue` and reduce with thei
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from dstrain.config_sections import ZeroConfig
-from dstrain.zero.flat import FlatLayout
+from dstrain.zero.flat import FlatGroup, FlatLayout
 from dstrain.zero.reduce import ReductionQueue, Route
-
-if TYPE_CHECKING:
-    from dstrain.zero.dp import FlatGroup
 
 __all__ = ["BoundaryBuckets", "Stage2Buckets"]
 

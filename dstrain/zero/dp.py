@@ -16,70 +16,10 @@ from dstrain.dist.comm import Comm
 from dstrain.optim.clip import GradSet
 from dstrain.zero.base import ZeroStatistics, ZeroStrategy
 from dstrain.zero.buckets import BoundaryBuckets, Stage2Buckets
-from dstrain.zero.flat import STEP_CHUNK, FlatLayout, optimizer_views
+from dstrain.zero.flat import STEP_CHUNK, FlatGroup
 from dstrain.zero.reduce import ReductionQueue, Route, default_routes
 
 __all__ = ["DataParallelZero"]
-
-
-class FlatGroup:
-    """One param group: flat params, its master range and gradient storage, partitioned over its
-    route's comm (the data-parallel group, or e.g. the expert-data-parallel group for experts)."""
-
-    def __init__(
-        self,
-        options: dict[str, Any],
-        params: list[torch.nn.Parameter],
-        stage: int,
-        route: Route,
-        dtype: torch.dtype,
-        chunk: int,
-        reduce_scatter: bool,
-    ) -> None:
-        self.options = options
-        self.params = params
-        self.route = route
-        comm = route.comm
-        self.layout = FlatLayout(params, comm.world_size, comm.rank)
-        self.flat = self.layout.flatten(params, dtype)  # (padded,)
-        for p, view in zip(params, self.layout.views(self.flat), strict=True):
-            p.data = view
-        lo, hi = (0, self.layout.padded) if stage == 0 else (self.layout.lo, self.layout.hi)
-        self.range = (lo, hi)
-        self.alias = dtype == torch.float32
-        # fp32: the optimizer updates the flat buffer in place; otherwise an fp32 copy of our range
-        self.master = self.flat[lo:hi] if self.alias else self.flat[lo:hi].float()
-        self.flat_grad: torch.Tensor | None = None  # (padded,) stages 0-1: autograd accumulates here
-        self.part_grad: torch.Tensor | None = None  # (shard,) stage 1 reduce-scatter output
-        if stage < 2:
-            self.flat_grad = torch.zeros_like(self.flat)
-            self.grad_views = self.layout.views(self.flat_grad)
-            self.attach_grads()
-        if reduce_scatter:
-            self.part_grad = torch.zeros(hi - lo, dtype=dtype, device=self.flat.device)
-        # the master gradient covers the master range, or the whole flat (route.full_grad, 1-bit Adam)
-        glo, ghi = (0, self.layout.padded) if route.full_grad and stage < 2 else (lo, hi)
-        self.grad_range = (glo, ghi)
-        if self.alias and stage < 2:
-            # the reduced gradient is read where it lies: no fp32 copy of it
-            assert self.flat_grad is not None
-            self.master_grad = self.part_grad if self.part_grad is not None else self.flat_grad[glo:ghi]
-        else:
-            # fp16/bf16 (cast here), and stage 2, which accumulates every micro-step's reduced gradients
-            self.master_grad = torch.zeros(ghi - glo, dtype=torch.float32, device=self.flat.device)
-        # what the optimizer steps: pieces of the master range, with views of master_grad as .grad
-        self.views = optimizer_views(self.master, self.master_grad[lo - glo : hi - glo], chunk)
-        self.replicated = False
-        """Set by an optimizer that keeps a whole replica of the flat on every rank and writes the flat
-        itself (0/1 Adam's local steps after its freeze, dstrain/onebit): nothing is gathered after a step."""
-
-    def attach_grads(self) -> None:
-        """Point every ``param.grad`` at its view of ``flat_grad`` (autograd then adds in place)."""
-        for p, g in zip(self.params, self.grad_views, strict=True):
-            if p.grad is None or p.grad.data_ptr() != g.data_ptr():
-                if p.grad is not None:
-                    g.copy_(p.grad)
-                p.grad = g
 
 
 def _shares(t: torch.Tensor, *others: torch.Tensor | None) -> bool:

@@ -22,56 +22,12 @@ from dstrain.dist.comm import Comm
 from dstrain.errors import NotImplementedConfigError
 from dstrain.optim.clip import GradSet
 from dstrain.zero.base import ZeroStatistics, ZeroStrategy
-from dstrain.zero.flat import STEP_CHUNK, optimizer_views
+from dstrain.zero.flat import STEP_CHUNK
 from dstrain.zero.gather import GatherScheduler
 from dstrain.zero.reduce import ReductionQueue, Route, default_routes
-from dstrain.zero.units import ShardStore, Unit
+from dstrain.zero.units import ShardGroup, ShardStore, Unit
 
 __all__ = ["Stage3Zero", "master_fill"]
-
-
-class ShardGroup:
-    """A param group's units, their shards laid end to end (``offsets``), and the fp32 master the
-    optimizer steps. Where the shards live is the `ShardStore`'s business (resident by default: views
-    of one buffer that, at fp32, is the master itself)."""
-
-    def __init__(
-        self,
-        index: int,
-        options: dict[str, Any],
-        units: list[Unit],
-        route: Route,
-        dtype: torch.dtype,
-        device: torch.device,
-        chunk: int,
-        store: ShardStore,
-    ) -> None:
-        self.index = index
-        self.options = options
-        self.units = units
-        self.route = route
-        self.dtype = dtype
-        self.device = device
-        self.total = sum(u.layout.shard for u in units)
-        self.offsets: dict[int, int] = {}
-        off = 0
-        for u in units:
-            self.offsets[u.index] = off
-            u.store = store
-            off += u.layout.shard
-        self.alias = dtype == torch.float32
-        self.shards: torch.Tensor | None = None  # the resident store's buffer (else None)
-        self.master: torch.Tensor = torch.empty(0)
-        store.place(self)  # sets master (and shards where they stay resident)
-        if store.grads is None:
-            self.master_grad = torch.zeros(self.total, dtype=torch.float32, device=device)
-        else:  # gradients on NVMe: the views keep shapes and offsets, the values are in the file
-            self.master_grad = torch.empty(self.total, dtype=torch.float32, device=device)
-            store.grads.place(index, self.total)
-        self.views = optimizer_views(self.master, self.master_grad, chunk)
-        if store.grads is not None:
-            self.master_grad.untyped_storage().resize_(0)
-        store.placed(self)
 
 
 MasterFill = Callable[[torch.Tensor, int], None]

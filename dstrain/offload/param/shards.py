@@ -46,7 +46,7 @@ from dstrain.zero.units import ShardStore, Unit
 
 if TYPE_CHECKING:
     from dstrain.checkpoint.sources import SwapRegions
-    from dstrain.zero.stage3 import ShardGroup
+    from dstrain.zero.units import ShardGroup
 
 __all__ = ["OffloadedShards", "ParamStoreStatistics"]
 

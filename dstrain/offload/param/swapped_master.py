@@ -27,7 +27,7 @@ from dstrain.offload.swap.swapper import ALIGN, Lease, Swapper
 
 if TYPE_CHECKING:
     from dsio.checkpoint import FileSpan
-    from dstrain.zero.stage3 import ShardGroup
+    from dstrain.zero.units import ShardGroup
 
 __all__ = ["SwappedMaster"]
 
