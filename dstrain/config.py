@@ -26,6 +26,7 @@ from dstrain.config_sections import (
     SchedulerConfig,
     ZeroConfig,
 )
+from dstrain.dist.comms_logger import CommsLoggerConfig
 from dstrain.errors import ConfigError
 from dstrain.pipe.config import PipelineConfig
 
@@ -100,6 +101,8 @@ class DSConfig:
     """Pipeline-parallel settings (the model must be a `dstrain.pipe.PipelineModule`); parsed strictly."""
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     """`dstrain.checkpointing` settings (parsed by that room); `initialize` configures it when present."""
+    comms_logger: CommsLoggerConfig | None = None
+    """`dstrain.dist.comms_logger` settings (parsed by that module); `initialize` configures it when present."""
     seed: int | None = None
     """If set, `initialize` seeds torch's RNG with it (same on every rank) before building anything."""
 
@@ -108,7 +111,6 @@ class DSConfig:
         "amp",
         "autotuning",
         "communication_data_type",
-        "comms_logger",
         "compression_training",
         "csv_monitor",
         "data_efficiency",
@@ -197,6 +199,7 @@ class DSConfig:
             "optimizer": OptimizerConfig,
             "scheduler": SchedulerConfig,
             "activation_checkpointing": ActivationCheckpointingConfig,
+            "comms_logger": CommsLoggerConfig,
         }
         if kwargs.get("aio") is not None:
             kwargs["aio"] = _parse_aio(kwargs["aio"])

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from dstrain.checkpoint import CheckpointStore, default_store
 from dstrain.checkpointing import compose as activation_checkpointing
 from dstrain.config import DSConfig
+from dstrain.dist import comms_logger
 from dstrain.dist.topology import Topology
 from dstrain.engine import Engine
 from dstrain.errors import ConfigError
@@ -297,6 +298,8 @@ def initialize(
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     precision = Precision(cfg.precision, cfg.fp16)
+    if cfg.comms_logger is not None:  # every Comm (and MoE's all-to-all) reports to it
+        comms_logger.configure(cfg.comms_logger)
     if activation_checkpointing.applies(cfg):  # dstrain.checkpointing.checkpoint follows the section
         activation_checkpointing.build(cfg)
 

@@ -49,6 +49,19 @@ def samples(s: EngineStatistics, rank: int) -> Iterator[Sample]:
             "dstrain_comm_bytes", "Bytes sent into collectives", getattr(s.comm, f"{op}_bytes"), op=op
         )
         yield counter("dstrain_comm_calls", "Collectives issued", getattr(s.comm, f"{op}_calls"), op=op)
+    c = s.comm
+    yield counter(
+        "dstrain_comm_bytes",
+        "Bytes sent into collectives",
+        c.compressed_wire_bytes,
+        op="compressed_all_reduce",
+    )
+    yield counter("dstrain_comm_calls", "Collectives issued", c.compressed_calls, op="compressed_all_reduce")
+    yield counter(
+        "dstrain_comm_compressed_fp32_bytes",
+        "Bytes fp32 all-reduces would have sent in place of the compressed ones (1-bit / 0-1 Adam)",
+        c.compressed_fp32_bytes,
+    )
     yield counter("dstrain_comm_wait_seconds", "Time blocked on collectives", s.comm.wait_seconds)
     yield gauge(
         "dstrain_resident_param_elements", "Parameter elements held by this rank", s.zero.resident_param_numel

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dstrain.dist import comms_logger
+
 __all__ = ["Comm", "CommStatistics"]
 
 # torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep older torch working
@@ -30,6 +32,12 @@ class CommStatistics:
     all_gather_bytes: int
     wait_seconds: float
     """Time spent blocked in synchronous collectives and in waits on asynchronous ones."""
+    compressed_calls: int = 0
+    """Compressed all-reduces (1-bit / 0-1 Adam's momentum average) over this group."""
+    compressed_wire_bytes: int = 0
+    """Bytes those sent to other ranks (packed signs and scales)."""
+    compressed_fp32_bytes: int = 0
+    """What fp32 ring all-reduces of the same elements would have sent (the traffic they replaced)."""
 
 
 class _Done:
@@ -67,18 +75,33 @@ class Comm:
         self._calls = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
         self._bytes = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
         self._wait = 0.0
+        self._compressed = [0, 0, 0]  # calls, wire bytes, fp32 bytes replaced
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
         self._calls[kind] += 1
         self._bytes[kind] += t.numel() * t.element_size()
 
-    def _run(self, fn, async_op: bool):
-        if async_op:
-            return _Timed(fn(async_op=True), self)
+    def _run(self, fn, async_op: bool, kind: str, nbytes: int):
+        """Issue ``fn``; ``kind`` and ``nbytes`` (the data it moves) go to the comms logger, if active."""
+        logger = comms_logger.active(kind)
         start = time.perf_counter()
+        if async_op:
+            return _Timed(fn(async_op=True), self, logger, kind, nbytes, start)
         fn(async_op=False)
-        self._wait += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self._wait += seconds
+        if logger is not None:
+            logger.record(kind, nbytes, seconds, self.world_size)
         return _Done()
+
+    def count_compressed(self, wire_bytes: int, fp32_bytes: int, seconds: float) -> None:
+        """A compressed all-reduce over this group (`dstrain.onebit.CompressedAllReduce` reports here)."""
+        self._compressed[0] += 1
+        self._compressed[1] += wire_bytes
+        self._compressed[2] += fp32_bytes
+        logger = comms_logger.active("compressed_all_reduce")
+        if logger is not None:
+            logger.record("compressed_all_reduce", wire_bytes, seconds, self.world_size)
 
     def all_reduce(
         self, t: torch.Tensor, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False
@@ -89,7 +112,10 @@ class Comm:
         t = t.detach()  # collectives write in place; never through autograd views
         self._count("all_reduce", t)
         return self._run(
-            lambda async_op: dist.all_reduce(t, op=op, group=self.group, async_op=async_op), async_op
+            lambda async_op: dist.all_reduce(t, op=op, group=self.group, async_op=async_op),
+            async_op,
+            "all_reduce",
+            _nbytes(t),
         )
 
     def reduce_scatter(
@@ -108,11 +134,17 @@ class Comm:
             n = out.numel()
             work = inp if scratch_input else inp.clone()
             handle = self._run(
-                lambda async_op: dist.all_reduce(work, group=self.group, async_op=async_op), async_op
+                lambda async_op: dist.all_reduce(work, group=self.group, async_op=async_op),
+                async_op,
+                "reduce_scatter",
+                _nbytes(inp),
             )
             return _Then(handle, lambda: out.copy_(work[self.rank * n : (self.rank + 1) * n]))
         return self._run(
-            lambda async_op: _reduce_scatter(out, inp, group=self.group, async_op=async_op), async_op
+            lambda async_op: _reduce_scatter(out, inp, group=self.group, async_op=async_op),
+            async_op,
+            "reduce_scatter",
+            _nbytes(inp),
         )
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False):
@@ -138,9 +170,12 @@ class Comm:
                 ]
                 return _All(works) if async_op else None
 
-            return self._run(broadcasts, async_op)
+            return self._run(broadcasts, async_op, "all_gather", _nbytes(out))
         return self._run(
-            lambda async_op: _all_gather(out, inp, group=self.group, async_op=async_op), async_op
+            lambda async_op: _all_gather(out, inp, group=self.group, async_op=async_op),
+            async_op,
+            "all_gather",
+            _nbytes(out),
         )
 
     def _global(self, rank: int) -> int:
@@ -161,7 +196,11 @@ class Comm:
         t = t.detach()
         start = time.perf_counter()
         dist.broadcast(t, src=self._global(src), group=self.group)
-        self._wait += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self._wait += seconds
+        logger = comms_logger.active("broadcast")
+        if logger is not None:
+            logger.record("broadcast", _nbytes(t), seconds, self.world_size)
 
     def barrier(self) -> None:
         """Block until every rank arrives (no-op at world size 1)."""
@@ -178,6 +217,9 @@ class Comm:
             all_gather_calls=self._calls["all_gather"],
             all_gather_bytes=self._bytes["all_gather"],
             wait_seconds=self._wait,
+            compressed_calls=self._compressed[0],
+            compressed_wire_bytes=self._compressed[1],
+            compressed_fp32_bytes=self._compressed[2],
         )
 
 
@@ -210,15 +252,34 @@ class _Then:
         return True
 
 
-class _Timed:
-    """Wraps an async work handle so the time spent in ``wait()`` is counted."""
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
-    def __init__(self, work: dist.Work, comm: Comm) -> None:
+
+class _Timed:
+    """Wraps an async work handle so the time spent in ``wait()`` is counted (and, for the comms logger,
+    the latency from issue to the end of the first wait)."""
+
+    def __init__(
+        self,
+        work: Any,
+        comm: Comm,
+        logger: comms_logger.CommsLogger | None = None,
+        kind: str = "",
+        nbytes: int = 0,
+        issued: float = 0.0,
+    ) -> None:
         self._work = work
         self._comm = comm
+        self._log = logger
+        self._kind, self._nbytes, self._issued = kind, nbytes, issued
 
     def wait(self) -> bool:
         start = time.perf_counter()
         self._work.wait()
-        self._comm._wait += time.perf_counter() - start
+        end = time.perf_counter()
+        self._comm._wait += end - start
+        if self._log is not None:
+            self._log.record(self._kind, self._nbytes, end - self._issued, self._comm.world_size)
+            self._log = None
         return True

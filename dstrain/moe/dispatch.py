@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dstrain.dist import comms_logger
 from dstrain.moe.errors import ExchangeMismatchError
 from dstrain.moe.gate import GateOutput
 
@@ -154,9 +155,13 @@ class ExpertExchange:
         out = torch.empty_like(x)
         start = time.perf_counter()
         dist.all_to_all_single(out, x, group=self.group)
-        self._seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self._seconds += seconds
         self._calls += 1
         self._bytes += x.numel() * x.element_size()
+        logger = comms_logger.active("all_to_all")
+        if logger is not None:
+            logger.record("all_to_all", x.numel() * x.element_size(), seconds, self.size)
         return out
 
     def statistics(self) -> ExchangeStatistics:

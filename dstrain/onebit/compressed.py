@@ -26,11 +26,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from dstrain.dist.comm import Comm
 
 __all__ = [
     "CompressedAllReduce",
@@ -111,6 +114,9 @@ class CompressedAllReduce:
         self._wire = 0
         self._fp32 = 0
         self._coll_s = 0.0
+        self.counter: Comm | None = None
+        """Where each call is also counted (`Comm.count_compressed`): the engine's data-parallel `Comm`,
+        so ``engine.statistics().comm`` and the comms logger see the compressed traffic."""
         self.time_collectives = False
         """Synchronize CUDA around each collective so `collective_seconds` is exact (benchmarks only)."""
 
@@ -147,6 +153,7 @@ class CompressedAllReduce:
                 f"elements over {w} ranks (expected {self.padded_numel(numel)} and {self.padded_numel(numel) // w})"
             )
         chunk = n // w
+        coll_before = self._coll_s
         b = torch.zeros(n, dtype=torch.float32, device=buffer.device)
         b[:numel].copy_(buffer.reshape(-1))
 
@@ -180,10 +187,13 @@ class CompressedAllReduce:
             all_scales.copy_(s_s.reshape(1, 1))
         out = unpack_signs(all_signs).reshape(w, chunk).mul_(all_scales).reshape(-1)
 
+        wire, fp32 = (w - 1) * (2 * (chunk // 8) + 2 * 4), 2 * (w - 1) * 4 * numel // w
         self._calls += 1
         self._elements += numel
-        self._wire += (w - 1) * (2 * (chunk // 8) + 2 * 4)
-        self._fp32 += 2 * (w - 1) * 4 * numel // w
+        self._wire += wire
+        self._fp32 += fp32
+        if self.counter is not None:
+            self.counter.count_compressed(wire, fp32, self._coll_s - coll_before)
         return out[:numel].reshape(buffer.shape)
 
     def statistics(self) -> CompressedStatistics:

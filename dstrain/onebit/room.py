@@ -243,4 +243,5 @@ def build_stepper(zero: Any, config: Any) -> OneBitStepper:
         opt = ZeroOneAdam(zero.param_groups(), group=group, partitions=partitions, **options)
     else:
         opt = OneBitAdam(zero.param_groups(), group=group, partitions=partitions, **options)
+    opt.backend.counter = routes[0].comm  # engine.statistics().comm counts the compressed traffic
     return OneBitStepper(opt, routes[0].reducer, zero.groups if stage == 1 else [])
