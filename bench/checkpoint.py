@@ -191,7 +191,8 @@ class Bench:
         self.nbytes = nbytes_of(self.flat)
         self.times: dict[str, list[float]] = defaultdict(list)
         self.handle = dsio.AsyncIOHandle(C.DEFAULT_IO)
-        self.ckpt = C.Checkpointer(os.path.join(workdir, "ckpt"))
+        rm(self.p("ckpt"))  # steps of an earlier (killed) run: every run starts from an empty directory
+        self.ckpt = C.Checkpointer(self.p("ckpt"))
         self.step = 0
         self.raw: torch.Tensor | None = None  # the Checkpointer's staging region, once it exists
 
@@ -212,11 +213,14 @@ class Bench:
         return time.perf_counter() - t
 
     async def dsio_checkpointer(self) -> float:
-        """Checkpointer.save: blocked time recorded separately; returns the durable time."""
+        """Checkpointer.save: blocked time (until ``save()`` returned) and the time until the state
+        may change again (``wait_staged()``) recorded separately; returns the durable time."""
         self.step += 1
         t = time.perf_counter()
         task = await self.ckpt.save(self.step, self.state)
         self.times["dsio async save: blocked"].append(time.perf_counter() - t)
+        await self.ckpt.wait_staged()
+        self.times["dsio async save: until staged"].append(time.perf_counter() - t)
         await task
         total = time.perf_counter() - t
         rm(os.path.join(self.ckpt.directory, f"step-{self.step - 1:09d}"))
@@ -408,10 +412,10 @@ def targets(T: dict[str, list[float]]) -> list[dict[str, Any]]:
     )
     rows = [
         (
-            "durable save >= 0.9x dsio raw new-file write",
+            "durable save >= 0.95x dsio raw new-file write",
             _ratio(T, DURABLE, "dsio raw write (new file, ceiling)"),
             "x",
-            0.9,
+            0.95,
             operator.ge,
         ),
         (
@@ -421,8 +425,8 @@ def targets(T: dict[str, list[float]]) -> list[dict[str, Any]]:
             4,
             operator.ge,
         ),
-        ("async save blocked <= 10% of a synchronous save", blocked, "%", 10, operator.le),
-        ("load >= 0.9x dsio raw read", _ratio(T, LOAD, "dsio raw read (ceiling)"), "x", 0.9, operator.ge),
+        ("async save blocked <= 5% of a synchronous save", blocked, "%", 5, operator.le),
+        ("load >= 0.95x dsio raw read", _ratio(T, LOAD, "dsio raw read (ceiling)"), "x", 0.95, operator.ge),
         ("load >= safetensors load_file", _ratio(T, LOAD, "safetensors load_file"), "x", 1, operator.ge),
         ("checksum verification < 10% of load time", verify, "%", 10, operator.lt),
     ]
@@ -449,6 +453,7 @@ def to_json(
     rows: dict[str, dict[str, Any]] = {}
     shown = {  # the report's rows: the blocked times are shown under their save
         "dsio Checkpointer save: time training is blocked": "dsio async save: blocked",
+        "dsio Checkpointer save: until the state may change (wait_staged)": "dsio async save: until staged",
         "DCP async_save: time training is blocked": "DCP async_save: blocked",
     }
     names = [(name, name, "save") for name, _ in SAVES] + [(k, v, "save") for k, v in shown.items()]
@@ -506,7 +511,9 @@ def report(b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse
         "`pwrite`/`pread` of the same byte count from/into page-aligned memory (the read into freshly "
         "allocated memory, as a load needs). `dsio Checkpointer save` = `await (await ckpt.save())`; "
         "its blocked time is until `save()` returned. `dsio.checkpoint.save` is the one-shot function "
-        "(streams from the tensors). DCP loads go into the preallocated state (DCP loads in place). "
+        "(streams from the tensors). `save()` returns before the state is copied; the caller changes nothing until "
+        "`await ckpt.wait_staged()` returns (the 'until the state may change' row: a training loop overlaps it "
+        "with its next forward and backward). DCP loads go into the preallocated state (DCP loads in place). "
         "The raw write writes the Checkpointer's staging region (the file's bytes).",
         "",
         f"crc32c (`crc32c` package) over the state: {crc / GB:.1f} GB/s on one core.",
@@ -521,6 +528,13 @@ def report(b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse
         if name.startswith("dsio Checkpointer"):
             lines.append(
                 row("dsio Checkpointer save: time training is blocked", T["dsio async save: blocked"], n)
+            )
+            lines.append(
+                row(
+                    "dsio Checkpointer save: until the state may change (wait_staged)",
+                    T["dsio async save: until staged"],
+                    n,
+                )
             )
         if name.startswith("DCP async_save"):
             lines.append(row("DCP async_save: time training is blocked", T["DCP async_save: blocked"], n))
@@ -602,9 +616,12 @@ async def main_async(args: argparse.Namespace) -> None:
     print(text)
     if args.write:
         os.makedirs(args.results, exist_ok=True)
-        stem = os.path.join(args.results, f"checkpoint-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}")
+        name = f"checkpoint-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}" + (
+            f"-{args.label}" if args.label else ""
+        )
+        stem = os.path.join(args.results, name)
         with open(stem + ".md", "w") as f:
-            f.write(text + f"\n![results](checkpoint-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}.png)\n")
+            f.write(text + f"\n![results]({name}.png)\n")
         with open(stem + ".json", "w") as f:
             json.dump(to_json(b, mach, args.reps, crc, args), f, indent=1)
         plot(b, stem + ".png")
@@ -628,6 +645,12 @@ def main() -> None:
     ap.add_argument("--methods", nargs="*", default=None, help="method names to run (default: all)")
     ap.add_argument("--no-write", dest="write", action="store_false", help="do not write bench/results")
     ap.add_argument("--keep", action="store_true", help="keep the working directory")
+    ap.add_argument(
+        "--label",
+        default="",
+        help="suffix of the result files (checkpoint-<date>-<label>.json), e.g. 'quiet' or 'under-load': "
+        "a re-run never overwrites another run's results unless asked to",
+    )
     ap.add_argument("--results", default=RESULTS, help="where the .json/.md/.png go (default: bench/results)")
     args = ap.parse_args()
     asyncio.run(main_async(args))

@@ -4,7 +4,8 @@
     state = await dsio.checkpoint.load("/data/model.safetensors")    # also reads stock safetensors
 
     ckpt = dsio.checkpoint.Checkpointer("/data/run1", keep_last=3)
-    task = await ckpt.save(step, state)   # returns once staged into pinned memory
+    task = await ckpt.save(step, state)   # returns at once; the state is copied in the background
+    await ckpt.wait_staged()              # before changing the state (e.g. before optimizer.step())
     await task                            # durable and committed
     state = await ckpt.load()             # latest committed; ckpt.load(step=1200); ckpt.steps()
 
@@ -37,7 +38,7 @@ from ..errors import (
 )
 from ._api import DEFAULT_IO, load, save
 from ._capture import Capture, FileSpan, MemorySpan, TouchOrder
-from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError
+from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError, StateChangedError
 from ._finish import commit_written, step_tmp_dir, write_rank_file
 from ._lazy import FileRegions, LazyTensor
 from ._slices import SliceReader, TensorInfo, TensorSlice, read_slices
@@ -65,6 +66,7 @@ __all__ = [
     "SaveResult",
     "SliceRangeError",
     "SliceReader",
+    "StateChangedError",
     "StoredTensor",
     "TensorInfo",
     "TensorNotFoundError",

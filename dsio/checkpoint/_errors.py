@@ -11,7 +11,7 @@ import os
 
 from ..errors import DsioError
 
-__all__ = ["CheckpointCommitError", "CheckpointLockedError", "LatestNotUpdatedError"]
+__all__ = ["CheckpointCommitError", "CheckpointLockedError", "LatestNotUpdatedError", "StateChangedError"]
 
 
 class CheckpointLockedError(DsioError, RuntimeError):
@@ -64,3 +64,21 @@ class LatestNotUpdatedError(CheckpointCommitError):
         )
         self.step = step
         self.previous = previous
+
+
+class StateChangedError(DsioError, RuntimeError):
+    """A background-staged save (``Checkpointer.save``'s default) found that the caller changed a
+    tensor of the state (through a torch operation: its version counter moved) after ``save()``
+    was called and before ``wait_staged()`` returned, so the file might hold a mix of old and new
+    bytes. Raised by the save's task; nothing of that save is committed, earlier steps are
+    untouched. ``names`` lists the changed tensors (state paths, as in the file)."""
+
+    def __init__(self, step: int, names: list[str]) -> None:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        super().__init__(
+            f"checkpoint of step {step} was not committed: {shown} changed before its bytes were "
+            "staged (wait for `await ckpt.wait_staged()` before changing the state, or pass "
+            "background_staging=False to have save() copy it before returning)"
+        )
+        self.step = step
+        self.names = names

@@ -5,7 +5,7 @@ offset within a 4096-byte page as its bytes in the file: then all but the first 
 page go O_DIRECT straight into the tensor, with no staging copy, even though tensors are packed
 back to back in the file. Small tensors are read in runs and copied out. Reads are all submitted
 at once; each tensor's crc32c runs on a worker thread as soon as its read completes, so
-verification overlaps the disk.
+verification overlaps the disk; a big tensor is read in pieces, each checksummed as it lands.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..errors import ChecksumError
 from ..file import AsyncFile
 from ..handle import AsyncIOHandle
 from ._format import MAX_HEADER_BYTES, Header, TensorEntry, parse_header, parse_header_length
-from ._integrity import crc_of, parse_checksums
+from ._integrity import crc_extend, crc_of, parse_checksums
 from ._stored import StoredFile, StoredTensor
 
 __all__ = ["read_file", "read_header"]
@@ -31,6 +31,8 @@ BIG_BYTES = 1 << 20
 #: Largest run of small tensors read as one request.
 RUN_BYTES = 16 << 20
 _FIRST_READ = 64 << 10
+#: A verified tensor larger than this is read (and checksummed) in pieces of this size.
+VERIFY_PIECE = 16 << 20
 
 
 async def read_header(f: AsyncFile, path: str, size: int, limit: int = MAX_HEADER_BYTES) -> Header:
@@ -149,12 +151,39 @@ async def read_file(
                         f"{sums[e.name]:08x} (corrupted file)"
                     )
 
+        async def read_verified(io: torch.Tensor, io_off: int, e: TensorEntry) -> None:
+            """A big tensor read in pieces, each checksummed as soon as it lands (the checksums
+            keep pace with the disk instead of starting once the whole tensor is in), joined."""
+            assert sums is not None and ex is not None
+            at = ds + e.begin - io_off  # the tensor's first byte in ``io``
+
+            async def piece(a: int, b: int) -> tuple[int, int]:
+                await f.pread(io[a:b], io_off + a)
+                lo, hi = max(a, at), min(b, at + e.nbytes)
+                return await loop.run_in_executor(ex, crc_of, io.data_ptr() + lo, hi - lo), hi - lo
+
+            n = io.numel()
+            parts = [
+                asyncio.ensure_future(piece(a, min(a + VERIFY_PIECE, n))) for a in range(0, n, VERIFY_PIECE)
+            ]
+            await _all(parts)
+            got = 0
+            for part in parts:
+                got = crc_extend(got, *part.result())
+            if got != sums[e.name]:
+                raise ChecksumError(
+                    f"tensor {e.name!r} in {path}: crc32c {got:08x} does not match the recorded "
+                    f"{sums[e.name]:08x} (corrupted file)"
+                )
+
         async def read_run(run: list[TensorEntry]) -> None:
             begin, end = run[0].begin, run[-1].end
             io, io_off, raw = _enclosed(ds + begin, ds + end, size)
-            if end > begin:
+            if ex is not None and len(run) == 1 and run[0].nbytes > VERIFY_PIECE:
+                await read_verified(io, io_off, run[0])
+            elif end > begin:
                 await f.pread(io, io_off)
-            if ex is not None:
+            if ex is not None and not (len(run) == 1 and run[0].nbytes > VERIFY_PIECE):
                 checks.append(loop.run_in_executor(ex, verify_run, raw, run))
             if len(run) == 1 and run[0].nbytes >= BIG_BYTES:
                 out[run[0].name] = _typed(raw, run[0])

@@ -20,7 +20,7 @@ from . import _commit
 from ._api import DEFAULT_IO, file_metadata, restore
 from ._capture import Capture, TouchOrder
 from ._dist import Coordinator
-from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError
+from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError, StateChangedError
 from ._finish import commit_or_discard, describe
 from ._load import read_rank_file
 from ._locate import rank_file
@@ -41,9 +41,16 @@ _commit_off_loop = aiofiles.os.wrap
 class Checkpointer:
     """Checkpoints of one run in ``directory``: ``step-000001200/`` per step, ``latest``, retention.
 
-    ``task = await ckpt.save(step, state)`` returns once ``state`` is copied into pinned host
-    memory; training may then modify its tensors. ``await task`` returns a ``SaveResult`` once
-    the files and directories are fsynced and the step is committed. Only one save is in flight
+    ``task = await ckpt.save(step, state)`` returns once this rank's file is laid out (a few
+    milliseconds: nothing is copied yet), and ``state``'s tensors are copied into pinned host memory
+    in the background. **The caller may change no tensor of ``state`` until ``await
+    ckpt.wait_staged()`` returns** (it waits for that copy; a training loop calls it right before
+    its next optimizer step, so the copy overlaps the forward and backward passes); a change made
+    through torch before then is detected and fails the save with `StateChangedError` rather than
+    storing torn bytes. Python values of ``state`` (ints, strings, lists) are captured by
+    ``save()`` itself. ``background_staging=False`` makes ``save()`` return only once the copy is
+    done (then the state is free at once). ``await task`` returns a ``SaveResult`` once the files
+    and directories are fsynced and the step is committed. Only one save is in flight
     at a time: ``save()`` first waits for the previous save to finish (that wait counts as
     blocked time in ``statistics()``); its failure is reported by its own task, not by the next
     ``save()``.
@@ -195,16 +202,22 @@ class Checkpointer:
         step: int,
         state: Any,
         *,
-        background_staging: bool = False,
+        background_staging: bool = True,
         touch_order: TouchOrder | None = None,
     ) -> asyncio.Task[SaveResult]:
-        """Stage ``state`` for step ``step`` and return the task that makes it durable.
+        """Lay out ``state``'s file for step ``step`` and return the task that makes it durable.
 
-        With ``background_staging`` the copy (or, for a state holding `LazyTensor` sources, the
-        streamed write) runs in the task too: ``save()`` returns once the file is laid out, and the
-        caller must leave ``state``'s tensors and sources unchanged until ``await wait_staged()``
-        returns (a training loop calls it right before its next optimizer step). Blocked time is
-        then ``save()``'s own plus what ``wait_staged()`` waited.
+        With ``background_staging`` (the default) the copy (or, for a state holding `LazyTensor`
+        sources, the streamed write) runs in the task: ``save()`` returns once the file is laid out,
+        and the caller must leave ``state``'s tensors and sources unchanged until ``await
+        wait_staged()`` returns (a training loop calls it right before its next optimizer step).
+        Without a ``touch_order``, each tensor's torch version counter is recorded here and checked
+        when staging ends: a tensor changed in between (an in-place op, ``copy_``, an optimizer
+        step) fails the save with `StateChangedError` (changes that bypass torch's version counter,
+        e.g. writes through ``.data``, a numpy view or a raw pointer, cannot be seen: don't).
+        Blocked time is ``save()``'s own plus what ``wait_staged()`` waited. With
+        ``background_staging=False``, ``save()`` returns once every tensor is copied, and the state
+        may change at once.
 
         ``touch_order`` (`dsio.checkpoint.MemorySpan` / `FileSpan` sets, in the order the caller
         will change them) lets the caller change parts of ``state`` before staging is done: a
@@ -308,6 +321,9 @@ class Checkpointer:
             self._inflight = task
             await asyncio.wait([task])
             raise
+        # The caller's promise (no change before wait_staged() returns) is checked, not trusted: a
+        # touch-ordered save's owner changes sets as their futures resolve, so only without one.
+        watched = None if touch_order else _Versions(writer.tensors)
         staged: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         blocked = time.perf_counter() - t0
         self._bg_wait = 0.0
@@ -315,6 +331,9 @@ class Checkpointer:
         async def stage_then_complete() -> SaveResult:
             try:
                 await writer.stage()
+                changed = watched.changed() if watched is not None else []
+                if changed:
+                    raise StateChangedError(step, changed)
             except BaseException as e:
                 await writer.abort()
                 capture.resolve_all()
@@ -489,6 +508,21 @@ class Checkpointer:
         with contextlib.suppress(Exception):
             if not getattr(self, "_closed", True):
                 self.close()
+
+
+class _Versions:
+    """The torch version counter of each in-memory tensor of a state, to tell whether any changed.
+
+    Every in-place torch operation on a tensor (or on a view of it: views share the counter) bumps
+    ``Tensor._version``; autograd relies on the same counter to refuse stale saved tensors."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self._seen = [(n, t, t._version) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
+
+    def changed(self) -> list[str]:
+        out = [n for n, t, v in self._seen if t._version != v]
+        self._seen = []  # the tensors are the caller's again
+        return out
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

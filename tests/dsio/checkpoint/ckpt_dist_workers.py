@@ -23,9 +23,10 @@ def checkpointer_scenario(root: str) -> dict:
     async def main() -> dict:
         async with C.Checkpointer(run, keep_last=2) as ck:
             assert (ck.rank, ck.world_size) == (rank, world)
-            # 1. Realistic state, different on each rank; training mutates it right after save().
+            # 1. Realistic state, different on each rank; training mutates it as soon as it is staged.
             state = make_state(seed=10 + rank)
             task = await ck.save(1, state)
+            await ck.wait_staged()
             for t in state["model"].values():
                 t.zero_()
             res = await task

@@ -26,6 +26,7 @@ def test_public_surface():
             "SaveResult",
             "SliceRangeError",
             "SliceReader",
+            "StateChangedError",
             "StoredTensor",
             "TensorInfo",
             "TensorNotFoundError",

@@ -19,12 +19,12 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_async_save_returns_after_staging_and_training_may_mutate(tmp_path):
+def test_save_without_background_staging_returns_after_staging_and_training_may_mutate(tmp_path):
     async def main():
         state = make_state(seed=1)
         expect = {"w": state["model"]["wte.weight"].clone()}
         async with C.Checkpointer(tmp_path, keep_last=3) as ck:
-            task = await ck.save(100, state)
+            task = await ck.save(100, state, background_staging=False)
             assert isinstance(task, asyncio.Task)
             # Training continues and overwrites its tensors while the save is being written.
             for t in state["model"].values():
