@@ -8,6 +8,8 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigError",
     "DstrainError",
+    "InitError",
+    "InsufficientDiskError",
     "NotImplementedConfigError",
     "TopologyError",
     "UnsupportedOptimizerError",
@@ -53,3 +55,30 @@ class UnsupportedOptimizerError(DstrainError, TypeError):
     """`initialize(optimizer=...)` got a torch optimizer dstrain cannot step over its master tensors:
     one whose step needs a closure (LBFGS), one that has already stepped (its state cannot follow the
     parameters), or one whose class cannot be rebuilt from its constructor arguments."""
+
+
+class InitError(DstrainError, ValueError):
+    """``dstrain.zero.Init`` cannot partition a module's parameters as built (e.g. a non-floating
+    parameter), or a partitioned parameter is used in a way Init does not support. ``module`` names
+    the module (its class and, where known, its path in the model)."""
+
+    def __init__(self, module: str, message: str) -> None:
+        super().__init__(f"{module}: {message}")
+        self.module = module
+
+
+class InsufficientDiskError(DstrainError, OSError):
+    """Swap files would not fit: ``needed`` bytes are to be written under ``path`` and the
+    filesystem has ``free`` bytes available. Raised before the write (nothing partial is left)."""
+
+    def __init__(self, path: str, needed: int, free: int, what: str = "swap files") -> None:
+        import errno
+
+        super().__init__(
+            errno.ENOSPC,
+            f"{what} need {needed} bytes under {path} but only {free} bytes are free",
+        )
+        self.path = path
+        self.needed = needed
+        self.free = free
+        self.what = what

@@ -38,6 +38,7 @@ from dstrain.pipe.compose import attach, pipeline_stages, tied_groups
 from dstrain.pipe.module import PipelineModule
 from dstrain.precision import Precision
 from dstrain.scheduler import LRSchedule, build_scheduler
+from dstrain.zero import init as zero_init
 from dstrain.zero.base import ZeroStrategy
 from dstrain.zero.dp import DataParallelZero
 from dstrain.zero.reduce import Route, default_routes
@@ -130,6 +131,8 @@ def _place_and_broadcast(
     comm_of = {id(p): route.comm for g, route in zip(groups, routes, strict=True) for p in g["params"]}
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
+            if zero_init.is_partitioned(t):
+                continue  # built under zero.Init: rank 0's values were broadcast before partitioning
             comm_of.get(id(t), topology.dp).broadcast(t.data, src=0)
 
 
@@ -307,8 +310,11 @@ def initialize(
         model_parameters = client_param_groups(optimizer)
     groups = split_expert_groups(_param_groups(model, model_parameters))  # experts: groups of their own
     routes = build_routes(groups, topology, cfg)
+    if cfg.zero_optimization.stage != 3:  # a model built under zero.Init: whole again below stage 3
+        zero_init.materialize(model)
     _place_and_broadcast(model, groups, routes, topology)
     tied = tied_groups(model, topology) if isinstance(model, PipelineModule) else {}  # before ZeRO copies
+    zero_init.prepare(model, precision.dtype)  # zero.Init's placeholders: cast without materializing
     model.to(precision.dtype)
     zero = build_zero(model, groups, routes, cfg, topology, precision.dtype)
 

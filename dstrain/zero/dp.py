@@ -81,7 +81,9 @@ class DataParallelZero(ZeroStrategy):
             # like DDP: all-reduce each bucket of the flat gradient as soon as backward has filled it
             for group in self.groups:
                 assert group.flat_grad is not None
-                buckets = BoundaryBuckets(group.layout, group.flat_grad, config.reduce_bucket_size, group.route)
+                buckets = BoundaryBuckets(
+                    group.layout, group.flat_grad, config.reduce_bucket_size, group.route
+                )
                 self._boundary.append(buckets)
                 for pi, p in enumerate(group.params):
                     self._hooks.append(p.register_post_accumulate_grad_hook(buckets.hook(pi)))

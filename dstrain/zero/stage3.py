@@ -3,8 +3,9 @@
 Each rank keeps only its shard of every parameter (`Unit`); `GatherScheduler` hooks gather a
 module's parameters just before it runs and release them after, forward and backward. Gradients
 are reduce-scattered per unit as soon as autograd has produced all of them, into fp32 shards the
-optimizer steps. Not implemented: ``zero.Init`` (the model is built whole on every rank first) and
-parameters used outside the module that owns them (DeepSpeed's ``register_external_parameter``).
+optimizer steps. A model built under ``dstrain.zero.Init`` arrives partitioned: each unit adopts the
+shard Init kept (`dstrain.zero.init.adopt`), nothing is re-materialized. A module whose forward uses
+another module's parameter gathers it too when registered (``register_external_parameter``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dstrain.config_sections import ZeroConfig
 from dstrain.dist.comm import Comm
 from dstrain.errors import NotImplementedConfigError
 from dstrain.optim.clip import GradSet
+from dstrain.zero import init as zero_init
 from dstrain.zero.base import ZeroStatistics, ZeroStrategy
 from dstrain.zero.flat import STEP_CHUNK
 from dstrain.zero.gather import GatherScheduler
@@ -105,19 +107,26 @@ class Stage3Zero(ZeroStrategy):
         module_units: dict[torch.nn.Module, list[Unit]] = {}
         self.store = store if store is not None else ShardStore()
         lazy = self.store.streams_initial_shards  # shards read from the parameters when placed
+        directs: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]] = []
         for sub in module.modules():
             direct = [p for p in sub.parameters(recurse=False) if id(p) in group_of]
             for gi in range(len(groups)):
                 mine = [p for p in direct if group_of[id(p)] == gi and id(p) not in owner]
                 if mine:
-                    unit = Unit(len(units), mine, routes[gi].comm, dtype, keep_origin=lazy)
+                    adopted = zero_init.adopt(mine, routes[gi].comm, dtype)  # built under zero.Init
+                    unit = Unit(len(units), mine, routes[gi].comm, dtype, keep_origin=lazy, adopted=adopted)
                     unit.persistent = unit.layout.total < config.stage3_param_persistence_threshold
                     unit.release()  # only its shard stays: the model is never held twice
                     units.append(unit)
                     per_group[gi].append(unit)
                     for p in mine:
                         owner[id(p)] = unit
-            needed = list(dict.fromkeys(owner[id(p)] for p in direct))  # tied weights: the owner's unit
+            directs.append((sub, direct))
+        zero_init.materialize(module, dtype)  # parameters no unit adopted (frozen ones): whole again
+        for sub, direct in directs:
+            external = [p for p in zero_init.external_parameters(sub) if id(p) in owner]
+            # tied weights and registered external parameters: their owner's unit
+            needed = list(dict.fromkeys(owner[id(p)] for p in direct + external))
             if needed:
                 module_units[sub] = needed
         self.units = units

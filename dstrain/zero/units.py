@@ -13,14 +13,23 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dstrain.dist.comm import Comm
 from dstrain.zero.flat import FlatLayout, optimizer_views
 
 if TYPE_CHECKING:
+    from dstrain.zero.init import AdoptedShard
     from dstrain.zero.reduce import Route
 
-__all__ = ["ShardGroup", "ShardStore", "Unit"]
+__all__ = ["ShardGroup", "ShardStore", "Unit", "unit_of"]
+
+_owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> the Unit it is a view of
+
+
+def unit_of(param: torch.Tensor) -> Unit | None:
+    """The stage-3 `Unit` that holds ``param`` (None for a parameter no engine partitioned)."""
+    return _owner.get(param)
 
 
 class ShardStore:
@@ -112,25 +121,39 @@ class Unit:
         comm: Comm,
         dtype: torch.dtype,
         keep_origin: bool = False,
+        adopted: AdoptedShard | None = None,
     ) -> None:
         self.index = index
         self.params = params
         self.comm = comm
         self.dtype = dtype
         self.layout = FlatLayout(params, comm.world_size, comm.rank)
-        self.full = self.layout.flatten(params, dtype)  # (padded,) full values, freed when released
+        self._adopted = adopted
+        if adopted is not None:
+            # built under zero.Init: the shard exists already (``adopted()`` reads it); the full
+            # buffer is allocated untouched (no pages) and released at once below
+            self.full = torch.empty(self.layout.padded, dtype=dtype, device=params[0].device)
+        else:
+            self.full = self.layout.flatten(params, dtype)  # (padded,) full values, freed when released
         self._nbytes = self.full.untyped_storage().nbytes()
         # keep_origin: the parameters' own tensors stay (until `drop_origin`) and the shard is read
         # from them when the store places it; else a copy of the shard now, replaced by a view later
-        self._origin = [p.detach() for p in params] if keep_origin else None
-        self.shard: torch.Tensor = (
-            torch.empty(0, dtype=dtype, device=self.full.device)
-            if keep_origin
-            else self.full[self.layout.lo : self.layout.hi].clone()
-        )
+        self._origin = [p.detach() for p in params] if keep_origin and adopted is None else None
+        if keep_origin:
+            self.shard: torch.Tensor = torch.empty(0, dtype=dtype, device=self.full.device)
+        elif adopted is not None:
+            self.shard = adopted.read()
+            adopted.release()
+            self._adopted = None
+        else:
+            self.shard = self.full[self.layout.lo : self.layout.hi].clone()
         for p, view in zip(params, self.layout.views(self.full), strict=True):
             p.data = view
+            _owner[p] = self
         self.gathered = True
+        if adopted is not None:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
         self.persistent = False
         self.handle: Any = None  # pending asynchronous all-gather
         self.grads_ready = 0
@@ -142,7 +165,10 @@ class Unit:
 
     def initial_shard(self) -> torch.Tensor:
         """This rank's initial shard, ``(shard,)``: a new tensor built from the parameters' original
-        tensors (``keep_origin``), with the values and zero padding `FlatLayout.flatten` gives."""
+        tensors (``keep_origin``), with the values and zero padding `FlatLayout.flatten` gives; for a
+        unit built under zero.Init, the shard Init kept (read from where it is)."""
+        if self._adopted is not None:
+            return self._adopted.read()
         if self._origin is None:
             return self.shard
         lay = self.layout
@@ -158,6 +184,12 @@ class Unit:
     def drop_origin(self) -> None:
         """Forget the parameters' original tensors (the store has the shard now)."""
         self._origin = None
+        if self._adopted is not None:  # zero.Init's copy of the shard goes now
+            self._adopted.release()
+            self._adopted = None
+        if self._adopted is not None:
+            self._adopted.release()
+            self._adopted = None
 
     def bind_shard(self, shard: torch.Tensor) -> None:
         """Move this rank's shard into ``shard`` (a view of the group's shard buffer)."""
