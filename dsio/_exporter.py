@@ -7,7 +7,7 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["DEFAULT_PORT", "LISTEN_BACKLOG", "MetricsServer", "default_port", "serve"]
+__all__ = ["DEFAULT_PORT", "LISTEN_BACKLOG", "MetricsServer", "default_port", "start"]
 
 DEFAULT_PORT = 10464
 """Base port of the exporter. Not 9400 (NVIDIA's DCGM exporter) nor anything in Prometheus's
@@ -19,7 +19,7 @@ scrapes when many arrive at once: several Prometheus servers, a burst of dashboa
 
 
 def default_port(base: int | None = None) -> int:
-    """The port :func:`serve` uses by default: ``base`` (``DSIO_METRICS_PORT``, else
+    """The port ``dsio.metrics.serve`` uses by default: ``base`` (``DSIO_METRICS_PORT``, else
     :data:`DEFAULT_PORT`) plus ``LOCAL_RANK`` when a launcher (torchrun) sets it, so every local
     rank of a node serves its own port: rank 0 on 10464, rank 1 on 10465, ..."""
     if base is None:
@@ -88,28 +88,12 @@ class MetricsServer:
         self.close()
 
 
-def serve(port: int | None = None, addr: str = "127.0.0.1", *, registry: Any = None) -> MetricsServer:
-    """Serve ``/metrics`` on ``addr:port`` from a daemon thread, loopback by default.
-
-    ``port=None`` is :func:`default_port`: 10464 (or ``DSIO_METRICS_PORT``) plus ``LOCAL_RANK``
-    under torchrun, one port per local rank; ``port=0`` picks a free port. Requests are served
-    on threads with a listen backlog of :data:`LISTEN_BACKLOG`, so a burst of scrapes is queued,
-    not refused. With no ``registry``, a fresh one holding the dsio collector (plus
-    prometheus-client's process and platform collectors) is served; pass a registry to serve it
-    instead (the dsio collector is registered into it).
-    """
-    from prometheus_client import CollectorRegistry
+def start(registry: Any, port: int | None = None, addr: str = "127.0.0.1") -> MetricsServer:
+    """Serve ``registry`` at ``/metrics`` on ``addr:port`` from a daemon thread (``port=None``:
+    :func:`default_port`; ``0``: a free port), with a listen backlog of :data:`LISTEN_BACKLOG`.
+    The public face is ``dsio.metrics.serve``, which builds the registry."""
     from prometheus_client.exposition import MetricsHandler
-    from prometheus_client.platform_collector import PlatformCollector
-    from prometheus_client.process_collector import ProcessCollector
 
-    if registry is None:
-        registry = CollectorRegistry()
-        ProcessCollector(registry=registry)
-        PlatformCollector(registry=registry)
-    from .metrics import register
-
-    register(registry)
     server_cls = _server_class()
     if ":" in addr:
         import socket

@@ -56,7 +56,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from ._exporter import DEFAULT_PORT, LISTEN_BACKLOG, MetricsServer, default_port, serve
+from ._exporter import DEFAULT_PORT, LISTEN_BACKLOG, MetricsServer, default_port, start
 from ._registry import REGISTRY, Sample, _Registry, track, tracked, untrack
 from ._stats import LATENCY_BUCKET_BOUNDS_S
 
@@ -404,3 +404,25 @@ def register(registry: Any = None) -> DsioCollector:
         registry.register(c)
         _collectors[id(registry)] = (registry, c)
         return c
+
+
+def serve(port: int | None = None, addr: str = "127.0.0.1", *, registry: Any = None) -> MetricsServer:
+    """Serve ``/metrics`` on ``addr:port`` from a daemon thread, loopback by default.
+
+    ``port=None`` is :func:`default_port`: 10464 (or ``DSIO_METRICS_PORT``) plus ``LOCAL_RANK``
+    under torchrun, one port per local rank; ``port=0`` picks a free port. Requests are served
+    on threads with a listen backlog of :data:`LISTEN_BACKLOG`, so a burst of scrapes is queued,
+    not refused. With no ``registry``, a fresh one holding the dsio collector (plus
+    prometheus-client's process and platform collectors) is served; pass a registry to serve it
+    instead (the dsio collector is registered into it).
+    """
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.platform_collector import PlatformCollector
+    from prometheus_client.process_collector import ProcessCollector
+
+    if registry is None:
+        registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+    register(registry)
+    return start(registry, port, addr)
