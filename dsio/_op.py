@@ -2,14 +2,14 @@
 
 ``AsyncIOHandle`` (public, paths), ``AsyncFile`` (one open file) and ``GpuIO`` (CUDA tensors) all
 run their operations through one :class:`Operations`; none of them imports another to reach it.
-Import arrows: handle -> _op, file; file -> _op; gpu -> _op (types only); _op -> gpu only lazily,
-on the first CUDA tensor.
+The handle owns the CUDA half (it makes its ``GpuIO`` on the first CUDA tensor and lends it to its
+files); ``Operations`` knows no GPU. Import arrows: handle -> _op, file, gpu (lazily); file -> _op;
+gpu -> _op (types only).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from . import pool as _pool
 from ._backends import open_engine
@@ -17,7 +17,7 @@ from ._dispatch import READ, Dispatcher
 from ._stats import HandleStatistics, IOEngineStatistics
 from ._transfer import FileRef, TransferCounters, check_readable, read_fresh, submit_one, transfer
 from .config import ALIGNMENT, IOConfig
-from .errors import BackendUnavailableError, ClosedError, IOFailedError
+from .errors import ClosedError, IOFailedError
 from .pool import PinnedPool
 
 __all__ = ["Operations"]
@@ -57,7 +57,6 @@ class Operations:
         self.reads = self.writes = self.read_bytes = self.written_bytes = 0
         self.errors = self.in_flight = 0
         self._idle_waiters: list[asyncio.Future[None]] = []
-        self._gpu: Any = None
 
     @property
     def backend(self) -> str:
@@ -114,17 +113,6 @@ class Operations:
                     w.set_result(None)
             self._idle_waiters.clear()
 
-    def gpu_io(self) -> Any:
-        """The CUDA half, created on the first CUDA tensor."""
-        if self._gpu is None:
-            try:
-                from .gpu import GpuIO
-            except ImportError as e:  # pragma: no cover
-                raise BackendUnavailableError(f"CUDA tensor I/O is unavailable: {e}") from e
-            self.ready()
-            self._gpu = GpuIO(self)
-        return self._gpu
-
     # -- introspection and lifetime ------------------------------------------------------------
     def statistics(self) -> HandleStatistics:
         c = self.counters
@@ -161,10 +149,8 @@ class Operations:
         self.disp.shutdown()
 
     def release(self) -> None:
-        """Second half of closing, after open files are closed: GPU half, engine, pool."""
-        if self._gpu is not None:
-            self._gpu.close()
-            self._gpu = None
+        """Second half of closing, after open files (and the handle's GPU half) are closed:
+        engine, pool."""
         self.engine.close()
         # Suspended coroutines may still hold staging buffers; their memory outlives the pool's views.
         self.pool.close(force=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +15,7 @@ from .errors import ClosedError
 
 if TYPE_CHECKING:
     from ._op import Operations
+    from .gpu import GpuIO
 
 __all__ = ["AsyncFile"]
 
@@ -31,10 +33,11 @@ class AsyncFile:
     Closing is safe while operations are in flight: the fds close when the last one finishes.
     """
 
-    def __init__(self, ops: Operations, path: str, mode: str) -> None:
+    def __init__(self, ops: Operations, path: str, mode: str, *, gpu: Callable[[], GpuIO]) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {', '.join(_MODES)}; got {mode!r}")
         self._ops = ops
+        self._gpu = gpu  # the handle's CUDA half (made on the first CUDA tensor)
         self.path = path
         self.mode = mode
         self._ref: FileRef | None = FileRef(path, _MODES[mode], o_direct=ops.config.o_direct)
@@ -55,7 +58,7 @@ class AsyncFile:
         ref = self._live()
         if tensor.is_cuda:
             return int(
-                await self._ops.gpu_io().pwrite_file(self, tensor, check_range(offset, n, path=self.path))
+                await self._gpu().pwrite_file(ref, tensor, check_range(offset, n, path=self.path))
             )
         h = self._ops
         h.ready()
@@ -70,7 +73,7 @@ class AsyncFile:
         ptr, n = as_bytes(tensor)
         ref = self._live()
         if tensor.is_cuda:
-            return int(await self._ops.gpu_io().pread_file(self, tensor, check_range(offset, n)))
+            return int(await self._gpu().pread_file(ref, tensor, check_range(offset, n)))
         h = self._ops
         h.ready()
         off = check_range(offset, n)

@@ -31,7 +31,6 @@ from .errors import BackendUnavailableError
 
 if TYPE_CHECKING:
     from ._op import Operations
-    from .file import AsyncFile
 
 __all__ = ["GpuStatus", "GpuIO", "gpu_status"]
 
@@ -130,15 +129,17 @@ class GpuIO:
             ref.release()
         return tensor.nbytes
 
-    async def pwrite_file(self, f: AsyncFile, tensor: torch.Tensor, offset: int) -> int:
-        await self._io(WRITE, f._live(), tensor, offset)
+    async def pwrite_file(self, ref: FileRef, tensor: torch.Tensor, offset: int) -> int:
+        """Write at ``offset`` of an open file (``AsyncFile``'s ``ref``)."""
+        await self._io(WRITE, ref, tensor, offset)
         return tensor.nbytes
 
-    async def pread_file(self, f: AsyncFile, tensor: torch.Tensor, offset: int) -> int:
+    async def pread_file(self, ref: FileRef, tensor: torch.Tensor, offset: int) -> int:
+        """Read from ``offset`` of an open file (``AsyncFile``'s ``ref``)."""
         from ._transfer import check_readable
 
-        check_readable(f._live(), tensor.nbytes, offset)
-        await self._io(READ, f._live(), tensor, offset)
+        check_readable(ref, tensor.nbytes, offset)
+        await self._io(READ, ref, tensor, offset)
         return tensor.nbytes
 
     # -- paths -------------------------------------------------------------------------------------

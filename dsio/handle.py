@@ -19,6 +19,7 @@ from ._tensor import as_bytes, check_range
 from ._transfer import FileRef
 from ._transfer import fsync as _fsync
 from .config import IOConfig
+from .errors import BackendUnavailableError
 from .file import AsyncFile
 from .pool import PinnedPool
 
@@ -43,6 +44,7 @@ class AsyncIOHandle:
             cfg = dataclasses.replace(cfg, **overrides)
         self.config = cfg
         self._ops = Operations(cfg)
+        self._gpu: Any = None  # the CUDA half (``GpuIO``), made on the first CUDA tensor
         self._files: weakref.WeakSet[AsyncFile] = weakref.WeakSet()
         _track_metrics(self)  # read by dsio.metrics at scrape time; a weak reference
 
@@ -68,10 +70,16 @@ class AsyncIOHandle:
     def _pool(self) -> PinnedPool:
         return self._ops.pool
 
-    @property
-    def _gpu(self) -> Any:
-        """The CUDA half (``GpuIO``) once a CUDA tensor was seen, else None."""
-        return self._ops._gpu
+    def _gpu_io(self) -> Any:
+        """The CUDA half, created on the first CUDA tensor (lent to this handle's files)."""
+        if self._gpu is None:
+            try:
+                from .gpu import GpuIO
+            except ImportError as e:  # pragma: no cover
+                raise BackendUnavailableError(f"CUDA tensor I/O is unavailable: {e}") from e
+            self._ops.ready()
+            self._gpu = GpuIO(self._ops)
+        return self._gpu
 
     # -- operations ------------------------------------------------------------------------
     async def pwrite(
@@ -87,7 +95,7 @@ class AsyncIOHandle:
         ptr, n = as_bytes(tensor)
         self._ops.ready()
         if tensor.is_cuda:
-            return int(await self._ops.gpu_io().pwrite(tensor, path, offset, fsync=fsync))
+            return int(await self._gpu_io().pwrite(tensor, path, offset, fsync=fsync))
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if offset is None else 0)
         off = 0 if offset is None else check_range(offset, n, path=path)
         ref = FileRef(os.fspath(path), flags, o_direct=self.config.o_direct)
@@ -113,7 +121,7 @@ class AsyncIOHandle:
         ptr, n = as_bytes(tensor)
         self._ops.ready()
         if tensor.is_cuda:
-            return int(await self._ops.gpu_io().pread(tensor, path, offset))
+            return int(await self._gpu_io().pread(tensor, path, offset))
         off = check_range(offset, n)
         ref = FileRef(os.fspath(path), os.O_RDONLY, o_direct=self.config.o_direct)
         try:
@@ -132,7 +140,7 @@ class AsyncIOHandle:
         call ``f.truncate(size)`` for that.
         """
         self._ops.ready()
-        f = AsyncFile(self._ops, os.fspath(path), mode)
+        f = AsyncFile(self._ops, os.fspath(path), mode, gpu=self._gpu_io)
         self._files.add(f)
         return f
 
@@ -157,6 +165,9 @@ class AsyncIOHandle:
         self._ops.close()
         for f in list(self._files):
             f.close()
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
         self._ops.release()
         _untrack_metrics(self)
 
