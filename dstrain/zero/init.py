@@ -103,14 +103,14 @@ class _SwapFile:
     dsio on its loop thread. The file is removed when the last unit holding a region goes."""
 
     def __init__(self, directory: str, rank: int, aio: Any = None) -> None:
-        from dsio import AsyncIOHandle
-        from dstrain.offload.compose import io_config_from
+        from dsio import AsyncIOHandle, IOConfig
 
         self.directory = directory
         self.path = os.path.join(directory, f"zero_init_rank{rank}_{os.getpid()}_{uuid.uuid4().hex[:8]}.swp")
         self.end = 0
         self.written = 0
-        self._handle = AsyncIOHandle(io_config_from(aio))
+        # the config's "aio" section (already an IOConfig), else DeepSpeed's defaults
+        self._handle = AsyncIOHandle(aio if aio is not None else IOConfig.from_deepspeed(None))
         self._file: Any = None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         os.close(fd)

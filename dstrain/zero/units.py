@@ -10,7 +10,7 @@ values in backward, and releasing really frees the memory.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -19,10 +19,9 @@ from dstrain.dist.comm import Comm
 from dstrain.zero.flat import FlatLayout, optimizer_views
 
 if TYPE_CHECKING:
-    from dstrain.zero.init import AdoptedShard
     from dstrain.zero.reduce import Route
 
-__all__ = ["ShardGroup", "ShardStore", "Unit", "unit_of"]
+__all__ = ["InitialShard", "ShardGroup", "ShardStore", "Unit", "unit_of"]
 
 _owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> the Unit it is a view of
 
@@ -111,6 +110,15 @@ class ShardStore:
         return None
 
 
+class InitialShard(Protocol):
+    """A shard that exists before its `Unit` (``dstrain.zero.init.AdoptedShard``: built under
+    zero.Init): `read` it as often as the store needs, then `release` it."""
+
+    def read(self) -> torch.Tensor: ...
+
+    def release(self) -> None: ...
+
+
 class Unit:
     """Parameters gathered and released together."""
 
@@ -121,7 +129,7 @@ class Unit:
         comm: Comm,
         dtype: torch.dtype,
         keep_origin: bool = False,
-        adopted: AdoptedShard | None = None,
+        adopted: InitialShard | None = None,
     ) -> None:
         self.index = index
         self.params = params
