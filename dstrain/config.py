@@ -28,6 +28,7 @@ from dstrain.config_sections import (
 )
 from dstrain.dist.comms_logger import CommsLoggerConfig
 from dstrain.errors import ConfigError
+from dstrain.monitor.config import CSVConfig, TensorBoardConfig, WandbConfig
 from dstrain.pipe.config import PipelineConfig
 
 __all__ = [
@@ -103,6 +104,12 @@ class DSConfig:
     """`dstrain.checkpointing` settings (parsed by that room); `initialize` configures it when present."""
     comms_logger: CommsLoggerConfig | None = None
     """`dstrain.dist.comms_logger` settings (parsed by that module); `initialize` configures it when present."""
+    tensorboard: TensorBoardConfig | None = None
+    """`dstrain.monitor` TensorBoard scalars (DeepSpeed's event names), rank 0."""
+    csv_monitor: CSVConfig | None = None
+    """`dstrain.monitor` CSV files, rank 0."""
+    wandb: WandbConfig | None = None
+    """`dstrain.monitor` Weights & Biases (needs the ``wandb`` package), rank 0."""
     seed: int | None = None
     """If set, `initialize` seeds torch's RNG with it (same on every rank) before building anything."""
 
@@ -112,7 +119,6 @@ class DSConfig:
         "autotuning",
         "communication_data_type",
         "compression_training",
-        "csv_monitor",
         "data_efficiency",
         "data_types",
         "dump_state",
@@ -123,9 +129,7 @@ class DSConfig:
         "prescale_gradients",
         "sparse_attention",
         "sparse_gradients",
-        "tensorboard",
         "torch_autocast",
-        "wandb",
         "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer",
     )
@@ -200,6 +204,9 @@ class DSConfig:
             "scheduler": SchedulerConfig,
             "activation_checkpointing": ActivationCheckpointingConfig,
             "comms_logger": CommsLoggerConfig,
+            "tensorboard": TensorBoardConfig,
+            "csv_monitor": CSVConfig,
+            "wandb": WandbConfig,
         }
         if kwargs.get("aio") is not None:
             kwargs["aio"] = _parse_aio(kwargs["aio"])

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -32,7 +32,7 @@ from dstrain.precision import Precision
 from dstrain.scheduler import LRSchedule
 from dstrain.zero.base import ZeroStatistics, ZeroStrategy
 
-__all__ = ["Engine", "EngineStatistics"]
+__all__ = ["Engine", "EngineStatistics", "StepObserver"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,32 @@ class EngineStatistics:
     ``async_save``, the wait at the next step for staging still unfinished."""
     comm: CommStatistics
     zero: ZeroStatistics
+    last_loss: float = float("nan")
+    """Mean over the last optimizer step's micro-steps of the losses given to `Engine.backward` (this rank)."""
+    lr: tuple[float, ...] = ()
+    """Learning rate of each param group."""
+    tokens: int = 0
+    """Tokens this rank processed: the elements of the first input when it is an integer tensor (token
+    ids, ``(B, T)``), else its batch dimension (samples)."""
+    last_step_tokens: int = 0
+    """Tokens of the last optimizer step's micro-batches."""
+    tokens_per_second: float = 0.0
+    """``last_step_tokens / last_step_seconds`` (0 before two steps were timed)."""
+    model_flops_per_step: float = float("nan")
+    """This rank's model FLOPs per optimizer step, as measured by the flops profiler (`dstrain.profiling`);
+    nan until it ran."""
+    mfu: float = float("nan")
+    """Model FLOPs utilisation of the last step: ``model_flops_per_step / last_step_seconds / peak``
+    (the profiler's given or measured peak FLOP/s); nan without the profiler."""
+
+
+@runtime_checkable
+class StepObserver(Protocol):
+    """A part told after every optimizer step (the monitors of `dstrain.monitor`, the flops profiler)."""
+
+    def after_step(self, engine: Engine) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Engine:
@@ -99,6 +125,15 @@ class Engine:
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._last_step_end: float | None = None
         self._last_step_seconds = 0.0
+        self._loss_sum: torch.Tensor | None = None  # summed on the device: no sync per micro-step
+        self._last_loss: torch.Tensor | None = None
+        self._tokens = self._step_tokens = self._last_step_tokens = 0
+        self.observers: list[StepObserver] = []
+        """Parts `initialize` composes in that act after each optimizer step (monitors, profiler)."""
+        self.model_flops_per_step: float | None = None
+        """Set by the flops profiler: this rank's model FLOPs per optimizer step."""
+        self.peak_flops: float | None = None
+        """Set by the flops profiler: the peak FLOP/s MFU is measured against."""
         self._extra_parts = dict(parts or {})
         self.checkpoints = EngineCheckpoints(
             self,
@@ -127,6 +162,7 @@ class Engine:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if first is not None and first.dim() > 0:
             self._samples += first.shape[0]
+            self._step_tokens += first.numel() if not first.is_floating_point() else first.shape[0]
         out = self.module(*args, **kwargs)
         self._times["forward"] += time.perf_counter() - start
         return out
@@ -147,6 +183,8 @@ class Engine:
         )
         scaled.backward()
         self.zero.after_backward(boundary)
+        done = loss.detach().float()
+        self._loss_sum = done if self._loss_sum is None else self._loss_sum + done
         self._times["backward"] += time.perf_counter() - start
         return loss
 
@@ -174,7 +212,14 @@ class Engine:
             if self._last_step_end is not None:
                 self._last_step_seconds = end - self._last_step_end
             self._last_step_end = end
+            if self._loss_sum is not None:
+                self._last_loss = self._loss_sum / self.config.gradient_accumulation_steps
+            self._loss_sum = None
+            self._tokens += self._step_tokens
+            self._last_step_tokens, self._step_tokens = self._step_tokens, 0
             self._report(overflow)
+            for observer in self.observers:
+                observer.after_step(self)
         self.micro_steps += 1
 
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
@@ -278,6 +323,7 @@ class Engine:
 
     def statistics(self) -> EngineStatistics:
         """A snapshot of counters and timings."""
+        step_s, flops, peak = self._last_step_seconds, self.model_flops_per_step, self.peak_flops
         return EngineStatistics(
             global_steps=self.global_steps,
             micro_steps=self.micro_steps,
@@ -292,6 +338,13 @@ class Engine:
             checkpoint_blocked_seconds=self.checkpoints.blocked_seconds,
             comm=self.comm.statistics(),
             zero=self.zero.statistics(),
+            last_loss=float(self._last_loss) if self._last_loss is not None else float("nan"),
+            lr=tuple(self.get_lr()),
+            tokens=self._tokens,
+            last_step_tokens=self._last_step_tokens,
+            tokens_per_second=self._last_step_tokens / step_s if step_s > 0 else 0.0,
+            model_flops_per_step=flops if flops is not None else float("nan"),
+            mfu=flops / step_s / peak if flops is not None and peak and step_s > 0 else float("nan"),
         )
 
     # -- checkpoints (the policy is dstrain.checkpoint.policy's) ---------------------------------
@@ -369,6 +422,9 @@ class Engine:
     def close(self) -> None:
         """Finish a pending asynchronous save, remove the ZeRO strategy's hooks (the model keeps its weights)."""
         self.checkpoints.close()  # finishes a pending save, releases the directories' writer locks
+        for observer in self.observers:  # monitors flush and close their files
+            observer.close()
+        self.observers.clear()
         self.stepper.close()
         self.zero.close()
 

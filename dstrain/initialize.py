@@ -32,6 +32,7 @@ from dstrain.moe.compose import (
     expert_routes,
     split_expert_groups,
 )
+from dstrain.monitor import compose as monitors
 from dstrain.optim.build import ClientOptimizer, build_optimizer, client_param_groups
 from dstrain.optim.stepper import NoOptimizer, Stepper, TorchStepper
 from dstrain.pipe.compose import attach, pipeline_stages, tied_groups
@@ -335,4 +336,7 @@ def initialize(
     )
     if isinstance(model, PipelineModule):  # train_batch / eval_batch run the 1F1B schedule (dstrain/pipe)
         engine.runner = attach(engine, model, topology, tied, cfg.pipeline)
+    monitor = monitors.build(cfg, topology.world.rank)  # tensorboard / csv_monitor / wandb (dstrain/monitor)
+    if monitor is not None:
+        engine.observers.append(monitor)
     return engine, engine.optimizer, loader, schedule

@@ -44,6 +44,21 @@ def samples(s: EngineStatistics, rank: int) -> Iterator[Sample]:
         yield counter("dstrain_phase_seconds", "Time per training phase", value, phase=phase)
     yield gauge("dstrain_last_step_seconds", "Wall time of the last optimizer step", s.last_step_seconds)
     yield gauge("dstrain_loss_scale", "Current fp16 loss scale", s.loss_scale)
+    # the training series (what the monitors write as Train/Samples/*)
+    yield gauge("dstrain_loss", "Mean loss of the last optimizer step's micro-steps", s.last_loss)
+    for group, lr in enumerate(s.lr):
+        yield Sample("dstrain_lr", "gauge", float(lr), "Learning rate", {**r, "group": str(group)})
+    yield gauge(
+        "dstrain_grad_norm",
+        "Global gradient norm of the last step (nan unless clipping or fp16)",
+        s.last_grad_norm,
+    )
+    yield counter("dstrain_tokens", "Tokens processed by this rank", s.tokens)
+    yield gauge("dstrain_tokens_per_second", "Tokens of the last step / its wall time", s.tokens_per_second)
+    yield gauge(
+        "dstrain_model_flops_per_step", "Model FLOPs per step (flops profiler)", s.model_flops_per_step
+    )
+    yield gauge("dstrain_mfu", "Model FLOPs utilisation of the last step (flops profiler)", s.mfu)
     for op in _COMM_OPS:
         yield counter(
             "dstrain_comm_bytes", "Bytes sent into collectives", getattr(s.comm, f"{op}_bytes"), op=op

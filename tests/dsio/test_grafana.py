@@ -85,6 +85,10 @@ def test_dashboard_structure():
         "stall",
         "prefetch",
         "pinned",
+        "loss",
+        "learning rate",
+        "gradient norm",
+        "tokens per second",
     ):
         assert topic in titles, f"no panel about {topic}"
     for p in dash["panels"]:
@@ -185,8 +189,10 @@ def train_load(d, stop, ready):
             "offload_optimizer": {"device": "nvme", "nvme_path": swap, "buffer_count": 2}}
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 4,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}, "zero_optimization": zero,
-           "steps_per_print": 10**9}
+           "steps_per_print": 10**9, "gradient_clipping": 1.0}  # clipping: the grad norm is computed
     engine, _, _, _ = dstrain.initialize(model=model, config=cfg)
+    import dstrain.metrics
+    dstrain.metrics.register(engine)  # the training series: dstrain_loss, dstrain_lr, ...
     x = torch.randn(4, 256)
     while not stop.is_set():
         engine.backward(engine(x).pow(2).mean())

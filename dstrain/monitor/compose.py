@@ -1,0 +1,31 @@
+"""How `dstrain.initialize` plugs the monitors in: one `Monitor` over the enabled writers, on rank 0."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dstrain.monitor.monitor import Monitor
+from dstrain.monitor.writers import CSVWriter, TensorBoardWriter, WandbWriter, Writer, require_wandb
+
+if TYPE_CHECKING:
+    from dstrain.config import DSConfig
+
+__all__ = ["build"]
+
+
+def build(config: DSConfig, rank: int) -> Monitor | None:
+    """The monitor of the enabled sections (None when none is, or off rank 0, as in DeepSpeed). A writer
+    whose package is missing raises `ConfigError` naming its ``enabled`` key on every rank."""
+    writers: list[Writer] = []
+    tb, csv_, wb = config.tensorboard, config.csv_monitor, config.wandb
+    if wb is not None and wb.enabled:
+        require_wandb()  # refused on every rank, not only where it would write
+    if rank != 0:
+        return None
+    if tb is not None and tb.enabled:
+        writers.append(TensorBoardWriter(tb))
+    if csv_ is not None and csv_.enabled:
+        writers.append(CSVWriter(csv_))
+    if wb is not None and wb.enabled:
+        writers.append(WandbWriter(wb))
+    return Monitor(writers) if writers else None
