@@ -12,15 +12,9 @@ import os
 import platform
 from typing import Any
 
+from ._cli_common import human
+
 __all__ = ["probe_o_direct"]
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _mount_of(path: str) -> tuple[str, str, str]:
@@ -114,7 +108,7 @@ def _memlock() -> str:
     import resource
 
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    text = "unlimited" if soft == resource.RLIM_INFINITY else _human(soft)
+    text = "unlimited" if soft == resource.RLIM_INFINITY else human(soft)
     cap_ipc_lock = False
     with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
         for line in f:

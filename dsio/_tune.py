@@ -24,14 +24,21 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import cli as _cli
-from ._report import _human
-from .cli import AIO_KEYS, CliError, _buffer, _check_dir
+from ._cli_common import AIO_KEYS, CliError, buffer, check_dir, human, run
 
 __all__ = ["Point", "Result", "WORKLOAD_GOALS", "pick", "tune"]
 
 #: What each ``--workload`` makes the emitted block favour.
 WORKLOAD_GOALS = {"checkpoint": "write", "offload": "read"}
+
+
+async def _timed(f: Any, op: str, view: Any, offset: int) -> float:
+    t0 = time.perf_counter()
+    if op == "write":
+        await f.pwrite(view, offset)
+    else:
+        await f.pread(view, offset)
+    return time.perf_counter() - t0
 
 
 def _goal(args: argparse.Namespace) -> str:
@@ -69,7 +76,7 @@ class Point:
 
     def label(self) -> str:
         return (
-            f"{self.backend} bs={_human(self.block_size)} qd={self.queue_depth} par={self.intra_op_parallelism} "
+            f"{self.backend} bs={human(self.block_size)} qd={self.queue_depth} par={self.intra_op_parallelism} "
             f"ss={int(self.single_submit)} oe={int(self.overlap_events)}"
         )
 
@@ -117,7 +124,7 @@ async def _run_rung(
                 for op in ops:
                     offset = (k % slots) * nbytes  # walk the file so no region is re-read hot
                     k += 1
-                    dt = await _cli._timed(f, op, buf[:nbytes], offset)
+                    dt = await _timed(f, op, buf[:nbytes], offset)
                     out.setdefault((p, op), []).append(nbytes / dt / 1e9)
                     bar.update(1)
     return out
@@ -142,7 +149,7 @@ def tune(args: argparse.Namespace) -> int:
     for name in args.backends:
         if not avail[name].available:
             raise CliError(f"backend {name} is unavailable here: {avail[name].reason}")
-    directory = _check_dir(args.dir, args.size + (64 << 20))
+    directory = check_dir(args.dir, args.size + (64 << 20))
     out_prefix = os.path.abspath(args.out)
     out_dir = os.path.dirname(out_prefix)
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
@@ -160,8 +167,8 @@ def tune(args: argparse.Namespace) -> int:
     probe = max(args.size // 16, min(args.size, 16 << 20))
     rungs = [(probe, 1, 0.55), (max(probe, args.size // 4), 1, 0.75), (args.size, args.reps, 0.0)]
     try:
-        buf = _buffer(args.size, args.gpu)
-        _cli.run(_fill(path, buf))  # uvloop when importable, like every loop dsio starts
+        buf = buffer(args.size, args.gpu)
+        run(_fill(path, buf))  # uvloop when importable, like every loop dsio starts
         alive = {op: list(points) for op in ("read", "write")}
         for r, (nbytes, reps, keep) in enumerate(rungs):
             final = r == len(rungs) - 1
@@ -187,11 +194,11 @@ def tune(args: argparse.Namespace) -> int:
                 plan = [(both, ("write", "read"))]
                 plan += [([p], (op,)) for p, op in only]
             total = sum(len(pts) * len(ops) for pts, ops in plan) * reps
-            desc = f"rung {r + 1}/{len(rungs)}: {_human(nbytes)} x {reps}"
+            desc = f"rung {r + 1}/{len(rungs)}: {human(nbytes)} x {reps}"
             with tqdm(total=total, desc=desc, unit="op", disable=args.quiet, file=sys.stderr) as bar:
                 measured: dict[tuple[Point, str], list[float]] = {}
                 for pts, ops in plan:
-                    measured.update(_cli.run(_run_rung(pts, ops, nbytes, reps, path, args.size, buf, bar)))
+                    measured.update(run(_run_rung(pts, ops, nbytes, reps, path, args.size, buf, bar)))
             for op in ("write", "read"):
                 rs = [Result(p, op, r, nbytes, v) for (p, o), v in measured.items() if o == op]
                 rs.sort(key=lambda x: x.median, reverse=True)

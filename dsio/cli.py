@@ -2,8 +2,8 @@
 engine's knobs and write a dstrain ``"aio"`` block), ``bench`` (quick GB/s and op rate).
 
 ``report`` lives in :mod:`dsio._report`, ``tune`` (its early-stopping sweep, CSV and plot) in
-:mod:`dsio._tune`; this module parses arguments, dispatches, and keeps the measuring core that
-``tune`` and ``bench`` share.
+:mod:`dsio._tune`, what the commands share in :mod:`dsio._cli_common`; this module parses
+arguments, dispatches, and runs ``bench``.
 """
 
 from __future__ import annotations
@@ -13,116 +13,29 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._report import _human, _report
+from ._cli_common import (
+    AIO_KEYS,
+    CliError,
+    backend_name,
+    buffer,
+    check_dir,
+    human,
+    list_of,
+    parse_size,
+    pos_int,
+    pow2_size,
+    run,
+    size_arg,
+)
+from ._report import _report
 
 __all__ = ["main", "parse_size"]
-
-#: The keys of dstrain's ``"aio"`` config block that tune writes (dstrain/config_sections.py AioConfig).
-AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events")
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-class CliError(Exception):
-    """A user-facing failure: printed as one line, exit status 1, no traceback."""
-
-
-# -- argument types ------------------------------------------------------------------------------
-def parse_size(text: str) -> int:
-    """``"1G"``, ``"512M"``, ``"64KiB"``, ``"4096"`` -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 64K, 512M, 1G)")
-    return int(m.group(1)) * _UNITS[m.group(2).upper()]
-
-
-def _size_arg(text: str) -> int:
-    try:
-        n = parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n <= 0 or n % 4096:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive multiple of 4096 bytes")
-    return n
-
-
-def _pow2_size(text: str) -> int:
-    n = _size_arg(text)
-    if n & (n - 1):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a power of two")
-    return n
-
-
-def _list_of(conv: Any) -> Any:
-    def parse(text: str) -> list[Any]:
-        items = [t for t in text.split(",") if t.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError("expected a comma-separated list")
-        return [conv(t.strip()) for t in items]
-
-    return parse
-
-
-def _pos_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
-def _backend_name(text: str) -> str:
-    if text not in ("io_uring", "aio", "posix"):
-        raise argparse.ArgumentTypeError(f"unknown backend {text!r} (choose from io_uring, aio, posix)")
-    return text
-
-
-# -- measuring core ------------------------------------------------------------------------------
-def _check_dir(directory: str, need: int) -> str:
-    d = os.path.abspath(directory)
-    if not os.path.exists(d):
-        raise CliError(f"directory {d} does not exist")
-    if not os.path.isdir(d):
-        raise CliError(f"{d} is not a directory")
-    probe = os.path.join(d, f".dsio-probe-{os.getpid()}")
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise CliError(f"cannot write to {d}: {e.strerror}") from None
-    free = os.statvfs(d).f_bavail * os.statvfs(d).f_frsize
-    if free < need:
-        raise CliError(f"{d} has {_human(free)} free; this run needs {_human(need)} (lower --size)")
-    return d
-
-
-def _buffer(nbytes: int, gpu: bool) -> Any:
-    import torch
-
-    from ._native import native
-
-    mem = native().AlignedBuffer(nbytes, True)
-    t = torch.frombuffer(mem, dtype=torch.uint8)
-    t.view(torch.int64)[: nbytes // 8].copy_(torch.arange(nbytes // 8, dtype=torch.int64))
-    return t.cuda() if gpu else t
-
-
-async def _timed(f: Any, op: str, view: Any, offset: int) -> float:
-    t0 = time.perf_counter()
-    if op == "write":
-        await f.pwrite(view, offset)
-    else:
-        await f.pread(view, offset)
-    return time.perf_counter() - t0
 
 
 # -- tune (dsio/_tune.py) ------------------------------------------------------------------------
@@ -160,15 +73,6 @@ def _load_config(path: str | None, args: argparse.Namespace) -> Any:
         return IOConfig.from_deepspeed(block, **overrides)
     except ConfigError as e:
         raise CliError(f"invalid configuration: {e}") from None
-
-
-def run(coro: Any) -> Any:
-    """Run a CLI coroutine on a fresh event loop: uvloop when importable (as every loop dsio
-    starts), else asyncio's."""
-    from ._bridge import _new_loop
-
-    with asyncio.Runner(loop_factory=_new_loop) as runner:
-        return runner.run(coro)
 
 
 #: What one bench repetition measures, in order (one progress step each).
@@ -226,8 +130,8 @@ async def _bench_rep(
 
 def _bench(args: argparse.Namespace) -> int:
     cfg = _load_config(args.config, args)
-    d = _check_dir(args.dir, args.size + args.op_size * args.ops + (16 << 20))
-    buf = _buffer(max(args.size, args.op_size), False)
+    d = check_dir(args.dir, args.size + args.op_size * args.ops + (16 << 20))
+    buf = buffer(max(args.size, args.op_size), False)
     reps: list[dict[str, float]] = []
     from tqdm import tqdm
 
@@ -270,15 +174,15 @@ def _bench(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"dsio bench: {d}, {_human(args.size)} transfers, {args.ops} x {_human(args.op_size)} ops (concurrency "
+    print(f"dsio bench: {d}, {human(args.size)} transfers, {args.ops} x {human(args.op_size)} ops (concurrency "
           f"{args.concurrency}), median of {args.reps} (min-max)")  # fmt: skip
     print("  config  " + " ".join(f"{k}={v}" for k, v in conf.items()))
     for key, label, unit in (
         ("write_new_gbps", "write, new file", "GB/s"),
         ("write_overwrite_gbps", "write, overwrite", "GB/s"),
         ("read_gbps", "read", "GB/s"),
-        ("write_ops_per_s", f"{_human(args.op_size)} writes", "ops/s"),
-        ("read_ops_per_s", f"{_human(args.op_size)} reads", "ops/s"),
+        ("write_ops_per_s", f"{human(args.op_size)} writes", "ops/s"),
+        ("read_ops_per_s", f"{human(args.op_size)} reads", "ops/s"),
     ):
         s = summary[key]
         fmt = "{:,.0f}" if unit == "ops/s" else "{:.2f}"
@@ -311,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help='sweep engine settings, write the best dstrain "aio" block')
     t.add_argument("--dir", required=True, help="directory on the storage to tune for")
     t.add_argument(
-        "--size", type=_size_arg, default=1 << 30, help="bytes per transfer in the final rung (default 1G)"
+        "--size", type=size_arg, default=1 << 30, help="bytes per transfer in the final rung (default 1G)"
     )
     t.add_argument("--gpu", action="store_true", help="transfer to/from a CUDA tensor")
     t.add_argument(
@@ -319,33 +223,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--backends",
-        type=_list_of(_backend_name),
+        type=list_of(backend_name),
         metavar="LIST",
         help="io_uring,aio,posix (default: all available)",
     )
     t.add_argument(
         "--block-sizes",
-        type=_list_of(_pow2_size),
+        type=list_of(pow2_size),
         default=[256 << 10, 1 << 20, 4 << 20, 8 << 20],
         metavar="LIST",
         help="block_size values (default 256K,1M,4M,8M)",
     )
     t.add_argument(
         "--queue-depths",
-        type=_list_of(_pos_int),
+        type=list_of(pos_int),
         default=[8, 32, 128],
         metavar="LIST",
         help="default 8,32,128",
     )
     t.add_argument(
         "--parallelism",
-        type=_list_of(_pos_int),
+        type=list_of(pos_int),
         default=[1, 2],
         metavar="LIST",
         help="intra_op_parallelism values (default 1,2)",
     )
-    t.add_argument("--reps", type=_pos_int, default=3, help="interleaved repetitions of the final rung")
-    t.add_argument("--finalists", type=_pos_int, default=6, help="points per op that reach the final rung")
+    t.add_argument("--reps", type=pos_int, default=3, help="interleaved repetitions of the final rung")
+    t.add_argument("--finalists", type=pos_int, default=6, help="points per op that reach the final rung")
     goal = t.add_mutually_exclusive_group()
     goal.add_argument(
         "--workload",
@@ -386,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory on the storage to measure; needs --size + ops x op-size free (files are removed)",
     )
     b.add_argument(
-        "--size", type=_size_arg, default=1 << 30, help="bytes per large transfer, e.g. 256M, 1G (default 1G)"
+        "--size", type=size_arg, default=1 << 30, help="bytes per large transfer, e.g. 256M, 1G (default 1G)"
     )
     b.add_argument(
         "--config",
@@ -394,21 +298,21 @@ def build_parser() -> argparse.ArgumentParser:
         "keys it leaves out take DeepSpeed's defaults",
     )
     b.add_argument(
-        "--backend", type=_backend_name, help="io_uring, aio or posix (default: the first that works here)"
+        "--backend", type=backend_name, help="io_uring, aio or posix (default: the first that works here)"
     )
     b.add_argument(
         "--block-size",
         dest="block_size",
-        type=_pow2_size,
+        type=pow2_size,
         help="bytes per piece a request is split into: a power of two >= 4K (default 1M)",
     )
     b.add_argument(
-        "--queue-depth", dest="queue_depth", type=_pos_int, help="pieces in flight per worker (default 64)"
+        "--queue-depth", dest="queue_depth", type=pos_int, help="pieces in flight per worker (default 64)"
     )
     b.add_argument(
         "--intra-op-parallelism",
         dest="intra_op_parallelism",
-        type=_pos_int,
+        type=pos_int,
         help="worker threads, each with its own ring or AIO context (default 2)",
     )
     b.add_argument(
@@ -426,12 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="refill the queue as each piece completes; --no-overlap-events waits for whole batches "
         "(DeepSpeed's lock-step) (default on)",
     )
-    b.add_argument("--op-size", type=_size_arg, default=64 << 10, help="bytes per small op (default 64K)")
-    b.add_argument("--ops", type=_pos_int, default=2000, help="small ops per measurement (default 2000)")
-    b.add_argument(
-        "--concurrency", type=_pos_int, default=32, help="small ops in flight at once (default 32)"
-    )
-    b.add_argument("--reps", type=_pos_int, default=3, help="repetitions; the median is reported (default 3)")
+    b.add_argument("--op-size", type=size_arg, default=64 << 10, help="bytes per small op (default 64K)")
+    b.add_argument("--ops", type=pos_int, default=2000, help="small ops per measurement (default 2000)")
+    b.add_argument("--concurrency", type=pos_int, default=32, help="small ops in flight at once (default 32)")
+    b.add_argument("--reps", type=pos_int, default=3, help="repetitions; the median is reported (default 3)")
     b.add_argument(
         "--json", action="store_true", help="print the results as JSON (median, min, max per metric)"
     )
@@ -460,7 +362,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported dsio.cli, not this __main__ copy, so dsio._tune raises the CliError main() catches.
-    from dsio.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -259,12 +259,12 @@ def test_io_failure_mid_run_is_one_line(data_dir, monkeypatch, capsys):
     """An I/O error in the middle of a sweep (here: injected ENOSPC) is a message, not a traceback."""
     import errno
 
-    from dsio import cli
+    from dsio import _tune
 
     async def boom(*_a, **_k):
         raise dsio.IOFailedError(errno.ENOSPC, "/x", 0)
 
-    monkeypatch.setattr(cli, "_timed", boom)
+    monkeypatch.setattr(_tune, "_timed", boom)
     assert main(["tune", "--dir", data_dir, "--out", os.path.join(data_dir, "t"), *SMALL_TUNE]) == 1
     err = capsys.readouterr().err
     assert "dsio tune: error: IOFailedError" in err and "No space left" in err
@@ -275,7 +275,7 @@ def test_successive_halving_with_known_speeds(data_dir, tmp_path, monkeypatch, c
     """Fake timings (aio 3 GB/s > posix 2 > io_uring 1; bigger blocks a little faster): early
     stopping drops the slow points, aio wins overall, and the backend "auto" picks still reaches
     the final rung so the aio block is tuned for the backend it will run on."""
-    from dsio import cli
+    from dsio import _tune
 
     avail = [b.name for b in dsio.backend_status() if b.available]
     if avail[:1] != ["io_uring"] or "aio" not in avail:
@@ -287,7 +287,7 @@ def test_successive_halving_with_known_speeds(data_dir, tmp_path, monkeypatch, c
         gbps = speed[cfg.backend] * (1 + cfg.block_size / (8 << 20)) * (1.1 if op == "read" else 1.0)
         return view.numel() / (gbps * 1e9)
 
-    monkeypatch.setattr(cli, "_timed", fake)
+    monkeypatch.setattr(_tune, "_timed", fake)
     out = tmp_path / "fake"
     assert main(["tune", "--dir", data_dir, "--out", str(out), *SMALL_TUNE]) == 0
     text = capsys.readouterr().out

@@ -8,7 +8,7 @@ import json
 import pytest
 
 import dsio
-from dsio import cli
+from dsio import _tune
 from dsio.cli import main
 
 SWEEP = [
@@ -42,7 +42,7 @@ def known_speeds(monkeypatch):
         gbps += 0.1 * (not cfg.single_submit) + 0.05 * cfg.overlap_events  # one winner per op
         return view.numel() / (gbps * 1e9)
 
-    monkeypatch.setattr(cli, "_timed", fake)
+    monkeypatch.setattr(_tune, "_timed", fake)
 
 
 def _block(path) -> dict:
@@ -78,7 +78,7 @@ def test_same_best_settings_say_they_agree(data_dir, tmp_path, capsys, monkeypat
         gbps += 0.05 * cfg.overlap_events
         return view.numel() / (gbps * 1e9)
 
-    monkeypatch.setattr(cli, "_timed", fake)
+    monkeypatch.setattr(_tune, "_timed", fake)
     out = tmp_path / "same"
     assert main(["tune", "--dir", data_dir, "--out", str(out), "--workload", "checkpoint", *SWEEP]) == 0
     text = capsys.readouterr().out
