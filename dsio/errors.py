@@ -172,9 +172,6 @@ class TensorNotFoundError(DsioError, KeyError):
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
 
-    def __reduce__(self):
-        return (type(self), (self.path, self.names))
-
 
 class SliceRangeError(DsioError, IndexError):
     """A slice read asked for elements ``[start, stop)`` of a tensor that has ``numel`` elements
@@ -189,6 +186,3 @@ class SliceRangeError(DsioError, IndexError):
         self.start = start
         self.stop = stop
         self.numel = numel
-
-    def __reduce__(self):
-        return (type(self), (self.path, self.name, self.start, self.stop, self.numel))

@@ -11,6 +11,7 @@ __all__ = [
     "InitError",
     "InsufficientDiskError",
     "NotImplementedConfigError",
+    "PretrainedMismatchError",
     "TopologyError",
     "UnsupportedOptimizerError",
 ]
@@ -82,3 +83,48 @@ class InsufficientDiskError(DstrainError, OSError):
         self.needed = needed
         self.free = free
         self.what = what
+
+
+class PretrainedMismatchError(DstrainError, KeyError):
+    """``load_pretrained`` (strict) found that the checkpoint does not fit the model: ``missing``
+    lists the model's keys the files lack, ``unexpected`` the files' keys the model lacks,
+    ``mismatched`` ``(key, file shape, model shape)`` of keys whose shapes differ. Raised before any
+    value is read."""
+
+    def __init__(
+        self,
+        path: str,
+        missing: tuple[str, ...] = (),
+        unexpected: tuple[str, ...] = (),
+        mismatched: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = (),
+    ) -> None:
+        parts = []
+        if missing:
+            parts.append(f"missing {_some(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {_some(unexpected)}")
+        if mismatched:
+            parts.append(
+                "shape mismatch "
+                + ", ".join(_shapes(m) for m in mismatched[:10])
+                + (f" and {len(mismatched) - 10} more" if len(mismatched) > 10 else "")
+            )
+        super().__init__(f"{path} does not fit the model: " + "; ".join(parts))
+        self.path = path
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+        self.mismatched = tuple(mismatched)
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+def _shapes(m: object) -> str:
+    if isinstance(m, tuple) and len(m) == 3:
+        return f"{m[0]!r} (file {list(m[1])}, model {list(m[2])})"
+    return repr(m)
+
+
+def _some(keys: tuple[str, ...]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:20])
+    return shown + (f" and {len(keys) - 20} more" if len(keys) > 20 else "")

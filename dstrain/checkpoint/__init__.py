@@ -1,6 +1,8 @@
 """Engine checkpoints: each part of the engine contributes its state (`state`), stored through dsio's
-``Checkpointer`` or the torch.save fallback (`store`)."""
+``Checkpointer`` or the torch.save fallback (`store`); `load_pretrained` streams a Hugging Face style
+safetensors checkpoint into a model's (zero.Init) partitions."""
 
+from dstrain.checkpoint.pretrained import PretrainedLoad, load_pretrained
 from dstrain.checkpoint.state import FORMAT, CountersPart, Part, RngPart, collect, restore
 from dstrain.checkpoint.store import (
     CheckpointStore,
@@ -19,11 +21,13 @@ __all__ = [
     "DsioStore",
     "Part",
     "PendingSave",
+    "PretrainedLoad",
     "RngPart",
     "TorchSaveStore",
     "collect",
     "default_store",
     "load_any",
+    "load_pretrained",
     "restore",
     "step_name",
 ]

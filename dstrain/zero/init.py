@@ -212,6 +212,29 @@ class InitUnit:
         """The unit's parameters still alive (a replaced tied parameter may be gone)."""
         return [p for p in (r() for r in self._params) if p is not None]
 
+    def members(self) -> list[torch.nn.Parameter | None]:
+        """The unit's parameters in layout order (None where one is gone)."""
+        return [r() for r in self._params]
+
+    def overwrite(self, fill: Callable[[list[tuple[int, int, torch.Tensor]]], None]) -> None:
+        """Rewrite this rank's shard in place: ``fill(pieces)`` fills each ``(index, start, out)``:
+        elements ``[start, start + out.numel())`` of member ``index`` into ``out`` (a view of the
+        shard, or of a one-shard buffer written back to the swap file after)."""
+        if self.shard is None and self.swap is None:
+            raise RuntimeError(f"the zero.Init shard of {self.module} was released")
+        lay = self.layout
+        buf = self.shard if self.swap is None else torch.zeros(lay.shard, dtype=self.dtype)
+        assert buf is not None
+        pieces = []
+        for i in range(len(self._params)):
+            span = lay.overlap(i)
+            if span is not None:
+                lo, hi = span
+                pieces.append((i, lo - lay.offsets[i], buf[lo - lay.lo : hi - lay.lo]))
+        fill(pieces)
+        if self.swap is not None:
+            self.swap.write_at(self.offset, buf)
+
     def same_params(self, params: list[torch.nn.Parameter]) -> bool:
         mine = [r() for r in self._params]
         return len(mine) == len(params) and all(a is b for a, b in zip(mine, params, strict=True))
