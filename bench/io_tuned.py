@@ -44,6 +44,7 @@ import torch
 
 import dsio
 from bench._common import drop_caches_verified, fmt
+from bench._io_runners import DS_SCRIPT, DsioRunner
 from bench.io_read_path import DeepSpeedServer
 from dsio._native import native
 
@@ -260,7 +261,6 @@ def main() -> None:
     import argparse
     import sys
 
-    from bench import io as bench_io
     from bench._common import deepspeed_python, machine, scratch_dir, write_labelled_result
 
     ap = argparse.ArgumentParser(description=main.__doc__)
@@ -280,7 +280,7 @@ def main() -> None:
     buf = torch.frombuffer(mem, dtype=torch.uint8)
     buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))  # as bench/io.py's `locked`
     loop = asyncio.new_event_loop()
-    runner = bench_io.DsioRunner(loop, dsio.IOConfig(backend="io_uring"))
+    runner = DsioRunner(loop, dsio.IOConfig(backend="io_uring"))
     seq_path = os.path.join(directory, "seq.bin")
 
     def reference() -> tuple[float, float]:
@@ -295,7 +295,7 @@ def main() -> None:
             size,
             args.reps,
             ds_python,
-            bench_io.DS_SCRIPT,
+            DS_SCRIPT,
             lambda s: print(s, file=sys.stderr),
             sweep=sweep,
             buf=buf,
