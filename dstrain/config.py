@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dsio.config import DEEPSPEED_AIO_DEFAULTS, IOConfig
-from dstrain._parse import build, check_bool, check_float, check_int, reject_unknown
+from dstrain._parse import Unbuilt, build, check_bool, check_float, check_int, note_no_effect, reject_unknown
 from dstrain.checkpointing.config import ActivationCheckpointingConfig
+from dstrain.config_auto import auto_paths, resolve_auto
 from dstrain.config_sections import (
     BF16Config,
     CheckpointConfig,
@@ -32,6 +33,7 @@ from dstrain.monitor.config import CSVConfig, TensorBoardConfig, WandbConfig
 from dstrain.pipe.config import PipelineConfig
 
 __all__ = [
+    "SECTIONS",
     "AioConfig",
     "BF16Config",
     "CheckpointConfig",
@@ -40,6 +42,7 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "ZeroConfig",
+    "read_config_file",
 ]
 
 AioConfig = IOConfig
@@ -114,25 +117,102 @@ class DSConfig:
     """If set, `initialize` seeds torch's RNG with it (same on every rank) before building anything."""
 
     _ALIASES: ClassVar[dict[str, str]] = {"bfloat16": "bf16"}
-    _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
-        "amp",
-        "autotuning",
-        "communication_data_type",
-        "compression_training",
-        "data_efficiency",
-        "data_types",
-        "dump_state",
-        "elasticity",
-        "flops_profiler",
-        "gradient_predivide_factor",
-        "memory_breakdown",
-        "prescale_gradients",
-        "sparse_attention",
-        "sparse_gradients",
-        "torch_autocast",
-        "zero_allow_untested_optimizer",
-        "zero_force_ds_cpu_optimizer",
-    )
+    zero_allow_untested_optimizer: bool = False
+    """Accepted for DeepSpeed configs: dstrain steps any client optimizer it can rebuild over the master
+    tensors (and refuses by name the ones it cannot), so there is nothing to allow."""
+    dataloader_drop_last: bool = False
+    """The loader `initialize` builds from ``training_data`` drops the last incomplete micro-batch."""
+
+    _NO_EFFECT: ClassVar[dict[str, str]] = {
+        "zero_allow_untested_optimizer": "dstrain steps any client optimizer it can rebuild, and refuses the rest by name",
+    }
+    _UNBUILT: ClassVar[dict[str, Unbuilt]] = {
+        "amp": Unbuilt(
+            why="NVIDIA Apex AMP (use bf16 or fp16)", default={"enabled": False}, switch="enabled"
+        ),
+        "autotuning": Unbuilt(why="DeepSpeed's autotuner", default={"enabled": False}, switch="enabled"),
+        "communication_data_type": Unbuilt(
+            why="a gradient all-reduce dtype other than the gradients'", default=None
+        ),
+        "compression_training": Unbuilt(why="XTC / ZeroQuant compression training", default={}),
+        "comet": Unbuilt(why="the Comet monitor", default={"enabled": False}, switch="enabled"),
+        "curriculum_learning": Unbuilt(
+            why="legacy curriculum learning", default={"enabled": False}, switch="enabled"
+        ),
+        "data_efficiency": Unbuilt(
+            why="curriculum / random-LTD data efficiency", default={"enabled": False}, switch="enabled"
+        ),
+        "data_types": Unbuilt(why="gradient accumulation dtype", default={"grad_accum_dtype": None}),
+        "dump_state": Unbuilt(why="printing the engine's state", default=False),
+        "elasticity": Unbuilt(
+            why="elastic batch / GPU-count planning", default={"enabled": False}, switch="enabled"
+        ),
+        "flops_profiler": Unbuilt(
+            why="the flops profiler",
+            default={
+                "enabled": False,
+                "recompute_fwd_factor": 0.0,
+                "profile_step": 1,
+                "module_depth": -1,
+                "top_modules": 1,
+                "detailed": True,
+                "output_file": None,
+            },
+            switch="enabled",
+        ),
+        "gradient_allreduce_op": Unbuilt(
+            why="summing gradients over ranks instead of averaging them", default="mean"
+        ),
+        "gradient_predivide_factor": Unbuilt(why="dividing gradients before the all-reduce", default=1.0),
+        "memory_breakdown": Unbuilt(why="memory usage prints", default=False),
+        "prescale_gradients": Unbuilt(why="scaling gradients before the all-reduce", default=False),
+        "sparse_attention": Unbuilt(why="block-sparse attention kernels", default=None),
+        "sparse_gradients": Unbuilt(why="sparse embedding gradients", default=False),
+        "torch_autocast": Unbuilt(
+            why="torch.autocast instead of casting the model", default={"enabled": False}, switch="enabled"
+        ),
+        "zero_force_ds_cpu_optimizer": Unbuilt(
+            why="dstrain's offloaded optimizer is always its own CPU Adam (DeepSpeed's true)", default=True
+        ),
+        "compile": Unbuilt(why="DeepSpeed's torch.compile integration", default={"deepcompile": False}),
+        "hybrid_engine": Unbuilt(why="the RLHF hybrid engine", default={"enabled": False}, switch="enabled"),
+        "nebula": Unbuilt(
+            why="the Nebula checkpoint service (dsio saves asynchronously)",
+            default={"enabled": False},
+            switch="enabled",
+        ),
+        "progressive_layer_drop": Unbuilt(
+            why="progressive layer drop", default={"enabled": False}, switch="enabled"
+        ),
+        "eigenvalue": Unbuilt(why="eigenvalue-based schedules", default={"enabled": False}, switch="enabled"),
+        "quantize_training": Unbuilt(
+            why="MoQ quantization-aware training", default={"enabled": False}, switch="enabled"
+        ),
+        "weight_quantization": Unbuilt(why="post-training weight quantization", default=None),
+        "tensor_parallel": Unbuilt(
+            why="tensor parallelism (AutoTP)", default={"autotp_size": 0}, also=({"autotp_size": 1},)
+        ),
+        "sequence_parallel_size": Unbuilt(why="Ulysses sequence parallelism", default=1),
+        "seq_parallel_communication_data_type": Unbuilt(
+            why="sequence-parallel communication dtype", default="fp32"
+        ),
+        "expert_parallel": Unbuilt(
+            why="DeepSpeed's expert-parallel section (dstrain's MoE layers take ep_size)", default=None
+        ),
+        "use_data_before_expert_parallelism": Unbuilt(why="expert-parallel data order", default=False),
+        "timers": Unbuilt(why="DeepSpeed's throughput timer (dstrain: engine.statistics())", any_value=True),
+        "datastates_ckpt": Unbuilt(why="DataStates checkpointing", default=False),
+        "disable_allgather": Unbuilt(why="skipping the post-step all-gather", default=False),
+        "disable_python_gc": Unbuilt(why="disabling Python's GC during training", default=False, also=(0,)),
+        "graph_harvesting": Unbuilt(why="CUDA graph harvesting", default=False),
+        "managed_gradient_accumulation": Unbuilt(
+            why="DeepSpeed-managed accumulation (dstrain's always is)", default=True
+        ),
+        "vocabulary_size": Unbuilt(why="a vocabulary size for DeepSpeed's inference kernels", any_value=True),
+        "log_level": Unbuilt(
+            why="DeepSpeed's logger level (dstrain logs through logging.getLogger('dstrain'))", any_value=True
+        ),
+    }
 
     def __post_init__(self) -> None:
         check_int("", "world_size", self.world_size, min_value=1)
@@ -169,6 +249,8 @@ class DSConfig:
         check_float("", "gradient_clipping", self.gradient_clipping, min_value=0.0)
         check_int("", "steps_per_print", self.steps_per_print, min_value=1)
         check_bool("", "wall_clock_breakdown", self.wall_clock_breakdown)
+        check_bool("", "zero_allow_untested_optimizer", self.zero_allow_untested_optimizer)
+        check_bool("", "dataloader_drop_last", self.dataloader_drop_last)
         if self.seed is not None:
             check_int("", "seed", self.seed, min_value=0)
 
@@ -180,37 +262,24 @@ class DSConfig:
     @classmethod
     def load(cls, config: Mapping[str, Any] | str | os.PathLike[str], *, world_size: int = 1) -> DSConfig:
         """Parse a DeepSpeed config dict or JSON file, resolving batch sizes against ``world_size``."""
-        if isinstance(config, str | os.PathLike):
-            try:
-                with open(config) as f:
-                    data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError("<config>", f"{os.fspath(config)} is not valid JSON: {e}") from e
-        else:
-            data = config
+        data = read_config_file(config) if isinstance(config, str | os.PathLike) else config
+        if auto_paths(data):  # what needs no model or optimizer (batch sizes); names the rest
+            data = resolve_auto(data)
         known = [f.name for f in dataclasses.fields(cls) if f.name != "world_size"]
-        reject_unknown(data, known + list(cls._ALIASES), cls._UNIMPLEMENTED, "")
+        data = reject_unknown(data, known + list(cls._ALIASES), cls._UNBUILT, "")
+        for key, why in cls._NO_EFFECT.items():
+            if key in data:
+                note_no_effect(key, data[key], why)
         data = {cls._ALIASES.get(k, k): v for k, v in data.items()}
         check_int("", "world_size", world_size, min_value=1)
         tbs, mbs, gas = _resolve_batch(data, world_size)
         kwargs: dict[str, Any] = {k: v for k, v in data.items() if k not in _BATCH_KEYS}
-        sections = {
-            "fp16": FP16Config,
-            "bf16": BF16Config,
-            "zero_optimization": ZeroConfig,
-            "checkpoint": CheckpointConfig,
-            "pipeline": PipelineConfig,
-            "optimizer": OptimizerConfig,
-            "scheduler": SchedulerConfig,
-            "activation_checkpointing": ActivationCheckpointingConfig,
-            "comms_logger": CommsLoggerConfig,
-            "tensorboard": TensorBoardConfig,
-            "csv_monitor": CSVConfig,
-            "wandb": WandbConfig,
-        }
         if kwargs.get("aio") is not None:
             kwargs["aio"] = _parse_aio(kwargs["aio"])
-        for name, section in sections.items():
+        zero = kwargs.get("zero_optimization")
+        if isinstance(zero, Mapping) and "overlap_comm" not in zero:  # DeepSpeed: true at stage 3 only
+            kwargs["zero_optimization"] = {**zero, "overlap_comm": zero.get("stage") == 3}
+        for name, section in SECTIONS.items():
             if name in kwargs and kwargs[name] is not None:
                 kwargs[name] = build(section, kwargs[name], name)
         return cls(
@@ -220,6 +289,47 @@ class DSConfig:
             gradient_accumulation_steps=gas,
             **kwargs,
         )
+
+
+SECTIONS: dict[str, type] = {
+    "fp16": FP16Config,
+    "bf16": BF16Config,
+    "zero_optimization": ZeroConfig,
+    "checkpoint": CheckpointConfig,
+    "pipeline": PipelineConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "activation_checkpointing": ActivationCheckpointingConfig,
+    "comms_logger": CommsLoggerConfig,
+    "tensorboard": TensorBoardConfig,
+    "csv_monitor": CSVConfig,
+    "wandb": WandbConfig,
+}
+"""The top-level sections `DSConfig.load` builds with `dstrain._parse.build`, by key: a room's section
+is one line here (and a field of `DSConfig`); `dstrain.config_reference` walks them into README's table."""
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config file as a dict: JSON, or HJSON (comments, unquoted keys, trailing commas) as DeepSpeed
+    reads every config file."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        try:
+            import hjson
+        except ImportError:
+            raise ConfigError(
+                "<config>", f"{os.fspath(path)} is not valid JSON ({e}); pip install hjson for HJSON"
+            ) from e
+        try:
+            data = hjson.loads(text)
+        except hjson.HjsonDecodeError as e2:
+            raise ConfigError("<config>", f"{os.fspath(path)} is neither JSON ({e}) nor HJSON ({e2})") from e2
+    if not isinstance(data, Mapping):
+        raise ConfigError("<config>", f"{os.fspath(path)} holds a {type(data).__name__}, not a JSON object")
+    return dict(data)
 
 
 def _resolve_batch(data: Mapping[str, Any], world_size: int) -> tuple[int, int, int]:

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from dstrain.checkpoint import CheckpointStore, default_store
 from dstrain.checkpointing import compose as activation_checkpointing
-from dstrain.config import DSConfig
+from dstrain.config import DSConfig, read_config_file
+from dstrain.config_auto import resolve_auto
 from dstrain.dist import comms_logger
 from dstrain.dist.topology import Topology
 from dstrain.engine import Engine
@@ -256,7 +257,11 @@ def _build_loader(
         data, num_replicas=topology.dp.world_size, rank=topology.dp.rank, shuffle=True, seed=config.seed or 0
     )
     return DataLoader(
-        data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
+        data,
+        batch_size=config.train_micro_batch_size_per_gpu,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=config.dataloader_drop_last,
     )
 
 
@@ -298,7 +303,9 @@ def initialize(
 
     topology = build_topology(model, config)
     bind_expert_groups(model, topology)  # MoE layers exchange tokens over topology.ep (dstrain/moe)
-    cfg = DSConfig.load(config, world_size=topology.dp.world_size)  # batch sizes count data-parallel ranks
+    raw = read_config_file(config) if isinstance(config, str | os.PathLike) else config
+    raw = resolve_auto(raw, model=model, optimizer=optimizer)  # "auto": bucket sizes from hidden size, ...
+    cfg = DSConfig.load(raw, world_size=topology.dp.world_size)  # batch sizes count data-parallel ranks
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     precision = Precision(cfg.precision, cfg.fp16)

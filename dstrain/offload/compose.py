@@ -141,6 +141,9 @@ def build_offload_optimizer(
         buffer_count=int(offload.buffer_count),
         pinned_budget=remaining_budget(zero, int(pinned_budget)),
         io_config=io_config_from(aio) if offload.device == "nvme" else None,
+        # device "cpu": Adam's m/v in page-locked memory where a GPU copies them (nvme: the swap
+        # buffers are dsio's pinned pool either way)
+        pin_memory=offload.pin_memory and offload.device == "cpu" and torch.cuda.is_available(),
         **settings,
     )
     why_not = early_step_legal(offload, zero, master_store, grad_store, gradient_clipping, precision)

@@ -19,9 +19,9 @@ import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from dstrain._parse import build, check_bool, check_choice, check_float, check_int
+from dstrain._parse import Unbuilt, build, check_bool, check_choice, check_float, check_int
 from dstrain.errors import ConfigError, NotImplementedConfigError
 
 __all__ = [
@@ -69,6 +69,19 @@ class OffloadOptimizerConfig:
     no gradient clipping, no fp16, master and gradients in memory; ``false`` steps everything in
     ``engine.step()``."""
 
+    _NO_EFFECT: ClassVar[dict[str, str]] = {
+        "pipeline_read": "dstrain always reads the state ahead, in step order",
+        "pipeline_write": "dstrain always writes the state behind, drained during the next forward",
+        "fast_init": "dstrain writes the initial state with dsio, already at disk speed",
+    }
+    _UNBUILT: ClassVar[dict[str, Unbuilt]] = {
+        "super_offload": Unbuilt(why="SuperOffload (GH200 superchips)", default=False),
+        "cpuadam_cores_perc": Unbuilt(
+            why="DeepSpeed's CPU-Adam thread share; dstrain's step uses torch's intra-op threads",
+            any_value=True,
+        ),
+    }
+
     def __post_init__(self) -> None:
         p = "zero_optimization.offload_optimizer"
         _check_common(p, self.device, self.nvme_path, self.pin_memory, self.buffer_count)
@@ -102,6 +115,10 @@ class OffloadParamConfig:
     max_in_cpu: int = 1_000_000_000
     """Accepted for compatibility. DeepSpeed keeps models under this many elements in CPU memory
     even when ``device`` is ``"nvme"``; dstrain always puts them on NVMe, as asked."""
+
+    _NO_EFFECT: ClassVar[dict[str, str]] = {
+        "max_in_cpu": "dstrain puts parameters where device says (on NVMe when asked), whatever their size",
+    }
 
     def __post_init__(self) -> None:
         p = "zero_optimization.offload_param"
@@ -163,12 +180,19 @@ def check_stage(stage: int, optimizer: OffloadOptimizerConfig, param: OffloadPar
 
 
 def check_nvme_path(field: str, path: str) -> bool:
-    """Check at initialize that ``path`` is an existing, writable directory; return whether it
+    """Check at initialize that ``path`` is a writable directory (created, 0700, when missing); return whether it
     supports O_DIRECT (where it does not, dsio falls back to buffered I/O: logged once here, with
     what that costs). Raises `ConfigError` naming ``field`` otherwise."""
+    if not os.path.exists(path):  # DeepSpeed creates it too; dstrain makes it private to the user
+        try:
+            os.makedirs(path, mode=0o700)
+        except FileExistsError:
+            pass  # another rank made it first
+        except OSError as e:
+            raise ConfigError(field, f"{path!r} does not exist and cannot be created: {e.strerror}") from e
+        log.info("%s: created %r (mode 0700)", field, path)
     if not os.path.isdir(path):
-        what = "does not exist" if not os.path.exists(path) else "is not a directory"
-        raise ConfigError(field, f"{path!r} {what}; create it (dstrain does not create swap directories)")
+        raise ConfigError(field, f"{path!r} is not a directory")
     try:
         fd, probe = tempfile.mkstemp(prefix=".dstrain-probe-", dir=path)
     except OSError as e:

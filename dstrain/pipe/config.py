@@ -43,7 +43,13 @@ class PipelineConfig:
     a gloo group of the pipeline ranks, CUDA payloads copied through host memory. ``"ordered"``: NCCL's
     discipline on gloo (untagged, a group per direction), to test it without GPUs."""
 
-    _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ()
+    _NO_EFFECT: ClassVar[dict[str, str]] = {
+        "partition": "the PipelineModule's partition_method decides the split (DeepSpeed's engine reads it there too)",
+        "seed_layers": "the PipelineModule's seed_layers decides (layers are built before the config is read)",
+        "pipe_partitioned": "partitions activations over tensor-parallel ranks; dstrain has no tensor parallelism",
+        "grad_partitioned": "partitions gradients over tensor-parallel ranks; dstrain has no tensor parallelism",
+        "use_reentrant": "dstrain's activation checkpointing is always non-reentrant",
+    }
 
     def __post_init__(self) -> None:
         if self.stages != "auto":

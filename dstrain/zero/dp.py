@@ -144,7 +144,7 @@ class DataParallelZero(ZeroStrategy):
     def _all_reduce_bucketed(self, flat: torch.Tensor, route: Route) -> None:
         if route.comm.world_size == 1:
             return
-        size = self.config.reduce_bucket_size
+        size = self.config.reduce_bucket_size or flat.numel()  # 0: no bucketing (HF's ZeRO test configs)
         queue = ReductionQueue()  # every bucket in flight at once, then wait for all
         for i in range(0, flat.numel(), size):
             queue.push(route.reducer.reduce(flat[i : i + size], route.comm))

@@ -72,16 +72,16 @@ def test_batch_errors_name_the_key(given: dict[str, Any], world: int, field: str
 BAD: list[tuple[dict[str, Any], str]] = [
     ({"fp16": {"enabled": "yes"}}, "fp16.enabled"),
     ({"fp16": {"enabled": True, "loss_scale": -1}}, "fp16.loss_scale"),
-    ({"fp16": {"initial_scale_power": -2}}, "fp16.initial_scale_power"),
-    ({"fp16": {"loss_scale_window": 0}}, "fp16.loss_scale_window"),
-    ({"fp16": {"hysteresis": 0}}, "fp16.hysteresis"),
-    ({"fp16": {"min_loss_scale": 0}}, "fp16.min_loss_scale"),
-    ({"fp16": {"consecutive_hysteresis": 1}}, "fp16.consecutive_hysteresis"),
+    ({"fp16": {"enabled": True, "initial_scale_power": -2}}, "fp16.initial_scale_power"),
+    ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "fp16.loss_scale_window"),
+    ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis"),
+    ({"fp16": {"enabled": True, "min_loss_scale": 0}}, "fp16.min_loss_scale"),
+    ({"fp16": {"enabled": True, "consecutive_hysteresis": 1}}, "fp16.consecutive_hysteresis"),
     ({"bf16": {"enabled": 1}}, "bf16.enabled"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "bf16.enabled"),
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage"),
     ({"zero_optimization": {"stage": "2"}}, "zero_optimization.stage"),
-    ({"zero_optimization": {"reduce_bucket_size": 0}}, "zero_optimization.reduce_bucket_size"),
+    ({"zero_optimization": {"reduce_bucket_size": -1}}, "zero_optimization.reduce_bucket_size"),
     ({"zero_optimization": {"allgather_bucket_size": 1.5}}, "zero_optimization.allgather_bucket_size"),
     ({"zero_optimization": {"overlap_comm": "true"}}, "zero_optimization.overlap_comm"),
     ({"zero_optimization": {"contiguous_gradients": None}}, "zero_optimization.contiguous_gradients"),
@@ -98,7 +98,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
         {"zero_optimization": {"stage3_max_live_parameters": "x"}},
         "zero_optimization.stage3_max_live_parameters",
     ),
-    ({"zero_optimization": {"sub_group_size": 0}}, "zero_optimization.sub_group_size"),
+    ({"zero_optimization": {"sub_group_size": -1}}, "zero_optimization.sub_group_size"),
     ({"zero_optimization": {"offload_param": "cpu"}}, "zero_optimization.offload_param"),
     ({"zero_optimization": []}, "zero_optimization"),
     ({"optimizer": {"type": "Adamm"}}, "optimizer.type"),
@@ -187,8 +187,8 @@ UNIMPLEMENTED = [
     ({"communication_data_type": "fp32"}, "communication_data_type"),
     ({"fp16": {"auto_cast": True}}, "fp16.auto_cast"),
     (
-        {"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": True}},
-        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        {"zero_optimization": {"zero_quantized_weights": True}},
+        "zero_optimization.zero_quantized_weights",
     ),
     (
         {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
@@ -266,7 +266,7 @@ def test_config_dataclasses_are_frozen_and_validate_on_direct_construction() -> 
         ZeroConfig(stage=5)
     assert info.value.field == "zero_optimization.stage"
     with pytest.raises(ConfigError):
-        FP16Config(hysteresis=0)
+        FP16Config(enabled=True, hysteresis=0)
     with pytest.raises(ConfigError) as info:
         DSConfig(train_batch_size=8, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=1)
     assert info.value.field == "train_batch_size"

@@ -92,13 +92,18 @@ def test_unsupported_combinations_are_refused(tmp_path) -> None:
 
 def test_nvme_path_checks(tmp_path) -> None:
     field = "zero_optimization.offload_optimizer.nvme_path"
-    with pytest.raises(ConfigError) as e:
-        check_nvme_path(field, str(tmp_path / "missing"))
-    assert e.value.field == field
+    made = tmp_path / "missing" / "swap"
+    check_nvme_path(field, str(made))  # created, as DeepSpeed does, and private to the user
+    assert made.is_dir() and stat.S_IMODE(made.stat().st_mode) == 0o700
+    made.rmdir()
+    (tmp_path / "missing").rmdir()
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(ConfigError):
         check_nvme_path(field, str(a_file))
+    with pytest.raises(ConfigError) as e:  # cannot be created: a file is in the way
+        check_nvme_path(field, str(a_file / "under"))
+    assert e.value.field == field
     assert isinstance(check_nvme_path(field, str(tmp_path)), bool)
     assert os.listdir(tmp_path) == ["file"]  # the probe file is gone
     if os.geteuid() != 0:  # root writes anywhere
@@ -148,7 +153,7 @@ def test_nvme_offload_runs_buffered_where_o_direct_is_refused(no_odirect_fs) -> 
     assert torch.equal(master.detach(), ref.detach())
 
 
-def test_initialize_refuses_a_missing_nvme_path(tmp_path) -> None:
+def test_initialize_creates_a_missing_nvme_path(tmp_path) -> None:
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -157,10 +162,15 @@ def test_initialize_refuses_a_missing_nvme_path(tmp_path) -> None:
     import dstrain
 
     cfg = base_config(2, world=1)
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path / "nope")}
+    (tmp_path / "a-file").write_text("x")
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path / "a-file" / "x")}
     with pytest.raises(ConfigError) as e:
         dstrain.initialize(model=make_model(), config=cfg)
     assert e.value.field == "zero_optimization.offload_optimizer.nvme_path"
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path / "new")
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=cfg)
+    engine.close()
+    assert (tmp_path / "new").is_dir()
     cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path)
     cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
     with pytest.raises(NotImplementedConfigError) as e:  # only Adam(W) state is offloaded

@@ -88,6 +88,7 @@ class OffloadAdam(torch.optim.Optimizer):
         io_config: Any = None,
         master_store: Any = None,
         grad_store: Any = None,
+        pin_memory: bool = False,
     ) -> None:
         if device not in ("cpu", "nvme"):
             raise ConfigError(
@@ -160,8 +161,9 @@ class OffloadAdam(torch.optim.Optimizer):
                 sg.offset = swapper.reserve(sg.index, 2 * align_up(sg.numel * _F32))  # m, then v
         else:
             for sg in subs:
-                sg.m = torch.zeros(sg.numel, dtype=torch.float32)
-                sg.v = torch.zeros(sg.numel, dtype=torch.float32)
+                # offload_optimizer.pin_memory: page-locked m/v, copied to and from the GPU asynchronously
+                sg.m = torch.zeros(sg.numel, dtype=torch.float32, pin_memory=pin_memory)
+                sg.v = torch.zeros(sg.numel, dtype=torch.float32, pin_memory=pin_memory)
         # the state, with its reads ahead (and in the step the swapped master / gradient ranges);
         # ``master_store``: stage 3, parameters and state on NVMe, fp32: the master views have no
         # storage; each sub-group's master is read from (and written back to) the parameter file
