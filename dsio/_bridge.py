@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["DRAIN_TIMEOUT_S", "LoopThread", "run_sync", "shared_loop"]
+__all__ = ["DRAIN_TIMEOUT_S", "LoopThread", "new_loop", "run_sync", "shared_loop"]
 
 T = TypeVar("T")
 log = logging.getLogger("dsio")
@@ -46,7 +46,7 @@ _shared: LoopThread | None = None
 _shared_lock = threading.Lock()
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
+def new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; tolerate its absence
@@ -64,7 +64,7 @@ class LoopThread:
 
     def __init__(self, name: str = "dsio-loop") -> None:
         self.name = name
-        self._loop = _new_loop()
+        self._loop = new_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._closed = False

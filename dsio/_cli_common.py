@@ -120,9 +120,9 @@ def buffer(nbytes: int, gpu: bool) -> Any:
 def run(coro: Any) -> Any:
     """Run a CLI coroutine on a fresh event loop: uvloop when importable (as every loop dsio
     starts), else asyncio's."""
-    from ._bridge import _new_loop
+    from ._bridge import new_loop
 
-    with asyncio.Runner(loop_factory=_new_loop) as runner:
+    with asyncio.Runner(loop_factory=new_loop) as runner:
         return runner.run(coro)
 
 

@@ -127,7 +127,7 @@ class Operations:
             direct_bytes=c.direct,
             staged_bytes=c.staged,
             buffered_bytes=c.buffered,
-            engine=IOEngineStatistics._from(self.backend, self.engine.statistics()),
+            engine=IOEngineStatistics.from_native(self.backend, self.engine.statistics()),
             pool=self.pool.statistics(),
         )
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-__all__ = ["REGISTRY", "Describe", "Sample", "track", "tracked", "untrack"]
+__all__ = ["REGISTRY", "Describe", "Registry", "Sample", "track", "tracked", "untrack"]
 
 
 class _HasStatistics(Protocol):
@@ -65,7 +65,7 @@ def _merge(a: Any, b: Any) -> Any:
     return a
 
 
-class _Registry:
+class Registry:
     """Live objects by key, weakly; the last snapshot of each; merged totals of retired ones.
 
     Weak-reference callbacks only append to a deque (they may run during any allocation, even
@@ -189,7 +189,7 @@ def _snapshot(obj: Any) -> Any:
         return None
 
 
-REGISTRY = _Registry()
+REGISTRY = Registry()
 """The process-wide registry that ``dsio.metrics``' collector reads."""
 
 

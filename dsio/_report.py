@@ -14,7 +14,7 @@ from typing import Any
 
 from ._cli_common import human
 
-__all__ = ["probe_o_direct"]
+__all__ = ["probe_o_direct", "report"]
 
 
 def _mount_of(path: str) -> tuple[str, str, str]:
@@ -174,7 +174,7 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _report(args: argparse.Namespace) -> int:
+def report(args: argparse.Namespace) -> int:
     from . import backend_status
     from ._native import native
 

@@ -40,7 +40,7 @@ class OpStatistics:
     in the kernel (submission to completion): what the device gives one piece at the engine's depth."""
 
     @classmethod
-    def _from(cls, d: dict) -> OpStatistics:
+    def from_native(cls, d: dict) -> OpStatistics:
         return cls(
             d["ops"],
             d["bytes"],
@@ -83,12 +83,12 @@ class IOEngineStatistics:
     """Worker time spent on those copies (off the event-loop thread, GIL-free)."""
 
     @classmethod
-    def _from(cls, backend: str, d: dict) -> IOEngineStatistics:
+    def from_native(cls, backend: str, d: dict) -> IOEngineStatistics:
         return cls(
             backend=backend,
-            read=OpStatistics._from(d["read"]),
-            write=OpStatistics._from(d["write"]),
-            fsync=OpStatistics._from(d["fsync"]),
+            read=OpStatistics.from_native(d["read"]),
+            write=OpStatistics.from_native(d["write"]),
+            fsync=OpStatistics.from_native(d["fsync"]),
             in_flight=d["submitted"] - d["completed"],
             submitted=d["submitted"],
             completed=d["completed"],

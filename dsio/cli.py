@@ -33,7 +33,7 @@ from ._cli_common import (
     run,
     size_arg,
 )
-from ._report import _report
+from ._report import report
 
 __all__ = ["main", "parse_size"]
 
@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dir", action="append", help="directory to probe for O_DIRECT (repeatable; default: cwd)"
     )
     r.add_argument("--json", action="store_true", help="machine-readable output")
-    r.set_defaults(func=_report)
+    r.set_defaults(func=report)
 
     t = sub.add_parser("tune", help='sweep engine settings, write the best dstrain "aio" block')
     t.add_argument("--dir", required=True, help="directory on the storage to tune for")

@@ -57,7 +57,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ._exporter import DEFAULT_PORT, LISTEN_BACKLOG, MetricsServer, default_port, start
-from ._registry import REGISTRY, Sample, _Registry, track, tracked, untrack
+from ._registry import REGISTRY, Registry, Sample, track, tracked, untrack
 from ._stats import LATENCY_BUCKET_BOUNDS_S
 
 __all__ = [
@@ -100,7 +100,7 @@ def _errno_name(code: object) -> str:
 class DsioCollector:
     """A prometheus-client collector over the tracked objects. Register it into any registry."""
 
-    def __init__(self, registry: _Registry | None = None) -> None:
+    def __init__(self, registry: Registry | None = None) -> None:
         self._reg = registry or REGISTRY
         self._backends: list[tuple[str, bool]] | None = None
 

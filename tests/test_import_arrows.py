@@ -5,10 +5,13 @@
   prometheus-client or the metrics layer, directly or through another dsio module;
 - dsio.checkpoint never imports dstrain;
 - the I/O core (handles, files, pools, engine face, bridge, registry) never imports dsio.checkpoint;
-- only dsio._native imports the native core dsio._C, and ``import dsio`` works without it.
+- only dsio._native imports the native core dsio._C, and ``import dsio`` works without it;
+- no import circle among the modules of dsio, dstrain and bench (type-only imports count here: a
+  circle of types is a concept cut in two), and no module reads another module's ``_private``
+  name (``from m import _x``, or ``obj._x`` where this module defines no ``_x``).
 
 Imports inside functions count (they run sooner or later); imports under ``if TYPE_CHECKING:`` do
-not (they never run).
+not for the never-arrows (they never run), but do for circles.
 """
 
 from __future__ import annotations
@@ -174,3 +177,173 @@ def test_import_dsio_works_without_the_native_core():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+# -- circles and private reads (dsio, dstrain, bench) ------------------------------------------------
+
+HOUSE = ("dsio", "dstrain", "bench")
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _from_target(package: str, node: ast.ImportFrom) -> str:
+    """The absolute module of ``from <node.module> import ...`` written in ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _house_arrows(path: Path) -> set[str]:
+    """Modules of the house that ``path`` imports, TYPE_CHECKING ones included (``from a import b``:
+    ``a.b`` when that is a module, else ``a``), less its own packages."""
+    mod = _module_name(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = _from_target(package, node)
+            for a in node.names:
+                out.add(f"{target}.{a.name}" if _is_module(f"{target}.{a.name}") else target)
+    # a module's own ancestor packages run before it anyway: an import of one is no arrow back up
+    return {
+        m for m in out if m.split(".")[0] in HOUSE and _is_module(m) and not (mod + ".").startswith(m + ".")
+    }
+
+
+def _house_files() -> list[Path]:
+    return [p for top in HOUSE for p in sorted((ROOT / top).rglob("*.py"))]
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+HOUSE_GRAPH = {_module_name(p): _house_arrows(p) for p in _house_files()}
+
+
+def test_the_circle_finder_finds_a_circle():
+    # Guards the guard: a made-up circle is found, and the real graph has its known arrows.
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert "dstrain.offload.swap.swapper" in HOUSE_GRAPH["dstrain.offload.optimizer.adam"]
+    assert "dsio.handle" in HOUSE_GRAPH["dstrain.offload.swap.swapper"]  # a TYPE_CHECKING arrow
+
+
+def test_no_import_circles():
+    assert _circles(HOUSE_GRAPH) == []
+
+
+#: Private names of objects the house does not define, read where no type says whose they are.
+FOREIGN_PRIVATE = {
+    "_version": "torch.Tensor._version, the in-place version counter (dsio.checkpoint's copy-on-save check)",
+}
+
+
+def _private_reads(path: Path) -> list[str]:
+    """``from m import _x`` of a name (not a module) of another house module, and ``obj._x`` where
+    ``obj`` is not self/cls/super() or an imported outside package, and this module defines no
+    ``_x`` (a method, an attribute it assigns, a function, a class)."""
+    mod = _module_name(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    own: set[str] = set()
+    outside: set[str] = set()
+    bad: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Import):
+            outside.update(
+                (a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] not in HOUSE
+            )
+        elif isinstance(node, ast.ImportFrom):
+            if not node.level and (node.module or "").split(".")[0] not in HOUSE:
+                outside.update(a.asname or a.name for a in node.names)
+                continue
+            target = _from_target(package, node)
+            for a in node.names:
+                private = a.name.startswith("_") and not a.name.startswith("__")
+                if private and not _is_module(f"{target}.{a.name}") and f"{target}.{a.name}" != "dsio._C":
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {target} import {a.name}")
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+        ):
+            continue
+        root = node.value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        if isinstance(root, ast.Name) and root.id in outside:
+            continue
+        if isinstance(root, ast.Call) and isinstance(root.func, ast.Name) and root.func.id == "super":
+            continue
+        if node.attr in own or node.attr in FOREIGN_PRIVATE:
+            continue
+        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node.value)}.{node.attr}")
+    return bad
+
+
+def test_the_private_read_finder_finds_one(tmp_path):
+    # Guards the guard: the scan of offload's checkpoint side before SwappedState would have failed.
+    fake = ROOT / "dstrain" / "_arrow_probe_tmp.py"
+    fake.write_text(
+        "from dsio._bridge import LoopThread\nfrom dsio.checkpoint._read import _x\n\ndef f(opt):\n    return opt._swapper, self_._y\n"
+    )
+    try:
+        found = _private_reads(fake)
+    finally:
+        fake.unlink()
+    assert [f.split(": ", 1)[1] for f in found] == [
+        "from dsio.checkpoint._read import _x",
+        "opt._swapper",
+        "self_._y",
+    ]
+
+
+@pytest.mark.parametrize("top", ["dsio", "dstrain"])
+def test_no_module_reads_another_modules_privates(top):
+    bad = [hit for p in sorted((ROOT / top).rglob("*.py")) for hit in _private_reads(p)]
+    assert bad == []

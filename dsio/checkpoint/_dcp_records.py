@@ -12,10 +12,10 @@ import torch
 
 from .._native import C as _C  # dsio._native is the one module that loads the native core
 
-__all__ = ["_Sink", "_addr", "_no_zip_crc32", "_savable"]
+__all__ = ["Sink", "addr", "no_zip_crc32", "savable"]
 
 
-class _Sink:
+class Sink:
     """A write-only file for ``torch.save``: counts bytes, or copies them into memory at ``ptr``."""
 
     def __init__(self, ptr: int = 0, limit: int = -1) -> None:
@@ -28,7 +28,7 @@ class _Sink:
             if self.pos + n > self.limit:
                 raise RuntimeError("torch.save produced more bytes than it did a moment ago")
             if n:
-                _C.memcpy(self.ptr + self.pos, _addr(mv), n)
+                _C.memcpy(self.ptr + self.pos, addr(mv), n)
         self.pos += n
         return n
 
@@ -36,13 +36,13 @@ class _Sink:
         pass
 
 
-def _addr(mv: memoryview) -> int:
+def addr(mv: memoryview) -> int:
     # torch hands the writer (read-only) views of its own memory: take the address without a copy.
     return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
 
 
 @contextlib.contextmanager
-def _no_zip_crc32() -> Iterator[None]:
+def no_zip_crc32() -> Iterator[None]:
     """torch.save without its CRC-32 pass (zlib, ~0.4 GB/s here); every item carries a crc32c."""
     cfg = getattr(getattr(torch, "utils", None), "serialization", None)
     save_cfg = getattr(getattr(cfg, "config", None), "save", None)
@@ -57,7 +57,7 @@ def _no_zip_crc32() -> Iterator[None]:
         save_cfg.compute_crc32 = prev
 
 
-def _savable(t: torch.Tensor) -> torch.Tensor:
+def savable(t: torch.Tensor) -> torch.Tensor:
     """What stock DCP would save: a CPU tensor whose storage is exactly its elements."""
     t = t.detach()
     if t.device.type != "cpu":

@@ -23,7 +23,7 @@ from ._format import MAX_HEADER_BYTES, Header, TensorEntry, parse_header, parse_
 from ._integrity import crc_extend, crc_of, parse_checksums
 from ._stored import StoredFile, StoredTensor
 
-__all__ = ["read_file", "read_header"]
+__all__ = ["placed", "read_file", "read_header"]
 
 _ALIGN = 4096
 #: Tensors at least this big are read straight into their own memory; smaller ones in runs.
@@ -51,7 +51,7 @@ async def read_header(f: AsyncFile, path: str, size: int, limit: int = MAX_HEADE
     return parse_header(raw, size, path)
 
 
-def _placed(nbytes: int, file_offset: int) -> torch.Tensor:
+def placed(nbytes: int, file_offset: int) -> torch.Tensor:
     """``nbytes`` of fresh memory whose address is congruent to ``file_offset`` modulo 4096."""
     base = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
     s = (file_offset - base.data_ptr()) % _ALIGN

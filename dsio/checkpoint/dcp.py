@@ -59,10 +59,10 @@ from ..errors import CheckpointFormatError, ChecksumError
 from ..handle import AsyncIOHandle
 from . import _fs
 from ._api import DEFAULT_IO
-from ._dcp_records import _no_zip_crc32, _savable, _Sink
+from ._dcp_records import Sink, no_zip_crc32, savable
 from ._format import DTYPES, dtype_name
 from ._integrity import crc_of
-from ._read import _placed
+from ._read import placed
 from ._write import Staging
 
 __all__ = ["DsioStorageInfo", "DsioStorageReader", "DsioStorageWriter"]
@@ -133,17 +133,17 @@ class DsioStorageWriter(StorageWriter):
         items = sorted(items, key=lambda it: it[0].type != WriteItemType.BYTE_IO)
         placed = []
         pos = 0
-        with _no_zip_crc32():
+        with no_zip_crc32():
             for item, data in items:
                 if item.type == WriteItemType.BYTE_IO:
                     buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
                     src: Any = bytes(buf)
                     n = len(src)
                 else:
-                    src = _savable(data)
+                    src = savable(data)
                     if dtype_name(src.dtype) is None and src.dtype not in (torch.complex128,):
                         raise TypeError(f"DCP item {item.index.fqn}: dtype {src.dtype} is not supported")
-                    sink = _Sink()
+                    sink = Sink()
                     torch.save(src, sink)  # type: ignore[arg-type]  # a write-only file
                     n = sink.pos
                 placed.append((item, src, pos, n))
@@ -159,7 +159,7 @@ class DsioStorageWriter(StorageWriter):
                         if n:
                             region[off : off + n].copy_(torch.frombuffer(bytearray(src), dtype=torch.uint8))
                     else:
-                        sink = _Sink(base + off, n)
+                        sink = Sink(base + off, n)
                         torch.save(src, sink)  # type: ignore[arg-type]  # a write-only file
                         if sink.pos != n:
                             raise RuntimeError("torch.save produced fewer bytes than it did a moment ago")
@@ -374,7 +374,7 @@ class DsioStorageReader(StorageReader):
                         raise CheckpointFormatError(
                             f"{path}: item {req.storage_index.fqn!r} lies past the end of the file"
                         )
-                    raw = _placed(info.length, info.offset)
+                    raw = placed(info.length, info.offset)
                     if info.length:
                         await f.pread(raw, info.offset)
                     crc = getattr(info, "crc32c", None)

@@ -354,7 +354,7 @@ def _broadcast(world: Comm, obj: Any) -> Any:
     if world.world_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=world._global(0), group=world.group)
+    dist.broadcast_object_list(box, src=world.global_rank(0), group=world.group)
     return box[0]
 
 

@@ -164,7 +164,7 @@ class Comm:
             def broadcasts(async_op: bool) -> Any:
                 works = [
                     dist.broadcast(
-                        out[i * n : (i + 1) * n], src=self._global(i), group=self.group, async_op=async_op
+                        out[i * n : (i + 1) * n], src=self.global_rank(i), group=self.group, async_op=async_op
                     )
                     for i in range(self.world_size)
                 ]
@@ -178,7 +178,7 @@ class Comm:
             _nbytes(out),
         )
 
-    def _global(self, rank: int) -> int:
+    def global_rank(self, rank: int) -> int:
         """The global rank of ``rank`` in this group (collectives name their source globally)."""
         if not self.distributed:
             return rank
@@ -195,7 +195,7 @@ class Comm:
             return
         t = t.detach()
         start = time.perf_counter()
-        dist.broadcast(t, src=self._global(src), group=self.group)
+        dist.broadcast(t, src=self.global_rank(src), group=self.group)
         seconds = time.perf_counter() - start
         self._wait += seconds
         logger = comms_logger.active("broadcast")

@@ -24,9 +24,9 @@ from dsio import _registry as registry_mod
 from dsio import metrics
 
 
-def _registry() -> tuple[registry_mod._Registry, CollectorRegistry]:
+def _registry() -> tuple[registry_mod.Registry, CollectorRegistry]:
     """A private tracking registry and a prometheus registry holding only its collector."""
-    reg = registry_mod._Registry()
+    reg = registry_mod.Registry()
     prom = CollectorRegistry()
     prom.register(metrics.DsioCollector(reg))
     return reg, prom
