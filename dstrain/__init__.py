@@ -19,7 +19,7 @@ from dstrain.engine import Engine, EngineStatistics
 from dstrain.errors import CheckpointNotFoundError, ConfigError, DstrainError, NotImplementedConfigError
 from dstrain.initialize import init_distributed, initialize
 from dstrain.precision import LossScaler, LossScalerStatistics
-from dstrain.scheduler import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from dstrain.scheduler import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from dstrain.zero import ZeroStatistics
 
 __all__ = [
@@ -36,9 +36,11 @@ __all__ = [
     "Engine",
     "EngineStatistics",
     "FP16Config",
+    "LRRangeTest",
     "LossScaler",
     "LossScalerStatistics",
     "NotImplementedConfigError",
+    "OneCycle",
     "OptimizerConfig",
     "SchedulerConfig",
     "TorchSaveStore",

@@ -383,7 +383,10 @@ def _check_params(prefix: str, params: object, known: tuple[str, ...], numeric_m
     reject_unknown(params, known, (), f"{prefix}.params")
     for name, low in numeric_min.items():
         if name in params:
-            check_float(f"{prefix}.params", name, params[name], min_value=low)
+            # a schedule's lr may be a list, one per param group (DeepSpeed's per-group values)
+            values = params[name] if prefix == "scheduler" and isinstance(params[name], list) else [params[name]]
+            for value in values:
+                check_float(f"{prefix}.params", name, value, min_value=low)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -462,12 +465,35 @@ _SCHEDULER_PARAMS: dict[str, tuple[str, ...]] = {
         "warmup_type",
         "last_batch_iteration",
     ),
+    "OneCycle": (
+        "cycle_min_lr",
+        "cycle_max_lr",
+        "decay_lr_rate",
+        "cycle_first_step_size",
+        "cycle_second_step_size",
+        "cycle_first_stair_count",
+        "cycle_second_stair_count",
+        "decay_step_size",
+        "cycle_momentum",
+        "cycle_min_mom",
+        "cycle_max_mom",
+        "decay_mom_rate",
+        "last_batch_iteration",
+    ),
+    "LRRangeTest": (
+        "lr_range_test_min_lr",
+        "lr_range_test_step_size",
+        "lr_range_test_step_rate",
+        "lr_range_test_staircase",
+        "last_batch_iteration",
+    ),
 }
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SchedulerConfig:
-    """``"scheduler"``: ``{"type": "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR", "params": {...}}``."""
+    """``"scheduler"``: ``{"type": "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR" | "OneCycle" | "LRRangeTest",
+    "params": {...}}`` with DeepSpeed's parameter names (`dstrain.scheduler`)."""
 
     type: str
     """Schedule name."""
@@ -475,8 +501,6 @@ class SchedulerConfig:
     """Keyword arguments of the schedule."""
 
     def __post_init__(self) -> None:
-        if self.type in ("OneCycle", "LRRangeTest"):
-            raise NotImplementedConfigError("scheduler.type", f"{self.type} is not implemented yet")
         check_choice("scheduler", "type", self.type, list(_SCHEDULER_PARAMS))
         numeric = {
             "warmup_min_lr": 0.0,
@@ -489,6 +513,13 @@ class SchedulerConfig:
         _check_params("scheduler", self.params, _SCHEDULER_PARAMS[self.type], numeric)
         if "warmup_type" in self.params:
             check_choice("scheduler.params", "warmup_type", self.params["warmup_type"], ("log", "linear"))
+        if self.type == "OneCycle":
+            for name in ("cycle_min_lr", "cycle_max_lr"):
+                if name not in self.params:
+                    raise ConfigError(f"scheduler.params.{name}", "is required by OneCycle")
+        for flag in ("cycle_momentum", "lr_range_test_staircase"):
+            if flag in self.params:
+                check_bool("scheduler.params", flag, self.params[flag])
         if self.type == "WarmupDecayLR" and "total_num_steps" not in self.params:
             raise ConfigError("scheduler.params.total_num_steps", "is required by WarmupDecayLR")
         if self.type == "WarmupCosineLR" and "total_num_steps" not in self.params:

@@ -196,7 +196,6 @@ UNIMPLEMENTED = [
     ),
     ({"optimizer": {"type": "OneBitLamb"}}, "optimizer.type"),
     ({"optimizer": {"type": "lamb"}}, "optimizer.type"),
-    ({"scheduler": {"type": "OneCycle"}}, "scheduler.type"),
     ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),
 ]
 

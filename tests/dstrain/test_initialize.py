@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from _dstrain_helpers import base_config, engine_losses, make_model
 from torch.utils.data import TensorDataset
 
 import dstrain
-from dstrain.scheduler import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from dstrain.scheduler import WarmupLR
 
 
 def test_deepspeed_style_loop_with_dataloader() -> None:
@@ -108,41 +107,3 @@ def test_seed_from_config_is_applied() -> None:
     a = draw_after_initialize(7, disturb=5)
     assert torch.equal(a, draw_after_initialize(7, disturb=11))
     assert not torch.equal(a, draw_after_initialize(8, disturb=5))  # the seed value matters
-
-
-class _Opt:
-    def __init__(self, lr: float) -> None:
-        self.param_groups = [{"lr": lr}]
-
-
-def test_warmup_lr_log_and_linear() -> None:
-    s = WarmupLR(_Opt(1.0), warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="linear")  # type: ignore[arg-type]
-    values = [s.get_lr()[0]]
-    for _ in range(12):
-        s.step()
-        values.append(s.get_lr()[0])
-    assert values[:3] == pytest.approx([0.0, 0.1, 0.2]) and values[10:] == [1.0, 1.0, 1.0]
-    log = WarmupLR(_Opt(1.0), warmup_max_lr=2.0, warmup_num_steps=100)  # type: ignore[arg-type]
-    log.step(9)
-    assert log.get_lr()[0] == pytest.approx(2.0 * math.log(10) / math.log(100))
-
-
-def test_warmup_decay_and_cosine() -> None:
-    d = WarmupDecayLR(
-        _Opt(1.0), total_num_steps=20, warmup_num_steps=10, warmup_max_lr=1.0, warmup_type="linear"
-    )  # type: ignore[arg-type]
-    d.step(15)
-    assert d.get_lr()[0] == pytest.approx(0.5)
-    d.step(25)
-    assert d.get_lr()[0] == 0.0
-    c = WarmupCosineLR(
-        _Opt(0.5), total_num_steps=110, warmup_num_steps=10, cos_min_ratio=0.0, warmup_type="linear"
-    )  # type: ignore[arg-type]
-    c.step(60)
-    assert c.get_lr()[0] == pytest.approx(0.25)
-    c.step(110)
-    assert c.get_lr()[0] == pytest.approx(0.0, abs=1e-12)
-    state = c.state_dict()
-    c2 = WarmupCosineLR(_Opt(0.5), total_num_steps=110, warmup_num_steps=10, cos_min_ratio=0.0)  # type: ignore[arg-type]
-    c2.load_state_dict(state)
-    assert c2.get_lr() == c.get_lr()
