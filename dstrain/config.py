@@ -31,6 +31,7 @@ from dstrain.dist.comms_logger import CommsLoggerConfig
 from dstrain.errors import ConfigError
 from dstrain.monitor.config import CSVConfig, TensorBoardConfig, WandbConfig
 from dstrain.pipe.config import PipelineConfig
+from dstrain.profiling.config import FlopsProfilerConfig
 
 __all__ = [
     "SECTIONS",
@@ -113,6 +114,8 @@ class DSConfig:
     """`dstrain.monitor` CSV files, rank 0."""
     wandb: WandbConfig | None = None
     """`dstrain.monitor` Weights & Biases (needs the ``wandb`` package), rank 0."""
+    flops_profiler: FlopsProfilerConfig | None = None
+    """`dstrain.profiling`: count one step's FLOPs, print the profile, MFU in `Engine.statistics`."""
     seed: int | None = None
     """If set, `initialize` seeds torch's RNG with it (same on every rank) before building anything."""
 
@@ -146,19 +149,6 @@ class DSConfig:
         "dump_state": Unbuilt(why="printing the engine's state", default=False),
         "elasticity": Unbuilt(
             why="elastic batch / GPU-count planning", default={"enabled": False}, switch="enabled"
-        ),
-        "flops_profiler": Unbuilt(
-            why="the flops profiler",
-            default={
-                "enabled": False,
-                "recompute_fwd_factor": 0.0,
-                "profile_step": 1,
-                "module_depth": -1,
-                "top_modules": 1,
-                "detailed": True,
-                "output_file": None,
-            },
-            switch="enabled",
         ),
         "gradient_allreduce_op": Unbuilt(
             why="summing gradients over ranks instead of averaging them", default="mean"
@@ -304,6 +294,7 @@ SECTIONS: dict[str, type] = {
     "tensorboard": TensorBoardConfig,
     "csv_monitor": CSVConfig,
     "wandb": WandbConfig,
+    "flops_profiler": FlopsProfilerConfig,
 }
 """The top-level sections `DSConfig.load` builds with `dstrain._parse.build`, by key: a room's section
 is one line here (and a field of `DSConfig`); `dstrain.config_reference` walks them into README's table."""

@@ -39,6 +39,7 @@ from dstrain.optim.stepper import NoOptimizer, Stepper, TorchStepper
 from dstrain.pipe.compose import attach, pipeline_stages, tied_groups
 from dstrain.pipe.module import PipelineModule
 from dstrain.precision import Precision
+from dstrain.profiling import compose as flops_profiler
 from dstrain.scheduler import LRSchedule, build_scheduler
 from dstrain.zero import init as zero_init
 from dstrain.zero.base import ZeroStrategy
@@ -346,4 +347,7 @@ def initialize(
     monitor = monitors.build(cfg, topology.world.rank)  # tensorboard / csv_monitor / wandb (dstrain/monitor)
     if monitor is not None:
         engine.observers.append(monitor)
+    profiler = flops_profiler.build(cfg, model, topology.world.rank)  # flops_profiler (dstrain/profiling)
+    if profiler is not None:
+        engine.observers.insert(0, profiler)  # before the monitors: they read the MFU it sets
     return engine, engine.optimizer, loader, schedule

@@ -89,6 +89,7 @@ def test_dashboard_structure():
         "learning rate",
         "gradient norm",
         "tokens per second",
+        "mfu",
     ):
         assert topic in titles, f"no panel about {topic}"
     for p in dash["panels"]:
@@ -189,7 +190,8 @@ def train_load(d, stop, ready):
             "offload_optimizer": {"device": "nvme", "nvme_path": swap, "buffer_count": 2}}
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 4,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}, "zero_optimization": zero,
-           "steps_per_print": 10**9, "gradient_clipping": 1.0}  # clipping: the grad norm is computed
+           "steps_per_print": 10**9, "gradient_clipping": 1.0,  # clipping: the grad norm is computed
+           "flops_profiler": {"enabled": True, "peak_tflops": 1.0, "output_file": os.path.join(d, "flops.txt")}}
     engine, _, _, _ = dstrain.initialize(model=model, config=cfg)
     import dstrain.metrics
     dstrain.metrics.register(engine)  # the training series: dstrain_loss, dstrain_lr, ...

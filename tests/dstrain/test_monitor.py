@@ -5,6 +5,7 @@ series in Prometheus."""
 from __future__ import annotations
 
 import csv
+import gc
 import importlib.util
 import os
 from typing import Any
@@ -109,6 +110,7 @@ def test_training_series_in_statistics_and_prometheus() -> None:
     prometheus_client = pytest.importorskip("prometheus_client")
     from dstrain.metrics import register
 
+    gc.collect()  # engines of earlier tests are tracked by dsio's registry until collected (same rank label)
     cfg = base_config(0, world=1, gas=2, gradient_clipping=1.0)
     engine, _, _, _ = dstrain.initialize(model=make_model(), config=cfg)
     registry = prometheus_client.CollectorRegistry()
