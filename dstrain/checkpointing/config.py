@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dstrain._parse import build, check_bool, check_int
-from dstrain.errors import ConfigError, NotImplementedConfigError
+from dstrain._parse import Unbuilt, build, check_bool, check_int
+from dstrain.errors import ConfigError
 
 __all__ = ["ActivationCheckpointingConfig"]
 
@@ -23,15 +23,11 @@ class ActivationCheckpointingConfig:
     most ``nvme_window`` checkpoints' inputs are in (pinned) host memory at once.
     """
 
-    partition_activations: bool = False
-    """DeepSpeed: shard checkpointed inputs over the tensor-parallel ranks. dstrain has no tensor
-    parallelism, so ``true`` is refused (`NotImplementedConfigError`)."""
-    contiguous_memory_optimization: bool = False
-    """DeepSpeed: copy partitioned inputs into one preallocated buffer. DeepSpeed asserts it is used
-    with ``partition_activations`` only, so ``true`` is refused here for the same reason."""
     number_checkpoints: int | None = None
     """DeepSpeed: the size of the contiguous buffer (used only with ``contiguous_memory_optimization``,
-    as in DeepSpeed); validated, otherwise without effect."""
+    as in DeepSpeed); validated, otherwise without effect. ``partition_activations`` and
+    ``contiguous_memory_optimization`` are accepted when false and refused when true
+    (`NotImplementedConfigError`: dstrain has no tensor parallelism)."""
     cpu_checkpointing: bool = False
     """Keep checkpointed inputs in host memory until backward (pinned when CUDA is available)."""
     synchronize_checkpoint_boundary: bool = False
@@ -50,28 +46,24 @@ class ActivationCheckpointingConfig:
     """dstrain: bytes of one NVMe buffer (the largest checkpoint's inputs must fit); None: the first
     checkpoint's input bytes, rounded up to 4 KiB pages."""
 
-    _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ()
+    _UNBUILT: ClassVar[dict[str, Unbuilt]] = {
+        "partition_activations": Unbuilt(
+            why="shards checkpointed inputs over tensor-parallel ranks; dstrain has no tensor parallelism",
+            default=False,
+        ),
+        "contiguous_memory_optimization": Unbuilt(
+            why="copies partitioned inputs into one buffer; DeepSpeed allows it with partition_activations only",
+            default=False,
+        ),
+    }
+    _NO_EFFECT: ClassVar[dict[str, str]] = {
+        "number_checkpoints": "sizes DeepSpeed's contiguous buffer, used only with contiguous_memory_optimization",
+    }
 
     def __post_init__(self) -> None:
         p = "activation_checkpointing"
-        for name in (
-            "partition_activations",
-            "contiguous_memory_optimization",
-            "cpu_checkpointing",
-            "synchronize_checkpoint_boundary",
-            "profile",
-        ):
+        for name in ("cpu_checkpointing", "synchronize_checkpoint_boundary", "profile"):
             check_bool(p, name, getattr(self, name))
-        if self.partition_activations:
-            raise NotImplementedConfigError(
-                f"{p}.partition_activations",
-                "partitions activations over tensor-parallel ranks; dstrain has no tensor parallelism",
-            )
-        if self.contiguous_memory_optimization:
-            raise ConfigError(
-                f"{p}.contiguous_memory_optimization",
-                "needs partition_activations (DeepSpeed asserts the same), which needs tensor parallelism",
-            )
         if self.number_checkpoints is not None:
             check_int(p, "number_checkpoints", self.number_checkpoints, min_value=1)
         if self.nvme_path is not None and not isinstance(self.nvme_path, str):

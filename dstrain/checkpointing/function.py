@@ -204,10 +204,14 @@ def configure(
     global _ACTIVE, _CONFIGURED
     if mpu_ is not None and mpu_.get_model_parallel_world_size() > 1:
         raise NotImplementedConfigError("mpu_", "dstrain has no tensor parallelism")
+    for key, value in (
+        ("partition_activations", partition_activations),
+        ("contiguous_memory_optimization", contiguous_checkpointing),
+    ):
+        if value:  # the section's own check refuses the same keys (dstrain has no tensor parallelism)
+            ActivationCheckpointingConfig.from_dict({key: value})
     base = _section(deepspeed_config)
     overrides: dict[str, Any] = {
-        "partition_activations": partition_activations,
-        "contiguous_memory_optimization": contiguous_checkpointing,
         "number_checkpoints": num_checkpoints,
         "cpu_checkpointing": checkpoint_in_cpu,
         "synchronize_checkpoint_boundary": synchronize,

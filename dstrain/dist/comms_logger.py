@@ -70,8 +70,6 @@ class CommsLoggerConfig:
     debug: bool = False
     """Key each record by its caller too (``all_reduce | reduce_gradients``), as DeepSpeed's debug does."""
 
-    _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ()
-
     def __post_init__(self) -> None:
         p = "comms_logger"
         for name in ("enabled", "verbose", "prof_all", "debug"):

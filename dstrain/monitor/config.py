@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from dstrain._parse import build, check_bool
 from dstrain.errors import ConfigError
@@ -28,8 +28,6 @@ class TensorBoardConfig:
     """Event files go to ``output_path/job_name`` (``runs/job_name`` when empty)."""
     job_name: str = "DeepSpeedJobName"
 
-    _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ()
-
     def __post_init__(self) -> None:
         check_bool("tensorboard", "enabled", self.enabled)
         _check_str("tensorboard", "output_path", self.output_path)
@@ -48,8 +46,6 @@ class CSVConfig:
     output_path: str = ""
     """Files go to ``output_path/job_name/`` (``csv_monitor/job_name/`` when empty)."""
     job_name: str = "DeepSpeedJobName"
-
-    _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         check_bool("csv_monitor", "enabled", self.enabled)
@@ -70,8 +66,6 @@ class WandbConfig:
     team: str | None = None
     """The W&B entity."""
     project: str = "deepspeed"
-
-    _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         check_bool("wandb", "enabled", self.enabled)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dstrain._parse import build, check_bool, check_float, check_int
+from dstrain._parse import Unbuilt, build, check_bool, check_float, check_int
 from dstrain.errors import ConfigError
 
 __all__ = ["FlopsProfilerConfig"]
@@ -27,14 +27,15 @@ class FlopsProfilerConfig:
     """Print the per-module tree (else only the totals and the aggregated view)."""
     output_file: str | None = None
     """Write the profile to this file instead of the log."""
-    recompute_fwd_factor: float = 0.0
-    """DeepSpeed's key: the fraction of forward FLOPs recomputed by activation checkpointing; dstrain counts
-    what ran (a recompute is counted), so only ``0`` is accepted."""
     peak_tflops: float | None = None
     """dstrain: the peak TFLOP/s MFU is measured against; None: measured by a matmul probe on the
     model's device and dtype at the profile step."""
 
-    _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = ()
+    _UNBUILT: ClassVar[dict[str, Unbuilt]] = {
+        "recompute_fwd_factor": Unbuilt(
+            why="adds estimated recompute FLOPs; dstrain counts what ran, recomputes included", default=0.0
+        ),
+    }
 
     def __post_init__(self) -> None:
         p = "flops_profiler"
@@ -45,7 +46,6 @@ class FlopsProfilerConfig:
         check_bool(p, "detailed", self.detailed)
         if self.output_file is not None and not isinstance(self.output_file, str):
             raise ConfigError(f"{p}.output_file", f"expected a path or null, got {self.output_file!r}")
-        check_float(p, "recompute_fwd_factor", self.recompute_fwd_factor, min_value=0.0, max_value=0.0)
         if self.peak_tflops is not None:
             check_float(p, "peak_tflops", self.peak_tflops, min_value=0.0, strict_min=True)
 

@@ -44,7 +44,8 @@ def notes(caplog: Any) -> Any:
 OFF = [
     {"fp16": {"auto_cast": False}},
     {"bf16": {"enabled": True, "immediate_grad_update": False}},
-    {"flops_profiler": {"enabled": False, "profile_step": 5}},
+    {"activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": True}},
+    {"flops_profiler": {"enabled": True, "recompute_fwd_factor": 0.0}},
     {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1, "zero_quantized_weights": False}},
     {"checkpoint": {"load_universal": False, "use_node_local_storage": False}},
     {"gradient_allreduce_op": "mean"},
@@ -62,7 +63,11 @@ def test_unbuilt_keys_off_or_at_default_are_accepted_and_logged(extra: dict[str,
 
 ON = [
     ({"fp16": {"auto_cast": True}}, "fp16.auto_cast"),
-    ({"flops_profiler": {"enabled": True}}, "flops_profiler"),
+    (
+        {"activation_checkpointing": {"partition_activations": True}},
+        "activation_checkpointing.partition_activations",
+    ),
+    ({"flops_profiler": {"recompute_fwd_factor": 0.5}}, "flops_profiler.recompute_fwd_factor"),
     ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
     ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),
     ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
