@@ -16,7 +16,15 @@ from dstrain.config import (
 )
 from dstrain.dist.comm import CommStatistics
 from dstrain.engine import Engine, EngineStatistics
-from dstrain.errors import CheckpointNotFoundError, ConfigError, DstrainError, NotImplementedConfigError
+from dstrain.errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointRankError,
+    ConfigError,
+    DstrainError,
+    NotImplementedConfigError,
+    ReshapeError,
+)
 from dstrain.initialize import init_distributed, initialize
 from dstrain.precision import LossScaler, LossScalerStatistics
 from dstrain.scheduler import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
@@ -26,7 +34,9 @@ __all__ = [
     "AioConfig",
     "BF16Config",
     "CheckpointConfig",
+    "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointRankError",
     "CheckpointStore",
     "CommStatistics",
     "ConfigError",
@@ -42,6 +52,7 @@ __all__ = [
     "NotImplementedConfigError",
     "OneCycle",
     "OptimizerConfig",
+    "ReshapeError",
     "SchedulerConfig",
     "TorchSaveStore",
     "WarmupCosineLR",

@@ -379,6 +379,7 @@ class Engine:
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
         async_save: bool = False,
+        exclude_frozen_parameters: bool = False,
     ) -> Path:
         """Every rank saves its partitions, optimizer state and counters; returns this rank's file.
 
@@ -387,9 +388,12 @@ class Engine:
         (or ``save_latest=False``) saves into ``save_dir/<tag>/``. With ``async_save`` the call returns
         once the state is captured and the files are written while training goes on; the save commits
         at `wait_checkpoint`, or at the next `save_checkpoint`, `load_checkpoint` or `close` (all
-        collective: call them on every rank).
+        collective: call them on every rank). ``exclude_frozen_parameters`` (DeepSpeed's): parameters
+        with ``requires_grad=False`` are not saved (the model being loaded into has them already).
         """
-        return self.checkpoints.save(save_dir, tag, client_state, save_latest, async_save)
+        return self.checkpoints.save(
+            save_dir, tag, client_state, save_latest, async_save, exclude_frozen=exclude_frozen_parameters
+        )
 
     def _staging_fence(self, lend: bool = False) -> None:
         self.checkpoints.fence(lend)
@@ -404,17 +408,25 @@ class Engine:
         tag: str | None = None,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
+        load_module_strict: bool = True,
     ) -> tuple[Path, dict[str, Any]]:
-        """Restore what `save_checkpoint` wrote (same stage and world size); returns (path, client_state).
+        """Restore what `save_checkpoint` wrote; returns (path, client_state). A checkpoint saved at
+        another world size, ZeRO stage or offload device is resharded for this engine
+        (`dstrain.checkpoint.reshape`), optimizer state included.
 
-        ``tag`` None loads ``load_dir``'s latest step; a tag that names a directory ``load_dir/<tag>``
-        loads that directory's latest; ``global_step<N>`` loads step N of ``load_dir``.
+        ``tag`` None loads ``load_dir``'s latest step (rank 0's choice, on every rank); a tag that names
+        a directory ``load_dir/<tag>`` loads that directory's latest; ``global_step<N>`` loads step N of
+        ``load_dir``. DeepSpeed's flags: ``load_optimizer_states`` / ``load_lr_scheduler_states`` False
+        keep this engine's optimizer / schedule; ``load_module_strict`` False accepts a checkpoint that
+        lacks some of the model's parameters or holds others (those left as they are; the shared ones
+        must still have the same shapes), where True raises `CheckpointMismatchError` naming them.
         """
         return self.checkpoints.load(
             load_dir,
             tag,
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_strict=load_module_strict,
         )
 
     # -- lifetime ------------------------------------------------------------------------------

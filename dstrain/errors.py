@@ -5,13 +5,16 @@ from __future__ import annotations
 from dsio.errors import PicklesByState
 
 __all__ = [
+    "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointRankError",
     "ConfigError",
     "DstrainError",
     "InitError",
     "InsufficientDiskError",
     "NotImplementedConfigError",
     "PretrainedMismatchError",
+    "ReshapeError",
     "TopologyError",
     "UnsupportedOptimizerError",
 ]
@@ -128,3 +131,39 @@ def _shapes(m: object) -> str:
 def _some(keys: tuple[str, ...]) -> str:
     shown = ", ".join(repr(k) for k in keys[:20])
     return shown + (f" and {len(keys) - 20} more" if len(keys) > 20 else "")
+
+
+class CheckpointMismatchError(DstrainError, ValueError):
+    """A checkpoint holds another model: parameters missing from it, parameters it has that the model
+    lacks, or parameters of another shape (``missing``, ``unexpected``, ``reshaped`` list the names).
+    Raised by `Engine.load_checkpoint` and ``dstrain.checkpoint.load_state_dict_from_checkpoint``
+    before anything is applied."""
+
+    def __init__(
+        self,
+        message: str,
+        missing: tuple[str, ...] = (),
+        unexpected: tuple[str, ...] = (),
+        reshaped: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+        self.reshaped = tuple(reshaped)
+
+
+class ReshapeError(DstrainError, ValueError):
+    """A checkpoint cannot be loaded into this engine's shape: a part whose state is per rank (1-bit /
+    0-1 Adam's error feedback) at another world size or stage, or experts (MoE) laid out over another
+    world size. The message names the saved shape and this engine's."""
+
+
+class CheckpointRankError(DstrainError):
+    """A rank lacks what every rank needs: the step chosen to load (its file missing on that rank's
+    storage), the same committed step as the others, or a rank file an export needs. ``step`` and
+    ``rank`` say which (``rank`` -1 where no single rank is at fault)."""
+
+    def __init__(self, message: str, step: int = -1, rank: int = -1) -> None:
+        super().__init__(message)
+        self.step = step
+        self.rank = rank

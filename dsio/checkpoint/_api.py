@@ -53,8 +53,11 @@ async def save(
     fsync: bool = True,
     handle: AsyncIOHandle | None = None,
     config: IOConfig | None = None,
+    metadata: dict[str, str] | None = None,
 ) -> int:
     """Write ``state`` (nested dicts/lists of tensors and plain values) to ``path``; return its size.
+    ``metadata``: extra string entries of the safetensors header (e.g. ``{"format": "pt"}``, which
+    Hugging Face's loaders check).
 
     The file is a valid safetensors file (``safetensors.torch.load_file`` returns the tensors) and
     is durable (fsynced) when this returns. It replaces ``path`` in place: for crash safety use
@@ -66,7 +69,7 @@ async def save(
     async with _handle(handle, config) as h:
         # One-shot: write straight from the tensors through the handle's small pinned pool rather
         # than allocating (and page-faulting) a state-sized staging region for a single use.
-        w = FileWriter(h, path, tensors, file_metadata(tree), None)
+        w = FileWriter(h, path, tensors, file_metadata(tree, metadata), None)
         try:
             return await w.stream(fsync=fsync)
         except BaseException:
@@ -107,13 +110,22 @@ async def load(
     allow_pickle: bool = False,
     handle: AsyncIOHandle | None = None,
     config: IOConfig | None = None,
+    lazy_from: int | None = None,
 ) -> Any:
     """Read a state written by ``save`` (same structure back) or any safetensors file (a dict).
 
     ``verify`` checks each tensor's crc32c where the file records one (dsio's files);
     a mismatch is ``ChecksumError`` naming the tensor and the file. A malformed or truncated
     file is ``CheckpointFormatError``. Nothing is unpickled unless ``allow_pickle``.
+
+    ``lazy_from`` (with ``handle``, which they read with): tensors of at least that many bytes stay
+    in the file as `StoredTensor`s (read byte range by byte range by their consumer, checksums
+    checked as they are read in order; they keep the file open until they are all gone).
     """
+    if lazy_from is not None:
+        if handle is None:
+            raise ValueError("load(lazy_from=...) needs handle=: the stored tensors read with it")
+        return await _load_lazy(os.fspath(path), handle, lazy_from, verify, allow_pickle)
     path = os.fspath(path)
     if os.path.isdir(path):
         raise CheckpointNotFoundError(f"no checkpoint file at {path} (a directory: Checkpointer reads those)")
@@ -127,3 +139,27 @@ async def load(
     finally:
         os.close(fd)
     return restore(header, tensors, device=device, allow_pickle=allow_pickle, path=path)
+
+
+async def _load_lazy(
+    path: str, handle: AsyncIOHandle, lazy_from: int, verify: bool, allow_pickle: bool
+) -> Any:
+    from ._stored import StoredFile, StoredTensor
+
+    if os.path.isdir(path):
+        raise CheckpointNotFoundError(f"no checkpoint file at {path} (a directory: Checkpointer reads those)")
+    try:
+        fd = _fs.open_regular(path, follow=True)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint file at {path}") from None
+    stored = StoredFile(fd, path)
+    try:
+        header, tensors = await read_file(
+            handle, path, verify=verify, fd=fd, lazy_from=lazy_from, stored=stored
+        )
+    except BaseException:
+        stored.close()
+        raise
+    if not any(isinstance(t, StoredTensor) for t in tensors.values()):
+        stored.close()
+    return restore(header, tensors, device="cpu", allow_pickle=allow_pickle, path=path)

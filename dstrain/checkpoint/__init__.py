@@ -1,7 +1,9 @@
 """Engine checkpoints: each part of the engine contributes its state (`state`), stored through dsio's
-``Checkpointer`` or the torch.save fallback (`store`); `load_pretrained` streams a Hugging Face style
-safetensors checkpoint into a model's (zero.Init) partitions."""
+``Checkpointer`` or the torch.save fallback (`store`), with the layout that lets any world size, stage
+or offload load it (`layout`, `reshape`); `load_pretrained` streams a Hugging Face style safetensors
+checkpoint into a model's (zero.Init) partitions."""
 
+from dstrain.checkpoint.layout import Layout
 from dstrain.checkpoint.pretrained import PretrainedLoad, load_pretrained
 from dstrain.checkpoint.state import FORMAT, CountersPart, Part, RngPart, collect, restore
 from dstrain.checkpoint.store import (
@@ -19,6 +21,7 @@ __all__ = [
     "CheckpointStore",
     "CountersPart",
     "DsioStore",
+    "Layout",
     "Part",
     "PendingSave",
     "PretrainedLoad",

@@ -26,10 +26,14 @@ from typing import Any, Protocol
 
 import torch
 
+from dstrain.checkpoint.agree import agree_step
 from dstrain.checkpoint.gate import lend_gate, touch_order
+from dstrain.checkpoint.layout import Layout, PinnedPart, check_same_model, describe
 from dstrain.checkpoint.pending import PendingSave
+from dstrain.checkpoint.reshape import SavedStep, native_state, open_step, saved_world
+from dstrain.checkpoint.sources import materialize
 from dstrain.checkpoint.state import STREAMED, Part, collect, restore
-from dstrain.checkpoint.store import CheckpointStore, load_any, step_name, validate_tag
+from dstrain.checkpoint.store import CheckpointStore, latest_step, load_any, step_name, validate_tag
 from dstrain.dist.comm import Comm
 from dstrain.errors import CheckpointNotFoundError, DstrainError
 
@@ -46,6 +50,9 @@ class Trained(Protocol):
 
     @property
     def stepper(self) -> Any: ...
+
+    @property
+    def zero(self) -> Any: ...
 
 
 class EngineCheckpoints:
@@ -87,11 +94,14 @@ class EngineCheckpoints:
             raise DstrainError(f"checkpoint tag {tag!r} is not a plain name")
         return root / tag, self.owner.global_steps
 
-    def module_states(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """(entries every rank saves: buffers and frozen parameters, full state dict on rank 0 below stage 3)."""
+    def module_states(self, exclude_frozen: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """(entries every rank saves: buffers and frozen parameters, full state dict on rank 0 below
+        stage 3); ``exclude_frozen``: without the frozen parameters."""
         module = self.owner.module
-        trainable = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
-        sd = module.state_dict()
+        params = dict(module.named_parameters(remove_duplicate=False))
+        trainable = {n for n, p in params.items() if p.requires_grad}
+        frozen = {n for n, p in params.items() if not p.requires_grad} if exclude_frozen else set()
+        sd = {k: v for k, v in module.state_dict().items() if k not in frozen}
         extra = {k: v for k, v in sd.items() if k not in trainable}
         return extra, sd if self.stage < 3 and self.dp.rank == 0 else None
 
@@ -102,21 +112,29 @@ class EngineCheckpoints:
         client_state: dict[str, Any] | None,
         save_latest: bool,
         async_save: bool,
+        *,
+        exclude_frozen: bool = False,
     ) -> Path:
         """`Engine.save_checkpoint`: returns this rank's file (to be, for an async save)."""
         t0 = time.perf_counter()
         self.wait()
         directory, step = self.where(Path(save_dir), tag, save_latest)
         validate_tag(str(directory / step_name(step)), self.world, self.tag_validation)
-        extra, full = self.module_states()
+        extra, full = self.module_states(exclude_frozen)
         if async_save:  # buffers (e.g. BatchNorm statistics) change in forward: snapshot them now
             copies = {k: v.detach().clone() for k, v in extra.items() if isinstance(v, torch.Tensor)}
             extra = {**extra, **copies}
             full = None if full is None else {k: copies.get(k, v) for k, v in full.items()}
             client_state = _cloned(client_state or {})
+        parts = self.parts()
         state = collect(
-            self.parts(),
-            {"module_extra": extra, "module": full, "client_state": client_state or {}},
+            parts,
+            {
+                "module_extra": extra,
+                "module": full,
+                "client_state": client_state or {},
+                "layout": self.layout(parts).to_json(),  # global shapes and this file's slices
+            },
         )
         stepper = self.owner.stepper
         order = touch_order(stepper, self.owner.module) if async_save else None
@@ -145,6 +163,18 @@ class EngineCheckpoints:
         pending, self.pending = self.pending, None
         return pending.wait() if pending is not None else None
 
+    def layout(self, parts: Mapping[str, Part | None] | None = None) -> Layout:
+        """This rank's `dstrain.checkpoint.layout.Layout`: what of the global model its file holds."""
+        parts = self.parts() if parts is None else parts
+        return describe(
+            self.owner.module,
+            self.owner.zero,
+            self.owner.stepper,
+            rank=self.world.rank,
+            world_size=self.world.world_size,
+            pinned=[k for k, p in parts.items() if isinstance(p, PinnedPart) and p.pins_shape()],
+        )
+
     # -- loading --------------------------------------------------------------------------------
 
     def locate(self, load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, int | None]:
@@ -166,30 +196,116 @@ class EngineCheckpoints:
         *,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
+        load_module_strict: bool = True,
     ) -> tuple[Path, dict[str, Any]]:
-        """`Engine.load_checkpoint`: (this rank's file, client_state)."""
+        """`Engine.load_checkpoint`: (this rank's file, client_state). The step is agreed by every rank
+        first; a checkpoint of another world size, stage, offload or sub-group size is resharded
+        (`dstrain.checkpoint.reshape`); one of another model is refused before anything is applied."""
         self.wait()
         directory, step = self.locate(load_dir, tag)
-        path, state = load_any(self.store, directory, step, self.world, lazy=STREAMED)
-        saved = state.get("zero") or {}
-        if saved.get("stage") != self.stage or saved.get("world_size") != self.dp.world_size:
-            raise DstrainError(
-                f"{path} was saved at ZeRO stage {saved.get('stage')} with world size {saved.get('world_size')}; "
-                f"this engine runs stage {self.stage} with world size {self.dp.world_size}"
+        step = agree_step(self.world, directory, step, latest=latest_step, committed=_committed)
+        step_dir = directory / step_name(step)
+        parts = self.parts()
+        mine = self.layout(parts)
+        world, _ = saved_world(step_dir)
+        home_rank = self.world.rank % max(world, 1)
+        saved: SavedStep | None = None
+        try:
+            path, state, layout = self._home(directory, step, world, home_rank)
+            if layout is not None:
+                self._check_model(parts, state, layout, mine, str(path), strict=load_module_strict)
+            if layout is None:  # written before dstrain recorded layouts: same shape only
+                _check_shape(state, path, self.stage, self.dp.world_size)
+            elif world != self.world.world_size or not layout.same_shape(mine):
+                saved = open_step(step_dir, allow_pickle=_allow_pickle(self.store))
+                zero_state, stepper_state = native_state(
+                    saved,
+                    mine,
+                    my_stepper_groups=[len(v) for v in mine.views],
+                    where=str(step_dir),
+                    optimizer=load_optimizer_states,
+                )
+                state = {**state, "zero": zero_state, "stepper": stepper_state}
+            skip = {"layout"}
+            if not load_optimizer_states or state.get("stepper") is None:
+                skip.add("stepper")
+            if not load_lr_scheduler_states:
+                skip.add("lr_scheduler")
+            restore(parts, state, where=str(path), skip=skip)
+            self.owner.module.load_state_dict(materialize(state["module_extra"]), strict=False)
+            return path, materialize(state["client_state"])
+        finally:
+            if saved is not None:
+                saved.close()
+
+    def _home(
+        self, directory: Path, step: int, world: int, home_rank: int
+    ) -> tuple[Path, dict[str, Any], Layout | None]:
+        """(file, state with its big tensors left in the file, layout or None) of the rank file this rank
+        takes its per-rank entries from: its own at the saved world size, else rank ``rank % saved``."""
+        if world == self.world.world_size:
+            path, state = load_any(self.store, directory, step, self.world, lazy=STREAMED)
+        else:
+            home = open_step(directory / step_name(step), [home_rank], allow_pickle=_allow_pickle(self.store))
+            try:
+                f = home.files[0]
+                state = {k: v if k in STREAMED else materialize(v) for k, v in f.state.items()}
+                path = f.path
+            finally:
+                home.close()  # the entries kept lazy are re-read from every rank file if resharded
+            return path, state, f.layout
+        raw = state.get("layout")
+        return path, state, Layout.from_json(raw, str(path)) if isinstance(raw, str) else None
+
+    def _check_model(
+        self,
+        parts: Mapping[str, Part | None],
+        state: Mapping[str, Any],
+        layout: Layout,
+        mine: Layout,
+        where: str,
+        *,
+        strict: bool,
+    ) -> None:
+        """Before anything is applied: parts that pin the shape check theirs (their own error, e.g. another
+        ep_size), then the parameters' names and shapes (`CheckpointMismatchError`)."""
+        for key, part in parts.items():
+            if isinstance(part, PinnedPart) and part.pins_shape() and state.get(key) is not None:
+                part.load_state_dict(materialize(state[key]))
+        saved = layout.params
+        if strict:
+            check_same_model(saved, mine.params, where)
+        else:  # DeepSpeed's load_module_strict=False: only what both hold must agree
+            check_same_model(
+                {k: v for k, v in saved.items() if k in mine.params},
+                {k: v for k, v in mine.params.items() if k in saved},
+                where,
             )
-        skip = set()
-        if not load_optimizer_states:
-            skip.add("stepper")
-        if not load_lr_scheduler_states:
-            skip.add("lr_scheduler")
-        restore(self.parts(), state, where=str(path), skip=skip)
-        self.owner.module.load_state_dict(state["module_extra"], strict=False)
-        return path, state["client_state"]
 
     def close(self) -> None:
         """Finish a pending save; release the store's locks."""
         self.wait()
         self.store.close()
+
+
+def _committed(directory: Path, step: int) -> bool:
+    return (directory / step_name(step)).is_dir()
+
+
+def _allow_pickle(store: CheckpointStore) -> bool:
+    return bool(getattr(store, "allow_pickle", False))
+
+
+def _check_shape(state: Mapping[str, Any], path: Path, stage: int, world: int) -> None:
+    """A file without a layout (older dstrain) loads only into the stage and world size it was saved with."""
+    if "layout" in state:
+        return
+    saved = state.get("zero") or {}
+    if saved.get("stage") != stage or saved.get("world_size") != world:
+        raise DstrainError(
+            f"{path} was saved at ZeRO stage {saved.get('stage')} with world size {saved.get('world_size')}; "
+            f"this engine runs stage {stage} with world size {world} (and the file records no layout to reshard by)"
+        )
 
 
 def _cloned(value: Any) -> Any:

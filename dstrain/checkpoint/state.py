@@ -51,9 +51,11 @@ class RngPart:
         return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        torch.set_rng_state(state["torch"])
+        # a fresh tensor: a state read from a file may be a view at an offset of a bigger buffer
+        # (dsio's StoredTensor.materialize), which set_rng_state reads from the buffer's start (segfault)
+        torch.set_rng_state(state["torch"].clone())
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
+            torch.cuda.set_rng_state(state["cuda"].clone())
 
 
 class CountersPart:

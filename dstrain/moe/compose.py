@@ -116,3 +116,7 @@ class ExpertLayoutPart:
 
     def load_state_dict(self, state: list[dict[str, int]] | None) -> None:
         check_expert_layout(state, self.model, "the checkpoint")
+
+    def pins_shape(self) -> bool:
+        """Experts are laid out over the expert-parallel group: not resharded to another world size."""
+        return bool(expert_layout(self.model))

@@ -151,6 +151,10 @@ class OneBitStepper(TorchStepper):
     """`Stepper` over `OneBitAdam` or `ZeroOneAdam` (a `TorchStepper` with 1-bit statistics); binds its
     `OneBitReducer` to the optimizer, which tells it when to reduce."""
 
+    reshapable_state = False
+    """Its error feedback is per rank (a worker's compression error of the whole flat, a server's of its
+    chunk): a checkpoint of it loads only at the world size and stage it was saved with."""
+
     def __init__(
         self, optimizer: OneBitAdam | ZeroOneAdam, reducer: OneBitReducer, zero_groups: Sequence[Any] = ()
     ) -> None:

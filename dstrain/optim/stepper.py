@@ -73,6 +73,10 @@ class Stepper(Protocol):
 class TorchStepper:
     """A torch optimizer (over the ZeRO strategy's master tensors) as a `Stepper`."""
 
+    reshapable_state = True
+    """Its ``state_dict`` is torch's: per-element state shaped like each master view, so a checkpoint
+    of it loads into any world size or stage (``dstrain.checkpoint.layout.ReshapableState``)."""
+
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self._steps = 0

@@ -225,6 +225,10 @@ class PipelineRunner:
             "layers": self.module.layer_names(),
         }
 
+    def pins_shape(self) -> bool:
+        """A stage's state is its layers': not resharded to another world size or stage count."""
+        return True
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Refuse a checkpoint written by another pipeline layout (stage, stage count, split or layers)."""
         mine = self.state_dict()

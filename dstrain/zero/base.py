@@ -11,7 +11,19 @@ import torch
 from dstrain.dist.comm import Comm
 from dstrain.optim.clip import GradSet
 
-__all__ = ["ZeroStatistics", "ZeroStrategy"]
+__all__ = ["MasterPiece", "ZeroStatistics", "ZeroStrategy"]
+
+
+@dataclass(frozen=True, slots=True)
+class MasterPiece:
+    """Elements ``[start, start + length)`` of ``param`` (row-major flattened; ``shape`` is its whole
+    shape) held at ``[offset, offset + length)`` of one param group's master partition."""
+
+    offset: int
+    param: torch.nn.Parameter
+    shape: tuple[int, ...]
+    start: int
+    length: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,6 +109,12 @@ class ZeroStrategy(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore master partitions saved by `state_dict` and refresh the model's parameters."""
+
+    @abstractmethod
+    def master_pieces(self) -> list[list[MasterPiece]]:
+        """Per param group, in master order: which elements of which parameter this rank's master
+        partition holds (padding is not listed). What a checkpoint records to be loaded into any
+        other world size or stage (``dstrain.checkpoint.layout``)."""
 
     @abstractmethod
     def statistics(self) -> ZeroStatistics:

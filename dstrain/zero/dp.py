@@ -14,7 +14,7 @@ import torch
 from dstrain.config_sections import ZeroConfig
 from dstrain.dist.comm import Comm
 from dstrain.optim.clip import GradSet
-from dstrain.zero.base import ZeroStatistics, ZeroStrategy
+from dstrain.zero.base import MasterPiece, ZeroStatistics, ZeroStrategy
 from dstrain.zero.buckets import BoundaryBuckets, Stage2Buckets
 from dstrain.zero.flat import STEP_CHUNK, FlatGroup
 from dstrain.zero.reduce import ReductionQueue, Route, default_routes
@@ -179,6 +179,9 @@ class DataParallelZero(ZeroStrategy):
             "numels": [g.layout.total for g in self.groups],
             "master": [g.master.detach() for g in self.groups],
         }
+
+    def master_pieces(self) -> list[list[MasterPiece]]:
+        return [g.layout.pieces(g.params, *g.range, 0) for g in self.groups]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for g, master in zip(self.groups, state["master"], strict=True):

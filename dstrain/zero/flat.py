@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstrain.zero.base import MasterPiece
+
 if TYPE_CHECKING:
     from dstrain.zero.reduce import Route
 
@@ -67,6 +69,15 @@ class FlatLayout:
             flat[off : off + n].view(shape)
             for off, n, shape in zip(self.offsets, self.numels, self.shapes, strict=True)
         ]
+
+    def pieces(self, params: list[torch.nn.Parameter], lo: int, hi: int, base: int) -> list[MasterPiece]:
+        """The parameters' elements inside flat ``[lo, hi)``, placed at ``base + (flat offset - lo)``."""
+        out = []
+        for p, shape, off, n in zip(params, self.shapes, self.offsets, self.numels, strict=True):
+            start, end = max(off, lo), min(off + n, hi)
+            if start < end:
+                out.append(MasterPiece(base + start - lo, p, tuple(shape), start - off, end - start))
+        return out
 
     def overlap(self, index: int) -> tuple[int, int] | None:
         """The part of parameter ``index`` inside this rank's shard, as flat (start, end), or None."""

@@ -23,7 +23,7 @@ from dstrain.dist.comm import Comm
 from dstrain.errors import NotImplementedConfigError
 from dstrain.optim.clip import GradSet
 from dstrain.zero import init as zero_init
-from dstrain.zero.base import ZeroStatistics, ZeroStrategy
+from dstrain.zero.base import MasterPiece, ZeroStatistics, ZeroStrategy
 from dstrain.zero.flat import STEP_CHUNK
 from dstrain.zero.gather import GatherScheduler
 from dstrain.zero.reduce import ReductionQueue, Route, default_routes
@@ -279,8 +279,19 @@ class Stage3Zero(ZeroStrategy):
             "numels": [[u.layout.total for u in g.units] for g in self.groups],
         }
 
+    def master_pieces(self) -> list[list[MasterPiece]]:
+        return [
+            [
+                piece
+                for u in g.units
+                for piece in u.layout.pieces(u.params, u.layout.lo, u.layout.hi, g.offsets[u.index])
+            ]
+            for g in self.groups
+        ]
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["numels"] != [[u.layout.total for u in g.units] for g in self.groups]:
+        # a state resharded for this engine (dstrain.checkpoint.reshape) records no units of its own
+        if "numels" in state and state["numels"] != [[u.layout.total for u in g.units] for g in self.groups]:
             raise ValueError("checkpoint was saved from a model with different parameters")
         masters = state["master"]
         if len(masters) != len(self.groups):

@@ -71,6 +71,9 @@ class OffloadAdam(torch.optim.Optimizer):
     `statistics`, `close`).
     """
 
+    reshapable_state = True
+    """torch's state-dict format over the master views (``dstrain.checkpoint.layout.ReshapableState``)."""
+
     def __init__(
         self,
         params: Iterable[Any],

@@ -1,0 +1,108 @@
+"""Reshape on load: a checkpoint saved at world size W, ZeRO stage S, offload O loads into any W', S', O'
+(optimizer state included) and training continues as if uninterrupted; each rank reads only its slices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _dstrain_helpers import spawn
+from _reshape_workers import AFTER, BEFORE, GLOBAL_BATCH, resume_many, save_many
+
+SAVED = {  # world -> name: (stage, offload)
+    1: {"w1s0": (0, "none")},
+    2: {"w2s1": (1, "none"), "w2s3cpu": (3, "cpu")},
+    4: {"w4s2": (2, "none")},
+}
+RESUMED = {  # world -> (saved, stage, offload)
+    1: [("w2s1", 3, "none"), ("w2s3cpu", 0, "none"), ("w4s2", 1, "nvme")],
+    2: [("w2s1", 2, "nvme"), ("w2s3cpu", 3, "none"), ("w4s2", 3, "none"), ("w1s0", 3, "cpu")],
+    4: [("w2s1", 0, "none"), ("w2s3cpu", 1, "cpu"), ("w1s0", 2, "none")],
+}
+
+
+def _run(fn: Any, root: str, arg: Any, world: int) -> list[Any]:
+    if world == 1:
+        return [fn(root, arg)]
+    return spawn(fn, root, arg, world=world, start_method="forkserver")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    root = str(tmp_path_factory.mktemp("reshape"))
+    saved: dict[str, Any] = {}
+    for world, scenarios in SAVED.items():
+        saved.update(_run(save_many, root, scenarios, world)[0])
+    resumed: dict[str, list[Any]] = {}
+    for world, scenarios in RESUMED.items():
+        per_rank = _run(resume_many, root, scenarios, world)
+        for name in per_rank[0]:
+            resumed[name] = [r[name] for r in per_rank]
+    return saved, resumed
+
+
+CASES = [f"{s}->w{w}s{st}{o}" for w, cases in RESUMED.items() for s, st, o in cases]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resumes_at_another_world_stage_and_offload_as_if_uninterrupted(
+    case: str, runs: tuple[dict[str, Any], dict[str, list[Any]]]
+) -> None:
+    saved, resumed = runs
+    expected = saved[case.split("->")[0]]["losses"][BEFORE:]
+    for rank, r in enumerate(resumed[case]):
+        assert r["global_steps"] == BEFORE, rank
+        assert r["client"] == {"data_position": BEFORE * GLOBAL_BATCH}
+        assert len(r["losses"]) == AFTER
+        # Adam's m, v and step came along: a fresh optimizer state would give other losses at once
+        assert r["losses"] == pytest.approx(expected, rel=1e-6), rank
+
+
+def test_each_rank_reads_only_its_slices(runs: tuple[dict[str, Any], dict[str, list[Any]]]) -> None:
+    _, resumed = runs
+    # one copy of the model's fp32 master + Adam m, v (3 x 4 bytes per element), read by one rank at stage 0
+    whole = resumed["w2s3cpu->w1s0none"][0]["bytes_read"]
+    for case in ("w2s1->w4s0none", "w2s3cpu->w4s1cpu", "w1s0->w4s2none"):
+        reads = [r["bytes_read"] for r in resumed[case]]
+        if "s0" in case.split("->")[1]:  # every stage-0 rank holds everything
+            assert all(0.9 * whole <= b <= 1.1 * whole for b in reads), (case, reads, whole)
+        else:  # a quarter each, plus the small per-rank entries (counters, RNG, buffers)
+            assert all(0 < b < 0.5 * whole for b in reads), (case, reads, whole)
+            assert sum(reads) < 1.6 * whole, (case, reads, whole)
+
+
+def test_without_the_optimizer_state_the_losses_differ(tmp_path) -> None:
+    # the control of the matrix above: the resumed losses depend on the Adam state that came along
+    import dstrain
+    from _dstrain_helpers import base_config, engine_losses, make_model
+
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(1, world=1))
+    engine_losses(engine, BEFORE)
+    engine.save_checkpoint(tmp_path)
+    expected = engine_losses(engine, AFTER, start=BEFORE)
+    fresh, _, _, _ = dstrain.initialize(model=make_model(seed=2), config=base_config(3, world=1))
+    fresh.load_checkpoint(tmp_path, load_optimizer_states=False)
+    got = engine_losses(fresh, AFTER, start=BEFORE)
+    assert got[0] == pytest.approx(expected[0], rel=1e-6)  # the same weights before the first step
+    assert got[1] != pytest.approx(expected[1], rel=1e-3)  # a fresh Adam takes another first step
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_parameters(tmp_path) -> None:
+    import dstrain
+    import torch
+    from _dstrain_helpers import base_config, engine_losses, make_model
+
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(2, world=1))
+    engine_losses(engine, 1)
+    engine.save_checkpoint(tmp_path)
+    for stage in (2, 3):  # the same shape (native load) and another (resharded): refused alike
+        other, _, _, _ = dstrain.initialize(model=make_model(dim=8), config=base_config(stage, world=1))
+        before = other.full_state_dict()
+        with pytest.raises(dstrain.CheckpointMismatchError) as e:
+            other.load_checkpoint(tmp_path)
+        assert set(e.value.reshaped) == {"emb.weight", "pos", "block.0.weight", "block.0.bias", "block.2.weight",
+                                         "block.2.bias", "ln.weight", "ln.bias"}  # fmt: skip
+        assert "emb.weight [32, 16] (model [32, 8])" in str(e.value)
+        assert other.global_steps == 0  # nothing was applied
+        assert all(torch.equal(before[k], v) for k, v in other.full_state_dict().items())
+        other.close()
