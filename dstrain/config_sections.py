@@ -95,11 +95,6 @@ class BF16Config:
         check_bool("bf16", "enabled", self.enabled)
 
 
-_NO_SAVE_16BIT = (
-    "engine.save_16bit_model is not built yet; engine.full_state_dict() gathers the weights at any setting"
-)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroConfig:
     """``"zero_optimization"``: which ZeRO stage and how it communicates."""
@@ -128,8 +123,9 @@ class ZeroConfig:
     """Accepted for DeepSpeed configs: dstrain releases a gathered unit when its module is done (a reuse
     distance of 0) and re-gathers it, prefetched, when it is needed again."""
     stage3_gather_16bit_weights_on_model_save: bool = False
-    """Stage 3: consolidate the 16-bit weights when the model is saved (``save_16bit_model``, the HF
-    Trainer's ``save_model``)."""
+    """Stage 3: `Engine.save_16bit_model` (the HF Trainer's ``save_model``) gathers the weights, a unit at
+    a time, and writes them on rank 0; False: it saves nothing and returns False, as DeepSpeed does
+    (stages 0-2 always save). ``stage3_gather_fp16_weights_on_model_save`` is its older name."""
     allgather_partitions: bool = True
     """Accepted for DeepSpeed configs (stages 1-2): dstrain all-gathers the updated partitions after the
     step (DeepSpeed's ``true``); ``false`` asks for broadcasts instead, which only changes speed."""
@@ -160,9 +156,6 @@ class ZeroConfig:
         "stage3_max_reuse_distance": "dstrain releases a gathered unit when its module is done and prefetches it again",
         "max_reuse_distance": "dstrain releases a gathered unit when its module is done and prefetches it again",
         "allgather_partitions": "dstrain always all-gathers the updated partitions (DeepSpeed's true)",
-        "stage3_gather_16bit_weights_on_model_save": _NO_SAVE_16BIT,
-        "gather_16bit_weights_on_model_save": _NO_SAVE_16BIT,
-        "stage3_gather_fp16_weights_on_model_save": _NO_SAVE_16BIT,
     }
     _UNBUILT: ClassVar[dict[str, Unbuilt]] = {
         "cpu_offload": Unbuilt(
@@ -255,7 +248,13 @@ class ZeroConfig:
             "stage3_max_live_parameters",
         ):
             check_int(p, name, getattr(self, name), min_value=0)
-        for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions"):
+        for name in (
+            "overlap_comm",
+            "contiguous_gradients",
+            "reduce_scatter",
+            "allgather_partitions",
+            "stage3_gather_16bit_weights_on_model_save",
+        ):
             check_bool(p, name, getattr(self, name))
         check_int(p, "stage3_max_reuse_distance", self.stage3_max_reuse_distance, min_value=0)
         for name in (  # JSON's 5e8 is a float: the sizes are element counts

@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from dstrain.checkpoint.export import save_16bit_model
 from dstrain.checkpoint.policy import EngineCheckpoints
 from dstrain.checkpoint.state import CountersPart, Part, RngPart
 from dstrain.checkpoint.store import CheckpointStore
@@ -371,6 +372,36 @@ class Engine:
             "rng": RngPart(),
             "pipeline": self.runner,  # a pipeline's layout, checked on load (None without one)
         }
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's: whether `save_16bit_model` gathers stage-3 weights (the config key)."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def save_16bit_model(
+        self,
+        save_dir: str | os.PathLike[str],
+        save_filename: str = "model.safetensors",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """DeepSpeed's: the whole model in its compute dtype as one safetensors file on rank 0 (a
+        collective: call it on every rank), gathered a unit at a time at stage 3. At stage 3 without
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` it saves nothing and returns
+        False (use `dstrain.checkpoint.export` on a checkpoint instead)."""
+        if self.zero.stage == 3 and not self.zero_gather_16bit_weights_on_model_save():
+            log.warning(
+                "save_16bit_model saved nothing: stage 3 needs zero_optimization."
+                "stage3_gather_16bit_weights_on_model_save: true (or export a checkpoint: dstrain export)"
+            )
+            return False
+        save_16bit_model(
+            self.module,
+            self.zero,
+            self.topology.world.rank,
+            save_dir,
+            save_filename,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
+        return True
 
     def save_checkpoint(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +116,11 @@ class ZeroStrategy(ABC):
         """Per param group, in master order: which elements of which parameter this rank's master
         partition holds (padding is not listed). What a checkpoint records to be loaded into any
         other world size or stage (``dstrain.checkpoint.layout``)."""
+
+    @abstractmethod
+    def gathered_units(self) -> Iterator[list[torch.nn.Parameter]]:
+        """The trainable parameters whole, a unit at a time (a collective at stage 3: each unit is
+        gathered while the caller holds it and released after); stages 0-2: all of them at once."""
 
     @abstractmethod
     def statistics(self) -> ZeroStatistics:

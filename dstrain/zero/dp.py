@@ -7,6 +7,7 @@ flat buffer itself (no copy); fp16/bf16 keep an fp32 master copy of this rank's 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -179,6 +180,9 @@ class DataParallelZero(ZeroStrategy):
             "numels": [g.layout.total for g in self.groups],
             "master": [g.master.detach() for g in self.groups],
         }
+
+    def gathered_units(self) -> Iterator[list[torch.nn.Parameter]]:
+        yield [p for g in self.groups for p in g.params]  # replicated: every parameter is whole
 
     def master_pieces(self) -> list[list[MasterPiece]]:
         return [g.layout.pieces(g.params, *g.range, 0) for g in self.groups]

@@ -11,7 +11,7 @@ another module's parameter gathers it too when registered (``register_external_p
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -278,6 +278,16 @@ class Stage3Zero(ZeroStrategy):
             "world_size": self.comm.world_size,
             "numels": [[u.layout.total for u in g.units] for g in self.groups],
         }
+
+    def gathered_units(self) -> Iterator[list[torch.nn.Parameter]]:
+        for unit in self.units:
+            held = unit.gathered
+            unit.finish_gather()
+            try:
+                yield unit.params
+            finally:
+                if not held:
+                    unit.release()
 
     def master_pieces(self) -> list[list[MasterPiece]]:
         return [

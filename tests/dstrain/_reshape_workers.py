@@ -135,3 +135,21 @@ def train_and_save(ckpt: str, stage: int, steps: int = 3, tied: bool = False, **
     full = engine.full_state_dict()
     engine.close()
     return {"state": full}
+
+
+def online_export(out: str, stage: int, gather: bool, bf16: bool = False) -> dict[str, Any]:
+    """Train the untied model 2 steps, `save_16bit_model` into ``out``; what it returned, the weights."""
+    import dstrain
+
+    world, _ = world_rank()
+    cfg = base_config(stage, world=world, micro=GLOBAL_BATCH // world)
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    engine, _, _, _ = dstrain.initialize(model=make_untied(), config=cfg)
+    engine_losses(engine, 2)
+    saved = engine.save_16bit_model(out)
+    full = engine.full_state_dict()
+    flag = engine.zero_gather_16bit_weights_on_model_save()
+    engine.close()
+    return {"saved": saved, "state": full, "flag": flag}
