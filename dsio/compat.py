@@ -7,7 +7,8 @@ A script written for DeepSpeed's DeepNVMe tutorial runs with one changed import:
     buf = h.new_cpu_locked_tensor(n, torch.empty(0, dtype=torch.uint8))
     h.sync_pwrite(buf, "/data/f.bin"); h.async_pread(buf, "/data/f.bin"); h.wait()
 
-Differences, on purpose: any size and any buffer address work (DeepSpeed silently drops the
+Differences, on purpose: any size and any buffer address work, as does any positive
+``block_size`` (the engine splits requests into aligned power-of-two blocks of at least 4096) (DeepSpeed silently drops the
 tail of sizes not a multiple of 512 x threads and writes 0 bytes from unaligned buffers),
 failures raise instead of returning -1 or killing the process, and a write at offset 0
 replaces the file (DeepSpeed keeps the old tail of a longer file). Writes at a non-zero
@@ -34,6 +35,8 @@ import concurrent.futures
 import contextlib
 import logging
 import sys
+import threading
+import weakref
 from collections.abc import Coroutine, Iterable
 from typing import Any
 
@@ -43,7 +46,7 @@ from ._bridge import LoopThread, is_exiting, shared_loop
 from ._gather import first_error, wait_all_futures
 from ._native import native
 from .config import ALIGNMENT, IOConfig
-from .errors import ChecksumError, ClosedError
+from .errors import ChecksumError, ClosedError, ConfigError
 from .handle import AsyncIOHandle
 
 __all__ = ["AsyncIOBuilder", "GDSBuilder", "aio_handle", "gds_handle"]
@@ -66,8 +69,10 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         backend: str = "auto",
         gpu_backend: str = "auto",
     ) -> None:
+        if type(block_size) is not int or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive int, got {block_size!r}", field="block_size")
         cfg = IOConfig(
-            block_size=block_size,
+            block_size=_engine_block(block_size),
             queue_depth=queue_depth,
             single_submit=single_submit,
             overlap_events=overlap_events,
@@ -75,6 +80,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
             backend=backend,
             gpu_backend=gpu_backend,
         )
+        self._block_size = block_size  # what DeepSpeed's get_block_size() reports: the value given
         self._closed = True  # until fully built: __del__ of a half-built handle does nothing
         self._h = AsyncIOHandle(cfg)
         self._lt: LoopThread = shared_loop()
@@ -87,7 +93,9 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
 
     # -- DeepSpeed getters ---------------------------------------------------------------------
     def get_block_size(self) -> int:
-        return self._h.config.block_size
+        """The block size given (any positive int, as DeepSpeed accepts); the engine splits requests
+        into blocks of the next power of two >= 4096 (O_DIRECT needs 4096-aligned pieces)."""
+        return self._block_size
 
     def get_queue_depth(self) -> int:
         return self._h.config.queue_depth
@@ -113,35 +121,72 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
 
     def _write_coro(self, buffer: torch.Tensor, filename: str | int, file_offset: int):
         if isinstance(filename, int):
-            return self._write_fd(buffer, filename, file_offset)
+            return self._fd_op(True, buffer, filename, file_offset)
         return self._h.pwrite(buffer, filename, None if file_offset == 0 else file_offset)
 
-    async def _write_fd(self, buffer: torch.Tensor, fd: int, file_offset: int) -> int:
-        # DeepSpeed's async_pwrite(buffer, fd): the caller's fd; write through /proc so ours stays ours.
-        async with self._h.open(f"/proc/self/fd/{fd}", "w") as f:
-            return await f.pwrite(buffer, file_offset)
+    def _read_coro(self, buffer: torch.Tensor, filename: str | int, file_offset: int):
+        if isinstance(filename, int):
+            return self._fd_op(False, buffer, filename, file_offset)
+        return self._h.pread(buffer, filename, file_offset)
+
+    async def _fd_op(self, write: bool, buffer: torch.Tensor, fd: int, file_offset: int) -> int:
+        # DeepSpeed's async_pwrite(buffer, fd): the caller's open file, written in place at
+        # file_offset (never truncated); reopened through /proc so that our fd (O_DIRECT where the
+        # handle uses it) stays ours and the caller's stays open.
+        async with self._h.open(f"/proc/self/fd/{fd}", "w" if write else "r") as f:
+            return await (f.pwrite(buffer, file_offset) if write else f.pread(buffer, file_offset))
 
     def _run(self, coro) -> int:
         return int(self._start(coro).result())
 
-    def sync_pwrite(self, buffer: torch.Tensor, filename: str | int, file_offset: int = 0) -> int:
-        """Write and wait. Returns 1 (DeepSpeed's count of completed ops)."""
-        self._run(self._write_coro(buffer, filename, file_offset))
+    def sync_pwrite(
+        self,
+        buffer: torch.Tensor,
+        filename: str | int | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Write and wait. Returns 1 (DeepSpeed's count of completed ops). ``filename`` or ``fd``
+        (an open file of the caller's, written in place at ``file_offset``)."""
+        self._run(self._write_coro(buffer, _target(filename, fd), file_offset))
         return 1
 
-    def sync_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+    def sync_pread(
+        self,
+        buffer: torch.Tensor,
+        filename: str | int | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
         """Read and wait. Returns 1. A file too short for the buffer raises ``ShortIOError``."""
-        self._run(self._h.pread(buffer, filename, file_offset))
+        self._run(self._read_coro(buffer, _target(filename, fd), file_offset))
         return 1
 
-    def async_pwrite(self, buffer: torch.Tensor, filename: str | int, file_offset: int = 0) -> int:
-        """Start a write; ``wait()`` collects it. Returns 0. Don't modify ``buffer`` until then."""
-        self._pending.append(self._start(self._write_coro(buffer, filename, file_offset)))
+    def async_pwrite(
+        self,
+        buffer: torch.Tensor,
+        filename: str | int | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Start a write; ``wait()`` collects it. Returns 0. Don't modify ``buffer`` until then.
+        ``filename`` or ``fd`` (DeepSpeed's ``async_pwrite(buffer, fd=...)``: the caller's open file)."""
+        self._pending.append(self._start(self._write_coro(buffer, _target(filename, fd), file_offset)))
         return 0
 
-    def async_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
-        """Start a read; ``wait()`` collects it. Returns 0."""
-        self._pending.append(self._start(self._h.pread(buffer, filename, file_offset)))
+    def async_pread(
+        self,
+        buffer: torch.Tensor,
+        filename: str | int | None = None,
+        file_offset: int = 0,
+        *,
+        fd: int | None = None,
+    ) -> int:
+        """Start a read; ``wait()`` collects it. Returns 0. ``filename`` or ``fd``."""
+        self._pending.append(self._start(self._read_coro(buffer, _target(filename, fd), file_offset)))
         return 0
 
     def pwrite(
@@ -218,15 +263,22 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         mem = native().AlignedBuffer(nbytes, True)
         t = torch.frombuffer(mem, dtype=dtype, count=int(num_elem))
         self._locked[t.data_ptr()] = mem
+        _LOCKED.add(t.data_ptr(), nbytes, mem)
         return t
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
-        """Forget a tensor from ``new_cpu_locked_tensor``; its memory goes when the tensor does."""
-        return self._locked.pop(tensor.data_ptr(), None) is not None
+        """Forget a tensor from ``new_cpu_locked_tensor`` (of any handle, as DeepSpeed's shared pinned
+        tensor manager does); its memory goes when the tensor (and its views) do."""
+        mine = self._locked.pop(tensor.data_ptr(), None) is not None
+        return _LOCKED.remove(tensor.data_ptr()) or mine
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return tensor.data_ptr() in self._locked or (
-            tensor.is_pinned() if tensor.device.type == "cpu" else False
+        """True for memory torch pinned and for tensors whose bytes lie within one buffer from
+        ``new_cpu_locked_tensor`` of any handle of this process (views and slices included)."""
+        if tensor.device.type != "cpu":
+            return False
+        return tensor.is_pinned() or _LOCKED.contains(
+            tensor.data_ptr(), tensor.numel() * tensor.element_size()
         )
 
     # -- lifetime --------------------------------------------------------------------------------
@@ -270,6 +322,51 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         if not getattr(self, "_closed", True):
             with contextlib.suppress(Exception):
                 self.close()
+
+
+def _engine_block(block_size: int) -> int:
+    """DeepSpeed accepts any positive block size (its tests use 1024); dsio's engine splits requests
+    into power-of-two blocks of at least 4096 bytes, so that every O_DIRECT piece is aligned."""
+    return max(ALIGNMENT, 1 << (block_size - 1).bit_length())
+
+
+def _target(filename: str | int | None, fd: int | None) -> str | int:
+    if (filename is None) == (fd is None):
+        raise TypeError("pass exactly one of filename and fd")
+    if fd is not None:
+        if type(fd) is not int or fd < 0:
+            raise TypeError(f"fd must be an open file descriptor (an int >= 0), got {fd!r}")
+        return fd
+    assert filename is not None
+    return filename
+
+
+class _LockedRegions:
+    """Every buffer from ``new_cpu_locked_tensor`` of any handle of this process (DeepSpeed keeps one
+    shared pinned-tensor manager too): base address -> (bytes, weak reference to its memory)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._regions: dict[int, tuple[int, weakref.ref[Any]]] = {}
+
+    def add(self, base: int, nbytes: int, mem: Any) -> None:
+        with self._lock:
+            self._regions[base] = (nbytes, weakref.ref(mem))
+
+    def remove(self, base: int) -> bool:
+        with self._lock:
+            return self._regions.pop(base, None) is not None
+
+    def contains(self, ptr: int, nbytes: int) -> bool:
+        """``[ptr, ptr + nbytes)`` lies within one live region."""
+        with self._lock:
+            dead = [b for b, (_, ref) in self._regions.items() if ref() is None]
+            for b in dead:  # memory freed (its tensors are gone): a new buffer may reuse the address
+                del self._regions[b]
+            return any(b <= ptr and ptr + nbytes <= b + n for b, (n, _) in self._regions.items())
+
+
+_LOCKED = _LockedRegions()
 
 
 async def _close_after(h: AsyncIOHandle, pending: Iterable[concurrent.futures.Future[int]]) -> None:

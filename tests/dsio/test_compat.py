@@ -119,3 +119,77 @@ def test_handles_share_dsios_one_uvloop_thread(data_dir):
         a.close()
         b.close()
     assert shared_loop() is a._lt and not a._lt.closed  # closing a handle leaves the shared loop running
+
+
+@pytest.mark.parametrize("block_size", [1, 512, 1000, 1024, 4097, 3 << 20])
+def test_any_positive_block_size_deepspeed_accepts_works(data_dir, block_size):
+    """DeepSpeed's own tests use block_size=1024; any positive size is accepted and reported back,
+    while the engine's pieces stay aligned for O_DIRECT."""
+    with aio_handle(block_size, 8, False, False, 2) as h:
+        assert h.get_block_size() == block_size
+        engine_block = h.handle.config.block_size
+        assert engine_block >= max(block_size, 4096) and engine_block & (engine_block - 1) == 0
+        p = os.path.join(data_dir, "bs.bin")
+        locked = h.new_cpu_locked_tensor((1 << 20) + 4096, torch.empty(0, dtype=torch.uint8))
+        locked.copy_(torch.randint(0, 256, locked.shape, dtype=torch.uint8))
+        odd = torch.randn(12_345)[1:]  # unaligned address and size
+        h.sync_pwrite(locked, p)
+        h.async_pwrite(odd, p + ".odd")
+        assert h.wait() == 1
+        back, back_odd = torch.empty_like(locked), torch.empty_like(odd)
+        h.sync_pread(back, p)
+        h.async_pread(back_odd, p + ".odd")
+        assert h.wait() == 1
+        assert torch.equal(back, locked) and torch.equal(back_odd, odd)
+
+
+@pytest.mark.parametrize("block_size", [0, -1024, 1.5, "1M"])
+def test_a_block_size_deepspeed_refuses_too_is_a_config_error(block_size):
+    import dsio
+
+    with pytest.raises(dsio.ConfigError) as ei:
+        aio_handle(block_size)
+    assert ei.value.field == "block_size"
+
+
+def test_async_pwrite_and_pread_take_the_callers_fd_by_keyword(data_dir):
+    p = os.path.join(data_dir, "fdkw.bin")
+    with open(p, "wb") as f:
+        f.write(bytes(range(256)) * 32)  # 8 KiB that must survive around the write
+    fd = os.open(p, os.O_RDWR)
+    try:
+        with aio_handle() as h:
+            data = torch.full((100,), 7, dtype=torch.uint8)
+            assert h.async_pwrite(data, fd=fd, file_offset=4096) == 0
+            assert h.wait() == 1
+            back = torch.empty(300, dtype=torch.uint8)
+            assert h.async_pread(back, fd=fd, file_offset=4000) == 0
+            assert h.wait() == 1
+            assert h.sync_pread(torch.empty(10, dtype=torch.uint8), fd=fd) == 1
+            with pytest.raises(TypeError):
+                h.async_pwrite(data, p, fd=fd)
+            with pytest.raises(TypeError):
+                h.async_pread(back)
+        expect = bytearray(bytes(range(256)) * 32)
+        expect[4096:4196] = b"\x07" * 100
+        assert os.path.getsize(p) == 8192  # written in place, not truncated
+        assert bytes(back.numpy()) == bytes(expect[4000:4300])
+        assert os.pread(fd, 8192, 0) == bytes(expect)  # the caller's fd is still open and its own
+    finally:
+        os.close(fd)
+
+
+def test_is_pinned_for_views_of_a_locked_buffer_and_buffers_locked_by_another_handle():
+    with aio_handle() as a, aio_handle() as b:
+        buf = a.new_cpu_locked_tensor(1 << 16, torch.empty(0, dtype=torch.float32))
+        for h in (a, b):
+            assert h.is_pinned(buf)
+            assert h.is_pinned(buf[100:200])  # a slice
+            assert h.is_pinned(buf.view(256, 256)[3])  # a view of a row
+            assert h.is_pinned(buf.view(torch.uint8)[1:])  # another dtype, odd address
+            assert not h.is_pinned(torch.empty(1 << 16))  # ordinary memory
+        other = b.new_cpu_locked_tensor(10, torch.empty(0, dtype=torch.float64))
+        assert a.is_pinned(other)
+        assert b.free_cpu_locked_tensor(other) and not a.is_pinned(other)
+        assert b.free_cpu_locked_tensor(buf)  # DeepSpeed's manager is shared: any handle frees
+        assert not a.is_pinned(buf[100:200])
