@@ -10,6 +10,7 @@ names: ``--workload checkpoint`` (write), ``--workload offload`` (read), or a ba
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import csv
 import dataclasses
@@ -24,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._cli_common import AIO_KEYS, CliError, buffer, check_dir, human, run
+from ._cli_common import AIO_KEYS, CliError, buffer, check_dir, human, parse_size, run
 
 __all__ = ["Point", "Result", "WORKLOAD_GOALS", "pick", "tune"]
 
@@ -56,12 +57,14 @@ class Point:
     intra_op_parallelism: int
     single_submit: bool
     overlap_events: bool
+    gpu_backend: str = "auto"  # "cufile" with --gds
 
     def config(self) -> Any:
         from .config import IOConfig
 
         return IOConfig(
             backend=self.backend,
+            gpu_backend=self.gpu_backend,
             block_size=self.block_size,
             queue_depth=self.queue_depth,
             intra_op_parallelism=self.intra_op_parallelism,
@@ -72,7 +75,13 @@ class Point:
         )
 
     def aio(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in AIO_KEYS}
+        """The dstrain ``"aio"`` block of this point: DeepSpeed's keys, the tuned backend (a dsio key
+        ``IOConfig.from_deepspeed`` reads) and ``use_gds`` when the sweep ran over cuFile."""
+        block: dict[str, Any] = {k: getattr(self, k) for k in AIO_KEYS}
+        block["backend"] = self.backend
+        if self.gpu_backend == "cufile":
+            block["use_gds"] = True
+        return block
 
     def label(self) -> str:
         return (
@@ -95,12 +104,72 @@ class Result:
         return statistics.median(self.gbps)
 
 
+#: DeepSpeed's ds_nvme_tune sweep keys and what each becomes here.
+SWEEP_KEYS = {
+    "block_size": "block sizes",
+    "queue_depth": "queue depths",
+    "io_parallel": "intra_op_parallelism values",
+    "single_submit": "single_submit values",
+    "sequential_requests": "sequential_requests values (overlap_events = not sequential)",
+}
+
+
+def load_sweep_config(path: str) -> dict[str, list[Any]]:
+    """A ``--sweep_config`` file in DeepSpeed's format (``{"block_size": ["1M", "8M"], "queue_depth":
+    [32, 128], "sequential_requests": [true, false], "single_submit": [false, true], "io_parallel": [1,
+    2]}``; every key optional), validated: unknown keys and values dsio's engine cannot run are errors."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CliError(f"--sweep_config {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise CliError(f"--sweep_config {path}: expected a JSON object of lists")
+    out: dict[str, list[Any]] = {}
+    for key, values in raw.items():
+        if key not in SWEEP_KEYS:
+            raise CliError(f"--sweep_config {path}: unknown key {key!r} (accepted: {', '.join(SWEEP_KEYS)})")
+        if not isinstance(values, list) or not values:
+            raise CliError(f"--sweep_config {path}: {key} must be a non-empty list")
+        conv: list[Any] = []
+        for v in values:
+            if key == "block_size":
+                n = v if type(v) is int else parse_size(str(v)) if isinstance(v, str) else None
+                if n is None or n < 4096 or n & (n - 1):
+                    raise CliError(f"--sweep_config {path}: block_size {v!r} is not a power of two >= 4096")
+                conv.append(n)
+            elif key in ("queue_depth", "io_parallel"):
+                if type(v) is not int or v < 1:
+                    raise CliError(f"--sweep_config {path}: {key} {v!r} is not a positive int")
+                conv.append(v)
+            else:
+                if not isinstance(v, bool):
+                    raise CliError(f"--sweep_config {path}: {key} {v!r} is not true/false")
+                conv.append(v)
+        out[key] = conv
+    return out
+
+
+def _modes(args: argparse.Namespace) -> list[tuple[bool, bool]]:
+    """(single_submit, overlap_events) pairs: from --sweep_config when it names them, else dsio's three."""
+    sweep = args.sweep or {}
+    if "single_submit" not in sweep and "sequential_requests" not in sweep:
+        return [(False, True), (True, True), (False, False)]
+    singles = sweep.get("single_submit", [False])
+    overlaps = [not seq for seq in sweep.get("sequential_requests", [False])]
+    return list(itertools.product(singles, overlaps))
+
+
 def _grid(args: argparse.Namespace) -> list[Point]:
-    modes = [(False, True), (True, True), (False, False)]
+    sweep = args.sweep or {}
+    block_sizes = sweep.get("block_size", args.block_sizes)
+    queue_depths = sweep.get("queue_depth", args.queue_depths)
+    parallelism = sweep.get("io_parallel", args.parallelism)
+    gpu_backend = "cufile" if args.gds else "auto"
     pts = [
-        Point(be, bs, qd, par, ss, oe)
+        Point(be, bs, qd, par, ss, oe, gpu_backend)
         for be, bs, qd, par, (ss, oe) in itertools.product(
-            args.backends, args.block_sizes, args.queue_depths, args.parallelism, modes
+            args.backends, block_sizes, queue_depths, parallelism, _modes(args)
         )
         if bs <= args.size
     ]
@@ -110,32 +179,62 @@ def _grid(args: argparse.Namespace) -> list[Point]:
 
 
 async def _run_rung(
-    points: list[Point], ops: Sequence[str], nbytes: int, reps: int, path: str, size: int, buf: Any, bar: Any
+    points: list[Point],
+    ops: Sequence[str],
+    nbytes: int,
+    reps: int,
+    paths: Sequence[str],
+    size: int,
+    buf: Any,
+    bar: Any,
+    verbose: bool = False,
 ) -> dict[tuple[Point, str], list[float]]:
-    """Measure every (point, op) ``reps`` times, interleaved: rep 1 of every point, then rep 2..."""
+    """Measure every (point, op) ``reps`` times, interleaved: rep 1 of every point, then rep 2...
+
+    With several directories (``--nvme_dir a b``, as ds_nvme_tune maps one folder per device) each
+    transfer is split evenly over them and runs on all at once; GB/s is the total over the slowest."""
     from .handle import AsyncIOHandle
 
     out: dict[tuple[Point, str], list[float]] = {}
-    slots = max(1, size // nbytes)
+    part = max(4096, nbytes // len(paths) // 4096 * 4096)
+    slots = max(1, size // part)
     k = 0
     for _rep in range(reps):
         for p in points:
-            async with AsyncIOHandle(p.config()) as h, h.open(path, "r+") as f:
+            async with AsyncIOHandle(p.config()) as h, contextlib.AsyncExitStack() as stack:
+                files = [await stack.enter_async_context(h.open(path, "r+")) for path in paths]
                 for op in ops:
-                    offset = (k % slots) * nbytes  # walk the file so no region is re-read hot
+                    offset = (k % slots) * part  # walk the file so no region is re-read hot
                     k += 1
-                    dt = await _timed(f, op, buf[:nbytes], offset)
-                    out.setdefault((p, op), []).append(nbytes / dt / 1e9)
+                    views = [buf[i * part : (i + 1) * part] for i in range(len(files))]
+                    dts = await asyncio.gather(*(_timed(f, op, v, offset) for f, v in zip(files, views)))
+                    gbps = part * len(files) / max(dts) / 1e9
+                    out.setdefault((p, op), []).append(gbps)
+                    if verbose:
+                        print(f"  {op:<5} {human(part * len(files)):>9}  {gbps:6.2f} GB/s  {p.label()}")
                     bar.update(1)
     return out
+
+
+def _ops(args: argparse.Namespace) -> tuple[str, ...]:
+    ops = tuple(op for op, off in (("write", args.no_write), ("read", args.no_read)) if not off)
+    if not ops:
+        raise CliError("--no_read and --no_write together leave nothing to measure")
+    return ops
 
 
 def tune(args: argparse.Namespace) -> int:
     """Run ``dsio tune`` (arguments from :func:`dsio.cli.build_parser`); returns the exit status."""
     from . import backend_status
+    from ._report import probe_o_direct
 
-    args.optimize = _goal(args)
-
+    ops = _ops(args)
+    args.optimize = _goal(args) if len(ops) == 2 else ops[0]  # one op measured: the block is for it
+    args.sweep = load_sweep_config(args.sweep_config) if args.sweep_config else None
+    if args.verbose:
+        print(f"dsio tune: args = {vars(args)}")
+    if args.gds:
+        args.gpu = True  # ds_nvme_tune's --gds: GPU tensors through cuFile
     if args.gpu:
         import torch
 
@@ -143,14 +242,40 @@ def tune(args: argparse.Namespace) -> int:
             raise CliError(
                 "--gpu needs a CUDA device, and torch sees none (torch.cuda.is_available() is False)"
             )
+    if args.gds:
+        from .gpu import gpu_status
+
+        g = gpu_status()
+        if not g.cufile:
+            raise CliError(f"--gds needs cuFile (GPUDirect Storage): {g.cufile_reason}")
     avail = {b.name: b for b in backend_status()}
     if args.backends is None:
         args.backends = [n for n in ("io_uring", "aio", "posix") if avail[n].available]
     for name in args.backends:
         if not avail[name].available:
             raise CliError(f"backend {name} is unavailable here: {avail[name].reason}")
-    directory = check_dir(args.dir, args.size + (64 << 20))
-    out_prefix = os.path.abspath(args.out)
+    dirs = list(dict.fromkeys(args.dir))
+    per_dir = max(4096, args.size // len(dirs) // 4096 * 4096)
+    directories = [check_dir(d, per_dir + (64 << 20)) for d in dirs]
+    if args.flush_page_cache:
+        direct = [probe_o_direct(d) for d in directories]
+        cached = [d["directory"] for d in direct if not d.get("o_direct")]
+        if cached:
+            print(
+                f"  note: --flush_page_cache: {', '.join(cached)} cannot use O_DIRECT, so reads there may come "
+                "from the page cache; dsio tune does not drop it (that needs root: sync; echo 3 > "
+                "/proc/sys/vm/drop_caches before the run)"
+            )
+        else:
+            print(
+                "  note: --flush_page_cache: nothing to flush: every transfer uses O_DIRECT, which bypasses "
+                "the page cache, so no read is served from it"
+            )
+    if args.log_dir is not None:
+        os.makedirs(args.log_dir, exist_ok=True)  # ds_nvme_tune's log directory: results go there
+        if args.out is None:
+            args.out = os.path.join(args.log_dir, "dsio_tune")
+    out_prefix = os.path.abspath(args.out or "dsio_tune")
     out_dir = os.path.dirname(out_prefix)
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise CliError(f"cannot write results to {out_dir} (set --out PREFIX)")
@@ -158,48 +283,38 @@ def tune(args: argparse.Namespace) -> int:
     tqdm = _progress_bar()
 
     random.Random(0).shuffle(points)  # noise must not line up with a parameter
-    path = os.path.join(directory, f".dsio-tune-{os.getpid()}.bin")
+    paths = [os.path.join(d, f".dsio-tune-{os.getpid()}.bin") for d in directories]
     t_start = time.perf_counter()
     results: list[Result] = []
     # Successive halving: screen everything on a small transfer, then grow the transfer and keep
-    # only points within reach of the best. The final rung measures read AND write for the union
+    # only points within reach of the best. The final rung measures every asked op for the union
     # of survivors, interleaved, `reps` times.
     probe = max(args.size // 16, min(args.size, 16 << 20))
     rungs = [(probe, 1, 0.55), (max(probe, args.size // 4), 1, 0.75), (args.size, args.reps, 0.0)]
     try:
-        buf = buffer(args.size, args.gpu)
-        run(_fill(path, buf))  # uvloop when importable, like every loop dsio starts
-        alive = {op: list(points) for op in ("read", "write")}
+        buf = buffer(per_dir * len(paths), args.gpu)
+        for i, path in enumerate(paths):  # uvloop when importable, like every loop dsio starts
+            run(_fill(path, buf[i * per_dir : (i + 1) * per_dir]))
+        alive = {op: list(points) for op in ops}
         for r, (nbytes, reps, keep) in enumerate(rungs):
             final = r == len(rungs) - 1
             if final:
-                union = list(
-                    dict.fromkeys(alive["write"][: args.finalists] + alive["read"][: args.finalists])
-                )
-                # The aio block cannot name a backend, so the one "auto" picks must reach the final
-                # rung: add its best point of the last rung it ran in, for each op, if none survived.
-                auto = next((n for n in ("io_uring", "aio", "posix") if avail[n].available), None)
-                for op in ("write", "read"):
-                    mine = [x for x in results if x.op == op and x.point.backend == auto]
-                    prev = [x for x in mine if x.rung == max(y.rung for y in mine)] if mine else []
-                    if prev and not any(p.backend == auto for p in alive[op][: args.finalists]):
-                        best_auto = max(prev, key=lambda x: x.median)
-                        best_auto.status = f"kept (best {auto}: the backend the aio block gets)"
-                        if best_auto.point not in union:
-                            union.append(best_auto.point)
-                plan: list[tuple[list[Point], tuple[str, ...]]] = [(union, ("write", "read"))]
+                union = list(dict.fromkeys(p for op in ops for p in alive[op][: args.finalists]))
+                plan: list[tuple[list[Point], tuple[str, ...]]] = [(union, ops)]
             else:
-                both = [p for p in points if p in alive["write"] and p in alive["read"]]
-                only = [(p, op) for op in ("write", "read") for p in alive[op] if p not in both]
-                plan = [(both, ("write", "read"))]
+                both = [p for p in points if all(p in alive[op] for op in ops)]
+                only = [(p, op) for op in ops for p in alive[op] if p not in both]
+                plan = [(both, ops)]
                 plan += [([p], (op,)) for p, op in only]
-            total = sum(len(pts) * len(ops) for pts, ops in plan) * reps
+            total = sum(len(pts) * len(o) for pts, o in plan) * reps
             desc = f"rung {r + 1}/{len(rungs)}: {human(nbytes)} x {reps}"
             with tqdm(total=total, desc=desc, unit="op", disable=args.quiet, file=sys.stderr) as bar:
                 measured: dict[tuple[Point, str], list[float]] = {}
-                for pts, ops in plan:
-                    measured.update(run(_run_rung(pts, ops, nbytes, reps, path, args.size, buf, bar)))
-            for op in ("write", "read"):
+                for pts, o in plan:
+                    measured.update(
+                        run(_run_rung(pts, o, nbytes, reps, paths, per_dir, buf, bar, args.verbose))
+                    )
+            for op in ops:
                 rs = [Result(p, op, r, nbytes, v) for (p, o), v in measured.items() if o == op]
                 rs.sort(key=lambda x: x.median, reverse=True)
                 best = rs[0].median if rs else 0.0
@@ -215,8 +330,9 @@ def tune(args: argparse.Namespace) -> int:
                 results.extend(rs)
                 alive[op] = survivors
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     elapsed = time.perf_counter() - t_start
     return _tune_report(args, results, avail, elapsed, out_prefix)
 
@@ -256,7 +372,8 @@ def _tune_report(
 ) -> int:
     final = [r for r in results if r.status == "final"]
     print(
-        f"dsio tune: {len({r.point for r in results})} points, {len(final) // 2} finalists, {elapsed:.0f} s"
+        f"dsio tune: {len({r.point for r in results})} points, {len({r.point for r in final})} finalists, "
+        f"{elapsed:.0f} s"
     )
     for op in ("write", "read"):
         rs = sorted((r for r in final if r.op == op), key=lambda r: r.median, reverse=True)
@@ -265,28 +382,17 @@ def _tune_report(
             print(
                 f"  best {op:<5} {b.median:6.2f} GB/s  {b.point.label()}  (min {min(b.gbps):.2f}, max {max(b.gbps):.2f})"
             )
-    auto = next((n for n in ("io_uring", "aio", "posix") if avail[n].available), None)
-    picked = pick(results, auto, args.optimize)
-    overall = pick(results, None, args.optimize)
-    if picked is None:
-        picked = overall
+    picked = pick(results, None, args.optimize)  # the block names its backend: the best of all of them
     assert picked is not None
     p, v = picked
     block = {"aio": p.aio()}
     with open(prefix + ".json", "w") as f:
         json.dump(block, f, indent=2)
         f.write("\n")
-    print(
-        f"  aio block (favours {args.optimize}, backend {p.backend}): write {v.get('write', 0):.2f} GB/s, "
-        f"read {v.get('read', 0):.2f} GB/s -> {prefix}.json"
-    )
+    measured = ", ".join(f"{op} {v[op]:.2f} GB/s" for op in ("write", "read") if op in v)
+    print(f"  aio block (favours {args.optimize}, backend {p.backend}): {measured} -> {prefix}.json")
     print("  " + json.dumps(block))
-    if overall is not None and overall[0].backend != p.backend:
-        print(
-            f"  note: the {overall[0].backend} backend scored best overall; the aio block cannot choose a "
-            f"backend (dsio's auto picks {auto}); use IOConfig(backend={overall[0].backend!r}) in code for it"
-        )
-    _say_read_vs_write(results, auto, args, p)
+    _say_read_vs_write(results, p.backend, args, p)
     fields = [
         "backend",
         *AIO_KEYS,

@@ -212,15 +212,65 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="machine-readable output")
     r.set_defaults(func=report)
 
-    t = sub.add_parser("tune", help='sweep engine settings, write the best dstrain "aio" block')
-    t.add_argument("--dir", required=True, help="directory on the storage to tune for")
+    t = sub.add_parser(
+        "tune",
+        help='sweep engine settings, write the best dstrain "aio" block',
+        description="Stands in for DeepSpeed's ds_nvme_tune and takes its options with its meaning "
+        "(--nvme_dir, --sweep_config, --no_read, --no_write, --io_size, --gpu, --gds, --flush_page_cache, "
+        "--log_dir, --loops, --verbose); dsio's own names (--dir, --size, --reps, --out, the list flags) "
+        "are aliases. The emitted aio block names the tuned backend.",
+    )
     t.add_argument(
-        "--size", type=size_arg, default=1 << 30, help="bytes per transfer in the final rung (default 1G)"
+        "--dir",
+        "--nvme_dir",
+        dest="dir",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="DIR",
+        help="directory (or directories: each transfer is split over them and runs on all at once, as "
+        "ds_nvme_tune's one folder per device) on the storage to tune for",
+    )
+    t.add_argument(
+        "--size",
+        "--io_size",
+        dest="size",
+        type=size_arg,
+        default=1 << 30,
+        help="bytes per transfer in the final rung (default 1G)",
     )
     t.add_argument("--gpu", action="store_true", help="transfer to/from a CUDA tensor")
     t.add_argument(
-        "--out", default="dsio_tune", help="output prefix: PREFIX.json, .csv, .png (default ./dsio_tune)"
+        "--gds",
+        action="store_true",
+        help="ds_nvme_tune's --gds: GPU tensors through cuFile (GPUDirect Storage); implies --gpu, and the "
+        'aio block gets "use_gds": true',
     )
+    t.add_argument(
+        "--sweep_config",
+        metavar="FILE",
+        help="a JSON sweep in DeepSpeed's format (block_size, queue_depth, io_parallel, single_submit, "
+        "sequential_requests lists); replaces the list flags for the keys it names",
+    )
+    t.add_argument("--no_read", action="store_true", help="measure writes only (the block favours write)")
+    t.add_argument("--no_write", action="store_true", help="measure reads only (the block favours read)")
+    t.add_argument(
+        "--flush_page_cache",
+        action="store_true",
+        help="accepted for ds_nvme_tune's scripts: every transfer here is O_DIRECT, which bypasses the page "
+        "cache, so there is nothing to flush (tune says so, or names a directory without O_DIRECT)",
+    )
+    t.add_argument(
+        "--out",
+        default=None,
+        help="output prefix: PREFIX.json, .csv, .png (default ./dsio_tune, or LOG_DIR/dsio_tune)",
+    )
+    t.add_argument(
+        "--log_dir",
+        default=None,
+        help="ds_nvme_tune's output directory (created if missing): results go to LOG_DIR/dsio_tune.*",
+    )
+    t.add_argument("--verbose", action="store_true", help="print the arguments and every measurement")
     t.add_argument(
         "--backends",
         type=list_of(backend_name),
@@ -248,7 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help="intra_op_parallelism values (default 1,2)",
     )
-    t.add_argument("--reps", type=pos_int, default=3, help="interleaved repetitions of the final rung")
+    t.add_argument(
+        "--reps",
+        "--loops",
+        dest="reps",
+        type=pos_int,
+        default=3,
+        help="interleaved repetitions of the final rung",
+    )
     t.add_argument("--finalists", type=pos_int, default=6, help="points per op that reach the final rung")
     goal = t.add_mutually_exclusive_group()
     goal.add_argument(

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import os
 
 import pytest
 
@@ -96,15 +98,102 @@ def test_workload_and_optimize_are_exclusive(capsys):
 
 
 def test_real_sweep_reports_read_winner(data_dir, tmp_path, capsys):
-    """On the real disk: the offload block is the final rung's best read on the backend auto uses."""
+    """On the real disk: the offload block is the final rung's best read, with its backend named."""
     import csv
 
     out = tmp_path / "real"
     assert main(["tune", "--dir", data_dir, "--out", str(out), "--workload", "offload", *SWEEP]) == 0
     rows = list(csv.DictReader(out.with_suffix(".csv").read_text().splitlines()))
-    auto = next(b.name for b in dsio.backend_status() if b.available)
-    reads = [r for r in rows if r["status"] == "final" and r["op"] == "read" and r["backend"] == auto]
+    reads = [r for r in rows if r["status"] == "final" and r["op"] == "read"]
     best = max(reads, key=lambda r: float(r["gbps_median"]))
     aio = _block(out)
-    assert (aio["block_size"], aio["queue_depth"]) == (int(best["block_size"]), int(best["queue_depth"]))
+    assert (aio["backend"], aio["block_size"], aio["queue_depth"]) == (
+        best["backend"],
+        int(best["block_size"]),
+        int(best["queue_depth"]),
+    )
+    assert aio["backend"] in [b.name for b in dsio.backend_status() if b.available]
     assert "best read" in capsys.readouterr().out
+
+
+def test_ds_nvme_tune_options_with_their_meaning(data_dir, tmp_path, capsys, monkeypatch):
+    """ds_nvme_tune's command line, as its users type it: several --nvme_dir (each transfer split over
+    them, all at once), a DeepSpeed --sweep_config, --no_read, --io_size, --loops, --log_dir, --verbose
+    and --flush_page_cache (moot under O_DIRECT, and said so)."""
+    dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    for d in dirs:
+        d.mkdir()
+    seen: dict[str, set[str]] = {"dirs": set()}
+
+    async def fake(f, op, view, offset):
+        seen["dirs"].add(os.path.dirname(f.path))
+        cfg = f._ops.config
+        gbps = 1.0 + (cfg.block_size == 256 << 10) + (cfg.queue_depth == 4) + 0.05 * cfg.overlap_events
+        return view.numel() / (gbps * 1e9)
+
+    monkeypatch.setattr(_tune, "_timed", fake)
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(
+        json.dumps(
+            {
+                "block_size": ["256K", "1M"],
+                "queue_depth": [4, 32],
+                "io_parallel": [1],
+                "single_submit": [False],
+                "sequential_requests": [False, True],
+            }
+        )
+    )
+    log_dir = tmp_path / "logs"
+    argv = ["tune", "--nvme_dir", *map(str, dirs), "--sweep_config", str(sweep), "--no_read"]
+    argv += ["--io_size", "8M", "--loops", "1", "--log_dir", str(log_dir), "--verbose", "--flush_page_cache"]
+    assert main([*argv, "--finalists", "4", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert seen["dirs"] == {str(d) for d in dirs}
+    from dsio._report import probe_o_direct
+
+    direct = all(probe_o_direct(str(d)).get("o_direct") for d in dirs)  # tmpfs has no O_DIRECT
+    assert ("nothing to flush" if direct else "cannot use O_DIRECT") in text
+    assert "GB/s" in text and "write" in text and "args =" in text  # --verbose
+    rows = list(csv.DictReader((log_dir / "dsio_tune.csv").read_text().splitlines()))
+    assert {r["op"] for r in rows} == {"write"}  # --no_read
+    backends = [b.name for b in dsio.backend_status() if b.available]
+    screening = [r for r in rows if r["rung"] == "1"]
+    assert len(screening) == len(backends) * 2 * 2 * 1 * 2  # the sweep file's grid
+    assert {r["single_submit"] for r in rows} == {"False"} and {r["overlap_events"] for r in rows} == {
+        "True",
+        "False",
+    }
+    assert {int(r["block_size"]) for r in rows} == {256 << 10, 1 << 20}
+    aio = json.loads((log_dir / "dsio_tune.json").read_text())["aio"]
+    assert (aio["block_size"], aio["queue_depth"], aio["overlap_events"]) == (256 << 10, 4, True)
+    assert aio["backend"] in backends and dsio.IOConfig.from_deepspeed(aio).backend == aio["backend"]
+    for d in dirs:
+        assert not [f for f in os.listdir(d) if f.startswith(".dsio")]
+
+
+@pytest.mark.parametrize(
+    ("sweep", "message"),
+    [
+        ({"block_size": ["1M"], "thread_count": [1]}, "unknown key 'thread_count'"),
+        ({"block_size": ["12K"]}, "not a power of two"),
+        ({"queue_depth": [0]}, "not a positive int"),
+        ({"single_submit": ["yes"]}, "not true/false"),
+        ({"io_parallel": []}, "non-empty list"),
+    ],
+)
+def test_a_bad_sweep_config_is_one_line_naming_the_key(data_dir, tmp_path, capsys, sweep, message):
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(sweep))
+    assert main(["tune", "--dir", data_dir, "--sweep_config", str(path), "--quiet"]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_no_read_and_no_write_together_and_gds_without_cuda_are_errors(data_dir, capsys):
+    assert main(["tune", "--dir", data_dir, "--no_read", "--no_write", "--quiet"]) == 1
+    assert "nothing to measure" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        assert main(["tune", "--dir", data_dir, "--gds", "--quiet"]) == 1
+        assert "CUDA" in capsys.readouterr().err
