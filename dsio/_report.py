@@ -174,6 +174,65 @@ def _versions() -> dict[str, str]:
     return out
 
 
+#: Optional packages dstrain and its tools use when installed (the distribution name, and what for).
+INTEGRATIONS = {
+    "transformers": "Hugging Face models and Trainer (dstrain.integrations)",
+    "accelerate": "accelerate launch as the launcher",
+    "tensorboard": "monitor: tensorboard writer",
+    "wandb": "monitor: wandb writer",
+    "hjson": "HJSON config files",
+    "uvloop": "a faster event loop for dsio",
+    "matplotlib": "plots of dsio tune and the benchmarks",
+    "deepspeed": "side-by-side benchmarks against DeepSpeed",
+}
+
+
+def _dstrain_status(
+    directories: list[dict[str, Any]], cuda: dict[str, Any], auto: str | None
+) -> dict[str, Any]:
+    """What dstrain can do on this machine, as ds_report lists DeepSpeed's ops: offload devices, process
+    group backends, GPU paths, optional integrations. Found without importing dstrain (dsio never
+    imports it): its presence by module spec, the rest from torch and dsio's own probes."""
+    import importlib.util
+    from importlib import metadata
+
+    import torch.distributed as dist
+
+    installed = importlib.util.find_spec("dstrain") is not None
+    direct = [d["directory"] for d in directories if d.get("o_direct")]
+    nvme = (
+        f"available ({auto} backend; O_DIRECT in {', '.join(direct)})"
+        if auto and direct
+        else f"available through buffered I/O only (no O_DIRECT in {', '.join(d['directory'] for d in directories)})"
+        if auto
+        else "unavailable: no I/O backend works here"
+    )
+    gpu = bool(cuda.get("available"))
+    nccl_built = dist.is_available() and dist.is_nccl_available()
+    out: dict[str, Any] = {
+        "installed": installed,
+        "offload_devices": {"cpu": "available", "nvme": nvme},
+        "process_groups": {
+            "gloo": "available" if dist.is_available() and dist.is_gloo_available() else "unavailable",
+            "nccl": "available"
+            if nccl_built and gpu
+            else "built, but no CUDA device"
+            if nccl_built
+            else "unavailable (torch built without NCCL)",
+        },
+        "cuda": "available" if gpu else f"unavailable: {cuda.get('reason', '?')}",
+        "cufile": cuda.get("cufile", "?"),
+        "integrations": {},
+    }
+    for dist_name, what in INTEGRATIONS.items():
+        try:
+            version = metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            version = None
+        out["integrations"][dist_name] = {"version": version, "for": what}
+    return out
+
+
 def report(args: argparse.Namespace) -> int:
     from . import backend_status
     from ._native import native
@@ -194,6 +253,7 @@ def report(args: argparse.Namespace) -> int:
         "directories": [probe_o_direct(d) for d in (args.dir or [os.getcwd()])],
         "cuda": _cuda_status(),
     }
+    info["dstrain"] = _dstrain_status(info["directories"], info["cuda"], auto)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -226,4 +286,13 @@ def report(args: argparse.Namespace) -> int:
         print(f"  CUDA       unavailable: {c['reason']}")
     print(f"  libcufile  {c['cufile']}")
     print(f"  GPU path   {c.get('gpu_path', '?')}")
+    t = info["dstrain"]
+    print("  dstrain    " + ("installed" if t["installed"] else "not installed (pip install dsio ships it)"))
+    print(f"    offload    cpu {t['offload_devices']['cpu']}; nvme {t['offload_devices']['nvme']}")
+    groups = t["process_groups"]
+    print(f"    dist       gloo {groups['gloo']}; nccl {groups['nccl']}")
+    print(f"    CUDA       {t['cuda']}; cuFile {t['cufile']}")
+    for name, x in t["integrations"].items():
+        state = x["version"] if x["version"] else "not installed"
+        print(f"    {name:<12} {state:<14} {x['for']}")
     return 0

@@ -96,6 +96,47 @@ def test_report_honours_disabled_backends(data_dir, monkeypatch, capsys):
     assert "auto ->   aio" in out
 
 
+def test_report_lists_what_dstrain_can_do_here(data_dir, monkeypatch, capsys):
+    """As ds_report lists DeepSpeed's ops: offload devices, gloo/NCCL, CUDA, cuFile, integrations."""
+    from importlib import metadata
+
+    import torch.distributed as dist
+
+    from dsio._report import INTEGRATIONS
+
+    assert main(["report", "--json", "--dir", data_dir]) == 0
+    info = json.loads(capsys.readouterr().out)
+    t = info["dstrain"]
+    assert t["installed"] is True
+    assert t["offload_devices"]["cpu"] == "available"
+    direct = info["directories"][0]["o_direct"]
+    assert (
+        t["offload_devices"]["nvme"].startswith("available")
+        and ("O_DIRECT in" in t["offload_devices"]["nvme"]) is direct
+    )
+    assert (t["process_groups"]["gloo"] == "available") is dist.is_gloo_available()
+    nccl_ok = dist.is_nccl_available() and info["cuda"]["available"]
+    assert (t["process_groups"]["nccl"] == "available") is nccl_ok
+    assert (
+        t["cuda"].startswith("available") is info["cuda"]["available"]
+        and t["cufile"] == info["cuda"]["cufile"]
+    )
+    assert set(t["integrations"]) == set(INTEGRATIONS)
+    for name, x in t["integrations"].items():
+        try:
+            want = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            want = None
+        assert x["version"] == want, name
+    assert main(["report", "--dir", data_dir]) == 0
+    text = capsys.readouterr().out
+    assert "  dstrain    installed" in text and "    offload    cpu available; nvme" in text
+    assert "    dist       gloo" in text and "uvloop" in text
+    monkeypatch.setenv("DSIO_DISABLE_BACKENDS", "io_uring,aio,posix")
+    assert main(["report", "--json", "--dir", data_dir]) == 0
+    assert json.loads(capsys.readouterr().out)["dstrain"]["offload_devices"]["nvme"].startswith("unavailable")
+
+
 def test_tune_writes_dstrain_aio_block_csv_and_png(data_dir, tmp_path, capsys):
     out = tmp_path / "res" / "tune"
     out.parent.mkdir()
