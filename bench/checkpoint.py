@@ -468,6 +468,7 @@ def to_json(
             }  # fmt: skip
     return {
         "kind": "checkpoint",
+        "label": args.label,
         "meta": mach,
         "state": {
             "layers": args.layers,

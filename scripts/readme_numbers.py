@@ -200,24 +200,45 @@ def render_io_ops(src: dict[str, Any], source: str) -> str:
 
 def render_checkpoint(src: dict[str, Any], source: str) -> str:
     st, rows = _get(src, "state"), _get(src, "rows")
-    t = {x["target"]: x for x in _get(src, "targets")}
+    targets = _get(src, "targets")
 
-    def val(name: str) -> str:
-        x = t[name]
+    def find(*words: str) -> dict[str, Any]:
+        """The target whose name holds every word (the targets' bounds changed between runs: 0.9x -> 0.95x,
+        10% -> 5%; a result file names the bound it was judged against)."""
+        hits = [x for x in targets if all(w in x["target"] for w in words)]
+        if len(hits) != 1:
+            raise NumbersError(f"{source}: no single checkpoint target naming {words}")
+        return hits[0]
+
+    def val(x: dict[str, Any]) -> str:
         return f"{x['value']:.2f}x" if x["unit"] == "x" else f"{x['value']:.1f}%"
 
+    def bound(x: dict[str, Any]) -> str:
+        m = re.search(r"(?:>=|<=|<)\s*([\d.]+(?:x|%))", x["target"])
+        return m.group(1) if m else "?"
+
+    durable, vs_st = find("durable save", "raw new-file write"), find("durable save", "safetensors")
+    load, load_st = find("load >=", "raw read"), find("load >=", "safetensors")
+    blocked = find("async save blocked")
     derived = f", re-derived from `{src['derived_from']}`" if src.get("derived_from") else ""
-    blocked = t["async save blocked <= 10% of a synchronous save"]
+    staged = rows.get("dsio Checkpointer save: until the state may change (wait_staged)")
+    durable_s = rows["dsio Checkpointer save (durable)"]["seconds_median"]
+    free_again = (
+        f" (`save()` returns at once; the state may change again {staged['seconds_median'] / durable_s * 100:.0f}% "
+        "of the way into the save, once `wait_staged()` returns)"
+        if staged
+        else ""
+    )
     return (
         f"Measured on {st['gib']:.2f} GiB of GPT-like state ({st['tensors']} tensors; `{source}`{derived}; "
         f"{src.get('reps', '?')} interleaved reps, medians): durable save "
-        f"{val('durable save >= 0.9x dsio raw new-file write')} dsio's raw new-file write (target 0.9x) and "
-        f"{val('durable save >= 4x safetensors + fsync')} safetensors + fsync "
+        f"{val(durable)} dsio's raw new-file write (target {bound(durable)}) and "
+        f"{val(vs_st)} safetensors + fsync "
         f"({rows['dsio Checkpointer save (durable)']['gbps_median']:.2f} GB/s); load "
-        f"{val('load >= 0.9x dsio raw read')} raw read and {val('load >= safetensors load_file')} safetensors "
+        f"{val(load)} raw read (target {bound(load)}) and {val(load_st)} safetensors "
         f"({rows['dsio Checkpointer load (crc32c verified)']['gbps_median']:.2f} GB/s, crc32c verified). An async "
-        f"save blocks training for {val('async save blocked <= 10% of a synchronous save')} of a synchronous "
-        f"save (target 10%: {'met' if blocked['met'] else 'not met'}).\n"
+        f"save blocks training for {val(blocked)} of a synchronous save{free_again} (target {bound(blocked)}: "
+        f"{'met' if blocked['met'] else 'not met'}).\n"
     )
 
 
