@@ -48,7 +48,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -76,6 +76,8 @@ log = logging.getLogger(__name__)
 
 _NVME_KEY = "zero_optimization.offload_param.nvme_path"
 _ALIGN = 4096
+#: Pinned staging pool of the Init swap file's handle (the partial pages of unaligned transfers).
+_POOL_BYTES = 1 << 20
 #: Bytes left free on the swap filesystem beyond the shards themselves (metadata, other files).
 DISK_RESERVE = 64 << 20
 
@@ -109,8 +111,10 @@ class _SwapFile:
         self.path = os.path.join(directory, f"zero_init_rank{rank}_{os.getpid()}_{uuid.uuid4().hex[:8]}.swp")
         self.end = 0
         self.written = 0
-        # the config's "aio" section (already an IOConfig), else DeepSpeed's defaults
-        self._handle = AsyncIOHandle(aio if aio is not None else IOConfig.from_deepspeed(None))
+        # the config's "aio" section (already an IOConfig), else DeepSpeed's defaults; a small pinned
+        # pool: shards are written once, from page-aligned buffers (`_aligned`), so staging is rare
+        cfg = aio if aio is not None else IOConfig.from_deepspeed(None)
+        self._handle = AsyncIOHandle(replace(cfg, pool_bytes=_POOL_BYTES, staging_buffer_bytes=_POOL_BYTES))
         self._file: Any = None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         os.close(fd)
@@ -286,6 +290,14 @@ class InitUnit:
         for p in self.params:
             if _unit_of.get(p) is self:
                 del _unit_of[p]
+
+
+def _aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros ``(numel,)`` starting on a page boundary (dsio writes them with O_DIRECT, unstaged)."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.zeros(numel * esize + _ALIGN, dtype=torch.uint8)
+    s = (-raw.data_ptr()) % _ALIGN
+    return raw[s : s + numel * esize].view(dtype)
 
 
 def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -485,7 +497,11 @@ class Init:
                     data = p.data if p.data.is_contiguous() else p.data.contiguous()
                     self.comm.broadcast(data, src=0)
                     p.data = data
-            shard = torch.zeros(layout.shard, dtype=self.dtype, device=device)
+            shard = (
+                _aligned(layout.shard, self.dtype)
+                if self.remote_device == "nvme" and device.type == "cpu"
+                else torch.zeros(layout.shard, dtype=self.dtype, device=device)
+            )
             for i, p in enumerate(params):
                 span = layout.overlap(i)
                 if span is not None:

@@ -4,10 +4,11 @@ with parameters, optimizer state and gradients on NVMe, and matches the unconstr
 The test creates a memory cgroup itself: cgroup v2 (``memory.max``) where the memory controller is
 available there, else a cgroup v1 memory hierarchy (``memory.limit_in_bytes``, same semantics for this
 purpose: the kernel reclaims or OOM-kills the group at the limit); it skips, naming the reason, where
-neither can be created (an unprivileged user). Both ranks of the limited run join ONE group after
-building the model (the whole model is built on every rank before ``initialize``, as dstrain has no
-``zero.Init``: that, the interpreter and a warm-up of torch, gloo and dsio are charged to the parent
-group; everything ``initialize`` and training allocate is charged to the limited one). The reference
+neither can be created (an unprivileged user). Both ranks of the limited run join ONE group, then
+build the model inside it under ``dstrain.zero.Init`` (each layer partitioned onto NVMe as it is
+built: the whole model, 2x the limit at fp32 over both ranks, never exists), so construction,
+``initialize`` and training are all charged to the limited group; only the interpreter and a
+warm-up of torch, gloo and dsio are charged to the parent group. The reference
 run then trains the same model with nothing offloaded in the same processes, after they moved back to
 the group they came from (pages are charged where they are first touched, so the limited run, which
 comes first, is measured alone). The fp32 master is compared bit
@@ -104,10 +105,13 @@ def _train(root: str | None, procs: str | None) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     _warm_up(root or tempfile.gettempdir())
     torch.manual_seed(0)
-    model = _Deep()  # built before joining the group (see the module docstring)
-    if procs is not None:
+    if procs is not None:  # join the limited group, then build the model inside it, partitioned
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
+        with dstrain.zero.Init(config_dict_or_path=_config(root, world)):  # remote_device: the config's nvme
+            model = _Deep()
+    else:
+        model = _Deep()
     engine, optimizer = dstrain.initialize(model=model, config=_config(root, world))[:2]
     del model
     losses = []
