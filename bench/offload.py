@@ -101,7 +101,7 @@ def run_one(args: argparse.Namespace, shape: str, method: str, python: str, nvme
     cmd = [
         python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
         "--shape", shape, "--method", method, "--steps", str(args.steps or sh.steps),
-        "--nvme-dir", nvme_dir, "--pinned", str(args.pinned or sh.pinned),
+        "--nvme-dir", nvme_dir, "--pinned", str(args.pinned or sh.pinned_for(METHODS[method])),
     ]  # fmt: skip
     if args.tiny:
         cmd.append("--tiny")

@@ -32,6 +32,10 @@ class Shape:
     """Default steps per run (two warm-up steps, then the timed ones)."""
     pinned: int
     """dstrain's ``offload_pinned_bytes`` per rank for this shape."""
+    paramopt_pinned: int | None = None
+    """dstrain's ``offload_pinned_bytes`` with parameters and optimizer state on NVMe, where it must
+    be larger (None: ``pinned``): stepping during backward needs two shard swap buffers of the largest
+    unit (the gathers' read-ahead keeps one while the step's master ranges use the other)."""
     hidden: int = 2048
     layers: int = 12
     dim: int = 768
@@ -45,6 +49,12 @@ class Shape:
         for f in ("micro_batch", "sub_group", "steps", "pinned"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"Shape.{f}: must be positive, got {getattr(self, f)}")
+
+    def pinned_for(self, method: Method) -> int:
+        """``offload_pinned_bytes`` for ``method`` on this shape."""
+        if method.param == "nvme" and method.optimizer == "nvme" and self.paramopt_pinned is not None:
+            return self.paramopt_pinned
+        return self.pinned
 
     def describe(self, params: int) -> str:
         if self.kind == "mlp":
@@ -63,7 +73,16 @@ class Shape:
         if self.kind == "mlp":
             return dataclasses.replace(self, hidden=256, sub_group=16384, steps=3, pinned=4 << 20)
         return dataclasses.replace(
-            self, layers=2, dim=64, heads=4, vocab=512, seq=32, sub_group=16384, steps=3, pinned=4 << 20
+            self,
+            layers=2,
+            dim=64,
+            heads=4,
+            vocab=512,
+            seq=32,
+            sub_group=16384,
+            steps=3,
+            pinned=4 << 20,
+            paramopt_pinned=None,
         )
 
     def build(self) -> tuple[Any, Callable[[Any], Any], Callable[[Any, Any], Any]]:
@@ -105,7 +124,14 @@ class Shape:
 SHAPES: dict[str, Shape] = {
     "mlp": Shape(name="mlp", kind="mlp", micro_batch=8, sub_group=4_194_304, steps=8, pinned=64 << 20),
     "gpt110m": Shape(
-        name="gpt110m", kind="gpt", micro_batch=1, sub_group=4_194_304, steps=5, pinned=128 << 20
+        name="gpt110m",
+        kind="gpt",
+        micro_batch=1,
+        sub_group=4_194_304,
+        steps=5,
+        pinned=128 << 20,
+        # the tied embedding's fp32 shard is 49 MB per rank: two of them, m+v buffers and the gradients'
+        paramopt_pinned=256 << 20,
     ),
 }
 

@@ -167,7 +167,13 @@ def render(meta: dict[str, Any], summary: dict[str, Any]) -> str:
             f"## {shape}: {sh.describe(params)}",
             "",
             f"sub_group_size {sh.sub_group:,}, {steps} steps per run ({max(steps - 2, 1)} timed), dstrain's "
-            f"pinned budget {(meta.get('pinned') or sh.pinned) / 2**20:.0f} MiB per rank.",
+            f"pinned budget {(meta.get('pinned') or sh.pinned) / 2**20:.0f} MiB per rank"
+            + (
+                f" ({sh.paramopt_pinned / 2**20:.0f} MiB with parameters and optimizer state on NVMe: two "
+                "shard buffers of the largest unit, so that sub-groups can step during backward)."
+                if sh.paramopt_pinned and not meta.get("pinned")
+                else "."
+            ),
             "",
             "| method | step s | peak RSS MiB (max rank) | swapped per step, measured (both ranks) | expected | "
             "I/O floor s | stall fraction | prefetch hits | stepped in backward |",
@@ -210,7 +216,7 @@ def render(meta: dict[str, Any], summary: dict[str, Any]) -> str:
                 "",
                 *formulas,
             ]
-        lines += ["", "Targets (issue 11):", "", *targets(summary, shape)]
+        lines += ["", "Targets (issues 11 and 32):", "", *targets(summary, shape)]
         agreement = loss_agreement(meta.get("runs", []), shape)
         if agreement:
             lines += [
@@ -295,11 +301,48 @@ def targets(summary: dict[str, Any], shape: str) -> list[str]:
         out.append(line)
     else:
         out.append("- dstrain CPU-offload vs DeepSpeed CPU-offload: not measured in this run")
-    return out
+    return out + _paramopt_targets(get("dstrain-paramopt-nvme"), dc, disk)
 
 
 def _pct(x: float | None) -> str:
     return "" if x is None else f"{x:.0%}"
+
+
+def _paramopt_targets(
+    po: dict[str, Any] | None, dc: dict[str, Any] | None, disk: dict[str, Any] | None
+) -> list[str]:
+    """Issue 32's lines for parameters + optimizer state on NVMe: its step / the CPU-offload step
+    <= 1.15; stall fraction <= 0.05 where the I/O floor is below compute, else step <= 1.1x the floor."""
+    if not po or not dc:
+        return ["- dstrain params + optimizer NVMe / dstrain CPU step: not measured in this run"]
+    step, cpu = po["step_s"][0], dc["step_s"][0]
+    ratio, floor, stall = step / cpu, po.get("io_floor_s"), po.get("stall_fraction")
+    overlap = (
+        f"stall fraction {_fmt(stall, '.2f')}, prefetch hits {_pct(po.get('prefetch_hit_rate'))}, "
+        f"stepped in backward {_pct(po.get('stepped_in_backward'))}"
+    )
+    line = (
+        f"- dstrain params + optimizer NVMe / dstrain CPU step: {ratio:.2f} (target <= 1.15: "
+        f"{'met' if ratio <= 1.15 else 'MISSED'}); {overlap}"
+    )
+    if ratio > 1.15:
+        line += "; " + _nvme_limit(po, disk)
+    lines = [line]
+    if floor is None or stall is None:
+        return [*lines, "- params + optimizer NVMe overlap: I/O floor unknown (no disk probe)"]
+    if floor < cpu:
+        ok = stall[0] <= 0.05
+        lines.append(
+            f"- params + optimizer NVMe, I/O floor {floor:.3f} s < compute {cpu:.3f} s: stall fraction "
+            f"{stall[0]:.2f} (target <= 0.05: {'met' if ok else 'MISSED'})"
+        )
+    else:
+        ok = step <= 1.1 * floor
+        lines.append(
+            f"- params + optimizer NVMe, I/O floor {floor:.3f} s >= compute {cpu:.3f} s: step {step:.3f} s = "
+            f"{step / floor:.2f}x the floor (target <= 1.1x: {'met' if ok else 'MISSED'})"
+        )
+    return lines
 
 
 def _nvme_limit(row: dict[str, Any], disk: dict[str, Any] | None) -> str:

@@ -112,9 +112,9 @@ def build_offload_optimizer(
     parameters and optimizer on NVMe), the optimizer reads and writes the master through it, and
     the store's pinned bytes come out of ``pinned_budget``.
 
-    Where legal (`early_step_legal`: stage 3, master and gradients in memory, no clipping, not
-    fp16) and ``offload.step_in_backward`` is on, sub-groups are stepped during the boundary
-    backward as their gradients become final (`dstrain.offload.optimizer.early_step.EarlyStep`).
+    Where legal (`early_step_legal`: stage 3, no clipping, not fp16; with the master or the
+    gradients in swap files, pools of at least two buffers) and ``offload.step_in_backward`` is on,
+    sub-groups are stepped during the boundary backward as their gradients become final (`dstrain.offload.optimizer.early_step.EarlyStep`).
     """
     if not offload.enabled:
         raise ValueError("build_offload_optimizer needs offload_optimizer.device 'cpu' or 'nvme'")
@@ -146,29 +146,32 @@ def build_offload_optimizer(
         pin_memory=offload.pin_memory and offload.device == "cpu" and torch.cuda.is_available(),
         **settings,
     )
-    why_not = early_step_legal(offload, zero, master_store, grad_store, gradient_clipping, precision)
+    why_not = early_step_legal(offload, zero, gradient_clipping, precision)
+    masters = grads = 0
+    if why_not is None and master_store is not None:
+        masters = master_store.lend_master_buffers()  # the shard pool's spare buffers, in backward
+        if masters < 1:
+            why_not = "the parameter swap pool has one buffer: the gathers need it during backward"
+    if why_not is None and grad_store is not None:
+        grads = grad_store.buffers - 1  # one stays for the accumulation of each reduced unit
+        if grads < 1:
+            why_not = "the gradient swap pool has one buffer: the accumulation needs it during backward"
     if why_not is None:
-        optimizer.attach_early_step(EarlyStep(optimizer, zero))
+        optimizer.attach_early_step(EarlyStep(optimizer, zero), masters=masters, grads=grads)
     else:
         log.info("%s: sub-groups are stepped in engine.step(), not during backward: %s", _FIELD, why_not)
     return optimizer
 
 
 def early_step_legal(
-    offload: OffloadOptimizerConfig,
-    zero: Any,
-    master_store: Any,
-    grad_store: Any,
-    gradient_clipping: float,
-    precision: str,
+    offload: OffloadOptimizerConfig, zero: Any, gradient_clipping: float, precision: str
 ) -> str | None:
-    """None when sub-groups may be stepped during backward, else why not (logged)."""
+    """None when sub-groups may be stepped during backward, else why not (logged). A master or
+    gradients in swap files are read during backward too (`OffloadAdam.attach_early_step`)."""
     if not offload.step_in_backward:
         return f"{EARLY_KEY} is false"
     if not callable(getattr(zero, "on_unit_reduced", None)):
         return "only ZeRO stage 3 reduces each unit's gradient during backward"
-    if master_store is not None or grad_store is not None:
-        return "the master or the gradients are swapped (they are read inside the step)"
     if gradient_clipping > 0:
         return "gradient_clipping needs the global norm of every gradient first"
     if precision == "fp16":

@@ -72,6 +72,27 @@ def test_targets_met_missed_and_not_applicable() -> None:
     assert "not applicable" in lines[1]
 
 
+def test_params_and_optimizer_on_nvme_target_lines() -> None:
+    """Issue 32: step / CPU-offload step <= 1.15; the stall fraction where the I/O floor is below
+    compute, else the step against 1.1x the floor; overlap figures reported either way."""
+    both = {**SWAP, "param_read_bytes_per_step": 4e6, "param_written_bytes_per_step": 4e6}
+    early = {**COUNTERS, "stepped_in_backward": 8}
+    runs = [_run("dstrain-cpu", 0.40, 600), _run("dstrain-paramopt-nvme", 0.44, 580, **both, **early)]
+    lines = targets(summarize(runs, PROBES), "mlp")
+    ratio, overlap = lines[-2], lines[-1]
+    assert "params + optimizer NVMe / dstrain CPU step: 1.10 (target <= 1.15: met)" in ratio
+    assert "prefetch hits 90%" in ratio and "stepped in backward 80%" in ratio
+    # 16 MB read + 16 MB written at 1 GB/s: floor 0.032 s < compute 0.40 s; stall 0.01 / 0.44
+    assert "I/O floor 0.032 s < compute" in overlap and "stall fraction 0.02" in overlap and ": met" in overlap
+    slow = [runs[0], _run("dstrain-paramopt-nvme", 0.60, 580, **both, **{**early, "stall_s_per_step": 0.2})]
+    ratio, overlap = targets(summarize(slow, PROBES), "mlp")[-2:]
+    assert "1.50 (target <= 1.15: MISSED)" in ratio and "limit:" in ratio
+    assert "stall fraction 0.33 (target <= 0.05: MISSED)" in overlap
+    # the disk slower than compute: the step is held against 1.1x the I/O floor
+    ratio, overlap = targets(summarize(slow, [{"read_gbps": 0.05, "write_gbps": 0.05}]), "mlp")[-2:]
+    assert "I/O floor 0.640 s >= compute 0.400 s" in overlap and "0.94x the floor (target <= 1.1x: met)" in overlap
+
+
 def test_worker_env_keeps_the_callers_pythonpath() -> None:
     # on the GPU machine the wheels live on PYTHONPATH (pip --target): the workers must still see them
     env = worker_env({"PYTHONPATH": "/opt/wheels:/other", "HOME": "/h"})
@@ -182,7 +203,7 @@ def test_tiny_run_swaps_the_formulas_bytes(tmp_path: Path) -> None:
     assert row["prefetch_hit_rate"] is not None and 0 <= row["stall_fraction"][0] <= 1
     assert row["io_floor_s"] > 0
     md = stem.with_suffix(".md").read_text()
-    assert "| dstrain-nvme |" in md and "2 x 8 B x" in md and "Targets (issue 11)" in md
+    assert "| dstrain-nvme |" in md and "2 x 8 B x" in md and "Targets (issues 11 and 32)" in md
     assert stem.with_suffix(".png").stat().st_size > 0
     assert not list((tmp_path / "scratch").iterdir())  # the scratch folder is left empty
 

@@ -21,6 +21,7 @@ from _dstrain_helpers import spawn
 
 WIDTH, DEPTH, STEPS, MICRO = 256, 10, 3, 2
 BUDGET = 1 << 20  # below the 4 B x 329k elements of gradient shards per rank
+EARLY_BUDGET = 1200 << 10  # still below them, and leaves two parameter swap buffers
 
 
 class _MLP(torch.nn.Module):
@@ -35,7 +36,14 @@ class _MLP(torch.nn.Module):
 
 
 def _config(
-    root: str | None, world: int, *, gas: int = 1, bf16: bool = False, clip: float = 0.0
+    root: str | None,
+    world: int,
+    *,
+    gas: int = 1,
+    bf16: bool = False,
+    clip: float = 0.0,
+    budget: int = BUDGET,
+    early: bool = True,
 ) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO,
@@ -52,11 +60,14 @@ def _config(
         z = cfg["zero_optimization"]
         z["offload_param"] = {"device": "nvme", "nvme_path": root, "buffer_count": 3}
         z["offload_optimizer"] = {"device": "nvme", "nvme_path": root, "buffer_count": 2}
-        z["offload_pinned_bytes"] = BUDGET
+        z["offload_optimizer"]["step_in_backward"] = early
+        z["offload_pinned_bytes"] = budget
     return cfg
 
 
-def _run(cfg: dict[str, Any]) -> dict[str, Any]:
+def _run(cfg: dict[str, Any], reads_in_first: bool = False) -> dict[str, Any]:
+    """``reads_in_first``: every swap read the optimizer asks for is complete when asked for, so
+    which sub-groups step during backward no longer depends on the disk's timing."""
     import torch.distributed as dist
 
     import dstrain
@@ -64,6 +75,8 @@ def _run(cfg: dict[str, Any]) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     engine, optimizer = dstrain.initialize(model=_MLP(), config=cfg)[:2]
+    if reads_in_first:
+        _complete_reads(optimizer)
     gas = engine.config.gradient_accumulation_steps
     losses = []
     try:
@@ -72,6 +85,8 @@ def _run(cfg: dict[str, Any]) -> dict[str, Any]:
             x = torch.randn(MICRO * gas * world, WIDTH, generator=g)  # (B, WIDTH), the global batch
             y = torch.randn(MICRO * gas * world, WIDTH, generator=g).tanh()
             for micro in range(gas):
+                if reads_in_first:
+                    optimizer.drain()  # the m, v read ahead during forward: in before backward
                 lo = (micro * world + rank) * MICRO
                 loss = engine(x[lo : lo + MICRO], y[lo : lo + MICRO])
                 engine.backward(loss)
@@ -91,9 +106,27 @@ def _run(cfg: dict[str, Any]) -> dict[str, Any]:
             optimizer.close()
     if grads is not None:
         out["stats"] = grads.statistics()
+    if "offload_param" in cfg["zero_optimization"]:
         out["param_stats"] = store.statistics()
         out["opt_stats"] = optimizer.statistics()
     return out
+
+
+def _complete_reads(optimizer: Any) -> None:
+    """Make the m, v, master and gradient reads ``optimizer`` asks for during backward complete
+    before it looks at them (`StateReads.fetch_final`), so stepping during backward does not depend on
+    the disk's timing (the step's own reads stay asynchronous: waiting there could deadlock)."""
+    reads = optimizer.swapped.reads
+    fetch_final = reads.fetch_final
+
+    def fetch_and_wait(ready: set[int]) -> None:
+        fetch_final(ready)
+        for entry in reads.ahead:  # (the m, v reads too: submitted in order, one buffer each)
+            for fut in entry[1:4]:
+                if fut is not None:
+                    fut.result()
+
+    reads.fetch_final = fetch_and_wait
 
 
 def _scenarios(root: str) -> dict[str, Any]:
@@ -113,6 +146,16 @@ def _scenarios(root: str) -> dict[str, Any]:
             run("grads_nvme_bf16", _config(root, w, bf16=True)),
         ]
     )
+    # stepping during backward with the master (fp32: the shard file; bf16: its own file) and the
+    # gradients swapped, against the same run stepping after backward and against no offload
+    for bf16 in (False, True):
+        sfx = "_bf16" if bf16 else ""
+        for budget, what in ((EARLY_BUDGET, "grads_nvme"), (64 << 20, "paramopt")):
+            out[f"{what}_early{sfx}"] = _run(_config(root, w, bf16=bf16, budget=budget), reads_in_first=True)
+            out[f"{what}_early_timed{sfx}"] = _run(_config(root, w, bf16=bf16, budget=budget))
+            out[f"{what}_late{sfx}"] = _run(_config(root, w, bf16=bf16, budget=budget, early=False))
+    out["none_gas2_early"] = out["none_gas2"]
+    out["grads_nvme_early_gas2"] = _run(_config(root, w, gas=2, budget=EARLY_BUDGET), reads_in_first=True)
     from dstrain.errors import NotImplementedConfigError
 
     try:
@@ -209,3 +252,36 @@ def test_grad_store_sums_bitwise_and_unwritten_blocks_read_as_zero(tmp_path) -> 
         store.close()
     with pytest.raises(ClosedError):
         store.accumulate(0, 0, ones, 1.0)
+
+
+EARLY = [
+    (f"{what}_{kind}{sfx}", f"none{sfx}")
+    for what in ("grads_nvme", "paramopt")
+    for kind in ("early", "early_timed", "late")
+    for sfx in ("", "_bf16")
+] + [("grads_nvme_early_gas2", "none_gas2")]
+
+
+@pytest.mark.parametrize(("name", "base"), EARLY)
+def test_stepping_during_backward_with_master_and_gradients_swapped(
+    runs: list[dict[str, Any]], name: str, base: str
+) -> None:
+    """Parameters and optimizer state on NVMe: sub-groups step during the boundary backward with
+    their master and gradient ranges read then, bitwise the same as stepping after backward and as
+    no offload (fp32: the master is the shard; bf16: the master file, the shards cast out of order)."""
+    for rank in runs:
+        got, ref = rank[name], rank[base]
+        assert got["offloaded"] == name.startswith("grads_nvme")
+        assert got["losses"] == ref["losses"]
+        for a, b in zip(got["params"], ref["params"], strict=True):
+            assert torch.equal(a, b)
+        opt = got["opt_stats"]
+        if "_late" in name:
+            assert opt.stepped_in_backward == 0
+        elif "_timed" not in name:  # reads complete when asked: every final sub-group steps then
+            steps = STEPS - 1  # the first step only records how often each unit reduces
+            assert opt.stepped_in_backward >= steps * opt.sub_groups // 2 > 0
+        # every sub-group's master and gradient are still read once per step
+        assert got["param_stats"].master_reads == opt.sub_groups * STEPS
+        if got["offloaded"]:
+            assert got["stats"].fetches == opt.sub_groups * STEPS

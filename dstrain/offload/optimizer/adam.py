@@ -224,9 +224,13 @@ class OffloadAdam(torch.optim.Optimizer):
         """Whether sub-groups are stepped during the boundary backward (`dstrain.offload.optimizer.early_step`)."""
         return self._early is not None
 
-    def attach_early_step(self, early: EarlyStep) -> None:
-        """Let ``early`` step sub-groups during the boundary backward (`step_ready`)."""
+    def attach_early_step(self, early: EarlyStep, *, masters: int = 0, grads: int = 0) -> None:
+        """Let ``early`` step sub-groups during the boundary backward (`step_ready`); with the master
+        or the gradients swapped, at most ``masters`` / ``grads`` of their ranges are read at once
+        during backward (buffers their pools can spare then)."""
         self._early = early
+        if self.swapped.reads is not None:
+            self.swapped.reads.in_pass = (masters, grads)
 
     @property
     def sub_groups(self) -> list[SubGroup]:
@@ -320,7 +324,10 @@ class OffloadAdam(torch.optim.Optimizer):
                     self._step_one(sg, None)
                     done += 1
         else:  # only those whose reads are done: backward never waits for the disk
-            while (sg_in := self.swapped.reads.read_in(ready)) is not None:
+            while True:
+                self.swapped.reads.fetch_final(ready)  # their master / gradient ranges, where swapped
+                if (sg_in := self.swapped.reads.read_in(ready)) is None:
+                    break
                 self._begin()
                 self._step_one(sg_in, None)
                 done += 1
@@ -344,9 +351,13 @@ class OffloadAdam(torch.optim.Optimizer):
             )
         self._begin()
         self._in_step = True
-        if self.swapped.swapper is not None:
+        first: list[SubGroup] = []
+        if self.swapped.reads is not None:
+            # those holding master / gradient buffers read during backward go first: the reads
+            # of the others may wait for those buffers (bitwise the same: sub-groups are independent)
+            first = self.swapped.reads.fetched_in_pass()
             self._top_up()  # (and the master / gradient reads of the sub-groups already read ahead)
-        for sg in self._order:
+        for sg in [*first, *self._order]:
             if sg.index not in self._stepped:
                 self._step_one(sg, gate)
         self._in_step = False

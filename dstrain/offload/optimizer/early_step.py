@@ -22,9 +22,13 @@ times each unit is reduced; later passes treat a unit as final once it has been 
 times. If a pass then reduces a unit again after its sub-group was stepped (the model's control flow
 changed), `EarlyStepError` says so and names the key that turns the feature off.
 
-Composed by `dstrain.offload.compose` where legal: stage 3, master and gradients in memory, no
-clipping, no fp16; ``zero_optimization.offload_optimizer.step_in_backward`` (default true) turns it
-off. An async checkpoint save in flight holds it for the step the save gates (that step waits for the
+Composed by `dstrain.offload.compose` where legal: stage 3, no clipping, no fp16;
+``zero_optimization.offload_optimizer.step_in_backward`` (default true) turns it off. With the
+master and the gradients in swap files too (parameters and optimizer state on NVMe), a final
+sub-group's master and gradient ranges are read during backward as well, within the buffers their
+pools can spare while the gathers and the gradient accumulation use them
+(`StateReads.fetch_final`), and the stepped master (cast, the shards) is written back during
+backward. An async checkpoint save in flight holds it for the step the save gates (that step waits for the
 save sub-group by sub-group, in `OffloadAdam.step`: the gate is called in one place).
 """
 

@@ -95,6 +95,12 @@ class OffloadedGrads:
         """The most elements one `fetch` can return (a multiple of 1024)."""
         return (self.buffer_bytes - ALIGN) // _F32 // 1024 * 1024
 
+    @property
+    def buffers(self) -> int:
+        """Swap buffers of the gradient pool (accumulation needs one; reads for the optimizer may
+        hold the others)."""
+        return self._live().buffers
+
     def place(self, group: int, total: int) -> None:
         """Give param group ``group`` a region of ``total`` fp32 elements (all zero)."""
         sw = self._live()

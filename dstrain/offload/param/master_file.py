@@ -58,6 +58,11 @@ class MasterFile:
         self._total: dict[int, int] = {}
 
     @property
+    def buffers(self) -> int:
+        """Swap buffers of the master file's pool."""
+        return self._live().buffers
+
+    @property
     def max_numel(self) -> int:
         """The most master elements one `fetch` can hold (a multiple of 1024)."""
         return (self.buffer_bytes - ALIGN) // _F32 // 1024 * 1024
@@ -177,9 +182,14 @@ class MasterFile:
 class ShardStream:
     """One group's half-precision shards rewritten from its stepped master, range by range.
 
-    Ranges arrive in element order (the optimizer steps each group's sub-groups in order), so the
-    shard region (at ``base`` in ``swapper``'s file, ``total`` elements of ``dtype``) is written in
-    whole buffers from its start: page-aligned, never a page shared with a write still to come.
+    Ranges may arrive in any order (sub-groups stepped during backward come in the order backward
+    finishes their gradients), each once per rewrite. The pages a range covers whole are cast
+    straight into swap buffers and written at once; a page it shares with a neighbouring range
+    (half-precision ranges start at 2 KiB multiples) is assembled in memory and written once every
+    range touching it has arrived. So every write of the shard region (at ``base`` in ``swapper``'s
+    file, ``total`` elements of ``dtype``) is page-aligned and never shares a page with a write
+    still to come, and a page a later gather may still read is never written before its ranges
+    are all stepped.
     """
 
     def __init__(self, swapper: Swapper, base: int, total: int, dtype: torch.dtype) -> None:
@@ -188,38 +198,60 @@ class ShardStream:
         self._total = total
         self._dtype = dtype
         self._esize = torch.empty((), dtype=dtype).element_size()
-        self._per = swapper.buffer_bytes // self._esize  # elements of one buffer, whole pages
-        self._next = 0  # the element the next range must start at
-        self._lease: Lease | None = None
-        self._first = 0  # element of the region at the start of the buffer being filled
+        self._end = base + total * self._esize  # the region's last byte + 1
+        self._stored = 0  # elements stored so far
+        self._edges: dict[int, list[Any]] = {}  # page offset -> [page image (uint8), bytes filled]
 
     @property
     def done(self) -> bool:
-        return self._next == self._total
+        return self._stored == self._total
 
     def cancel(self) -> None:
-        """Give the buffer being filled back unwritten (a rewrite abandoned part-way)."""
-        if self._lease is not None:
-            self._sw.discard(self._lease)
-            self._lease = None
+        """Drop the pages assembled so far unwritten (a rewrite abandoned part-way)."""
+        self._edges.clear()
+
+    def _page_need(self, page: int) -> int:
+        """Bytes of the region in the page at file offset ``page``."""
+        return min(ALIGN, self._end - page)
+
+    def _write(self, off: int, fill: Callable[[torch.Tensor], None], nbytes: int) -> None:
+        lease = self._sw.acquire_any().result()
+        fill(lease.tensor[: align_up(nbytes)])
+        self._sw.store_range(lease, off, nbytes)
 
     def write(self, start: int, values: torch.Tensor) -> int:
-        """Cast ``values`` (elements ``[start, start + values.numel())``) into the buffer, writing
-        every buffer that fills (and the last one); returns how many writes were submitted."""
-        if start != self._next:
-            raise RuntimeError(f"master ranges stored out of order ({start} after {self._next})")
-        writes, pos, n = 0, 0, values.numel()
-        while pos < n:
-            e = start + pos
-            if self._lease is None:
-                self._lease, self._first = self._sw.acquire_any().result(), e
-            k = min(n - pos, self._first + self._per - e)
-            self._lease.view(self._dtype, (e - self._first) * self._esize, k).copy_(values[pos : pos + k])
-            pos += k
-            if e + k == self._first + self._per or e + k == self._total:
-                off = self._base + self._first * self._esize
-                self._sw.store_range(self._lease, off, (e + k - self._first) * self._esize)
-                self._lease = None
+        """Cast ``values`` (elements ``[start, start + values.numel())``) into the shard region:
+        whole pages written now, shared pages once complete; returns how many writes were submitted."""
+        es, n = self._esize, values.numel()
+        lo, hi = self._base + start * es, self._base + (start + n) * es
+        if start < 0 or start + n > self._total:
+            raise ValueError(
+                f"master range [{start}, {start + n}) outside the group's {self._total} elements"
+            )
+        writes = 0
+        # the whole pages inside [lo, hi) are [first, last) (the region's end counts as a page end)
+        first = align_up(lo)
+        last = hi if hi == self._end else hi - hi % ALIGN
+        shared = set()
+        if first > lo:
+            shared.add(lo - lo % ALIGN)  # the page it shares with the range before
+        if last < hi:
+            shared.add(last)  # the page it shares with the range after
+        for page in sorted(shared):
+            a, z = max(lo, page), min(hi, page + ALIGN)
+            entry = self._edges.setdefault(page, [torch.zeros(ALIGN, dtype=torch.uint8), 0])
+            entry[0][a - page : z - page].view(self._dtype).copy_(values[(a - lo) // es : (z - lo) // es])
+            entry[1] += z - a
+            if entry[1] == self._page_need(page):  # every range of this page is in
+                img = self._edges.pop(page)[0]
+                self._write(page, lambda t, img=img: t[:ALIGN].copy_(img), self._page_need(page))
                 writes += 1
-        self._next = start + n
+        per = self._sw.buffer_bytes // ALIGN * ALIGN  # bytes of one buffer, whole pages
+        for off in range(first, max(first, last), per):
+            k = min(per, last - off)
+            e0 = (off - lo) // es
+            src = values[e0 : e0 + k // es]
+            self._write(off, lambda t, src=src, k=k: t[:k].view(self._dtype).copy_(src), k)
+            writes += 1
+        self._stored += n
         return writes

@@ -133,8 +133,9 @@ class OffloadedShards(ShardStore):
             self._read_unit,
             self._discard,
             self._unit_of,
-            lambda: self._swapper.buffers if self._swapper else 0,
+            lambda: self._swapper.buffers - self._lent if self._swapper else 0,
         )
+        self._lent = 0  # shard-pool buffers the read-ahead leaves to the optimizer (`_lend`)
         self._unit_group: dict[int, ShardGroup] = {}
         self._stall = 0.0
         self._hits = self._misses = 0
@@ -263,11 +264,17 @@ class OffloadedShards(ShardStore):
                 base=self._base,
                 span=self._span,
                 release_reads=self._release_reads,
+                lend=self._lend,
             )
 
     def _master_stored(self, group: int, start: int, values: torch.Tensor) -> None:
         assert self.master is not None
         self.master.stream_shard(group, start, values)
+
+    def _lend(self, buffers: int) -> None:
+        """The shard read-ahead counts ``buffers`` fewer pool buffers as its own (the optimizer's
+        master ranges and shard writes during backward use them: `SwappedMaster.lend_master_buffers`)."""
+        self._lent = buffers
 
     def _release_reads(self) -> None:
         """The optimizer's step takes the pool: shard read-ahead ends (it restarts in forward)."""

@@ -41,7 +41,8 @@ class SwappedMaster:
     ``swapper``: the shard file's; ``file``: the master's own file (bf16/fp16 shards; None at fp32,
     where the master is the shard); ``groups`` / ``base``: the store's groups by index and their
     regions in the shard file (filled as groups are placed); ``span``: the shard file bytes of a
-    range; ``release_reads``: hand the shard read-ahead's buffers back (the step owns the pool).
+    range; ``release_reads``: hand the shard read-ahead's buffers back (the step owns the pool);
+    ``lend(n)``: the shard read-ahead counts ``n`` fewer buffers as its own.
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class SwappedMaster:
         base: Mapping[int, int],
         span: Span,
         release_reads: Callable[[], None],
+        lend: Callable[[int], None],
     ) -> None:
         self.file = file
         self._swapper = swapper
@@ -64,6 +66,7 @@ class SwappedMaster:
         self._base = base
         self._span = span
         self._release_reads = release_reads
+        self._lend = lend
         self._streams: dict[int, ShardStream] = {}  # group -> its shard file rewrite in progress
         self._stores: list[concurrent.futures.Future[None]] = []  # master writes in flight
         self.reads = 0
@@ -83,11 +86,14 @@ class SwappedMaster:
         return (self._buffer_bytes - ALIGN) // 4 // 1024 * 1024
 
     def fetch_master(
-        self, group: int, start: int, numel: int
+        self, group: int, start: int, numel: int, *, in_pass: bool = False
     ) -> concurrent.futures.Future[tuple[Lease, torch.Tensor]]:
         """A buffer with master elements ``[start, start + numel)`` of ``group`` and the fp32 view of
-        them (after any write of those pages in flight)."""
-        self._release_reads()  # the step owns the pool now: read-ahead of shards restarts in forward
+        them (after any write of those pages in flight). ``in_pass``: during backward (a sub-group
+        stepped as its gradients become final), within the buffers `lend_master_buffers` set aside,
+        so the gathers' shard read-ahead goes on; otherwise the step owns the pool from now on."""
+        if not in_pass:
+            self._release_reads()  # the step owns the pool now: read-ahead of shards restarts in forward
         if self.file is not None:
             self.reads += 1
             return self.file.fetch(group, start, numel)
@@ -96,6 +102,25 @@ class SwappedMaster:
         fut = self._swapper.fetch_view(off, nbytes, at, numel, key=(g.index, off, nbytes))
         self.reads += 1
         return fut
+
+    def lend_master_buffers(self) -> int:
+        """Set aside buffers for the master ranges read and written during backward (stepping during
+        backward, `dstrain.offload.optimizer.early_step`); returns how many master ranges may be
+        held at once then (0: the pools are too small, stepping stays after backward).
+
+        The shard pool serves the gathers' read-ahead during backward, and the training thread waits
+        for its buffers there, so whatever the optimizer holds in it must be buffers the read-ahead
+        never counts on: at fp32 (the master is the shard) half of them hold master ranges; at
+        bf16/fp16 one takes the cast shard writes (`ShardStream`) and the master ranges come from
+        the master file's own pool."""
+        buffers = self._swapper.buffers
+        if buffers < 2:
+            return 0
+        if self.file is not None:
+            self._lend(1)
+            return self.file.buffers
+        self._lend(buffers // 2)
+        return buffers // 2
 
     def store_master(self, lease: Lease) -> concurrent.futures.Future[None]:
         """Write a stepped master range back (once per step) and return its buffer."""
