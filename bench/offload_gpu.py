@@ -53,8 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--offload",
         default="both",
-        choices=("both", "param", "optimizer"),
-        help="what goes to NVMe: parameters and optimizer state (default), or one of them",
+        choices=("both", "param", "optimizer", "cpu"),
+        help="what goes to NVMe: parameters and optimizer state (default), or one of them; cpu: the "
+        "optimizer state on the CPU (ZeRO-Offload), nothing on NVMe",
     )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2, help="steps before the timed ones")
@@ -147,6 +148,15 @@ def _swap_counters(sources: tuple[Any, ...]) -> dict[str, float]:
     return offload_counters(*sources) or {}
 
 
+def _hwm_mib() -> float:
+    """This process's peak resident memory (VmHWM), MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         import torch
@@ -191,6 +201,8 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
         cfg["zero_optimization"]["offload_optimizer"] = dict(nvme)
     if args.offload in ("both", "param"):
         cfg["zero_optimization"]["offload_param"] = dict(nvme)
+    if args.offload == "cpu":
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     dstrain = _import_dstrain()
     t0 = time.perf_counter()
     engine, optimizer, _, _ = dstrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -252,12 +264,19 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
     }
     if args.device == "cuda":
         out["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["gpu_bytes_per_param"] = torch.cuda.max_memory_allocated(device) / params
+    out["host_peak_mib"] = _hwm_mib()
     if world > 1:
         dist.destroy_process_group()
     return out
 
 
-_WHAT = {"both": "parameters and optimizer state", "param": "parameters", "optimizer": "optimizer state"}
+_WHAT = {
+    "both": "parameters and optimizer state on NVMe",
+    "param": "parameters on NVMe",
+    "optimizer": "optimizer state on NVMe",
+    "cpu": "optimizer state on the CPU",
+}
 
 
 def _bytes(n: float) -> str:
@@ -276,7 +295,7 @@ def render(meta: dict[str, Any], result: dict[str, Any]) -> str:
     lines += [
         f"dstrain ZeRO-3, bf16, world {result['world']} on {meta['device']}: GPT of bench/train.py, "
         f"{result['params'] / 1e6:,.1f}M parameters ({a['layers']} layers, d={a['dim']}, {a['heads']} heads, vocab "
-        f"{a['vocab']}, seq {a['seq']}), micro batch {a['batch']}; {_WHAT[a['offload']]} on NVMe "
+        f"{a['vocab']}, seq {a['seq']}), micro batch {a['batch']}; {_WHAT[a['offload']]} "
         f"({meta['nvme_path']}, {meta['fs']}), pinned budget {a['pinned_gib']:g} GiB per rank.",
         "",
         "| tokens/s | step s (median) | timed steps | swap read GB/s | swap write GB/s | swapped per step | stall s/step | "
@@ -306,7 +325,12 @@ def render(meta: dict[str, Any], result: dict[str, Any]) -> str:
         "Swapped by kind over the timed steps: "
         + ", ".join(f"{k.replace('_', ' ')} {_bytes(v)}" for k, v in result["swap_bytes"].items()),
         f"Build {result['build_s']:.0f} s, initialize {result['init_s']:.0f} s, steps {sum(result['steps_s']):.0f} s"
-        + (f"; GPU peak {result['gpu_peak_gib']:.1f} GiB" if "gpu_peak_gib" in result else "")
+        + (
+            f"; GPU peak {result['gpu_peak_gib']:.1f} GiB ({result['gpu_bytes_per_param']:.2f} B/param)"
+            if "gpu_peak_gib" in result
+            else ""
+        )
+        + f"; host peak {result['host_peak_mib']:,.0f} MiB"
         + ".",
     ]
     if result["stopped"]:

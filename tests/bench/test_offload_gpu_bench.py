@@ -78,3 +78,28 @@ def test_refuses_bad_arguments_and_memory_folders(tmp_path: Path) -> None:
 def test_cuda_tiny_run(tmp_path: Path) -> None:
     r = _tiny(tmp_path, "cuda")
     assert r["gpu_peak_gib"] > 0
+
+
+def test_side_by_side_table_targets(tmp_path: Path) -> None:
+    """bench/offload_gpu_table.py on known numbers: the 1.5x tokens/s and lower-GPU-peak lines, and a
+    failed DeepSpeed run shown with its error instead of a ratio."""
+    from bench.offload_gpu_table import load, render
+
+    def dstrain(tps: float, peak: float) -> dict[str, object]:
+        r = {"params": 2**30, "steps_s": [9.0, 4.0, 4.0], "timed_steps": 2, "tokens_per_s": tps}
+        return {"result": {**r, "gpu_peak_gib": peak, "host_peak_mib": 5000.0, "stopped": ""}}
+
+    ds = {"params": 2**30, "steps_s": [9.0, 8.0, 8.0], "timed_steps": 2, "tokens_per_s": 100.0}
+    ds |= {"gpu_peak_gib": 3.0, "gpu_bytes_per_param": 3.0, "host_peak_mib": 9000.0}
+    (tmp_path / "dstrain-both.json").write_text(json.dumps(dstrain(160.0, 2.0)))
+    (tmp_path / "dstrain-cpu.json").write_text(json.dumps(dstrain(140.0, 4.0)))
+    (tmp_path / "deepspeed-both.json").write_text(json.dumps({"error": "AssertionError: Not enough buffers"}))
+    (tmp_path / "deepspeed-cpu.json").write_text(json.dumps(ds))
+    (tmp_path / "probes.jsonl").write_text(json.dumps({"at": 0, "write_gbps": 2.0, "read_gbps": 1.5}) + "\n")
+    text = render(load(tmp_path), "abc1234")
+    assert "| dstrain both | 160 | 4.00 | 2 |" in text and "2.0 (2.00)" in text  # GiB, bytes/param
+    assert "**failed**: `AssertionError: Not enough buffers`" in text
+    assert "parameters + optimizer state on NVMe: no side-by-side" in text
+    assert "dstrain 1.40x DeepSpeed's tokens/s (target >= 1.5x: MISSED)" in text
+    assert "GPU peak 4.0 vs 3.0 GiB, 4.00 vs 3.00 B/param (NOT lower: MISSED)" in text
+    assert "probe 0: write 2.00 GB/s, read 1.50 GB/s" in text
