@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -71,8 +71,12 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DSConfig:
-    """A whole training config. Build it with `DSConfig.load`; direct construction validates too."""
+class DSConfig(Mapping[str, Any]):
+    """A whole training config. Build it with `DSConfig.load`; direct construction validates too.
+
+    It is also a read-only mapping of the resolved JSON (`to_dict`), as DeepSpeed's ``engine.config``
+    is a dict: ``engine.config["train_micro_batch_size_per_gpu"]``, ``engine.config.get("zero_optimization")``.
+    """
 
     world_size: int = 1
     """Data-parallel world size the batch sizes were resolved against."""
@@ -243,6 +247,30 @@ class DSConfig:
         check_bool("", "dataloader_drop_last", self.dataloader_drop_last)
         if self.seed is not None:
             check_int("", "seed", self.seed, min_value=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as JSON values under DeepSpeed's keys (every "auto" filled)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "world_size":
+                continue
+            value = getattr(self, f.name)
+            if f.name == "aio":
+                gds = {"use_gds": True} if value.gpu_backend == "cufile" else {}
+                value = {k: getattr(value, k) for k in DEEPSPEED_AIO_DEFAULTS if k != "use_gds"} | gds
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                value = dataclasses.asdict(value)
+            out[f.name] = value
+        return out
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
 
     @property
     def precision(self) -> str:

@@ -30,8 +30,8 @@ __all__ = ["AUTO", "auto_paths", "fill_auto", "hidden_size", "resolve_auto"]
 
 AUTO = "auto"
 
-NATIVE = frozenset({"pipeline.stages"})
-"""Keys whose section parser takes ``"auto"`` itself (the pipeline module's stage count)."""
+NATIVE = frozenset({"pipeline.stages", "pipeline.transport"})
+"""Keys whose section parser takes ``"auto"`` itself (the pipeline's stage count and transport)."""
 
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 

@@ -8,11 +8,13 @@ reduction), a `Stepper` (the optimizer over the master tensors), an optional `LR
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -31,7 +33,7 @@ from dstrain.optim.clip import GradSet, clip_grads_, global_grad_norm
 from dstrain.optim.stepper import Stepper
 from dstrain.precision import Precision
 from dstrain.scheduler import LRSchedule
-from dstrain.zero.base import ZeroStatistics, ZeroStrategy
+from dstrain.zero.base import GathersModule, ZeroStatistics, ZeroStrategy
 
 __all__ = ["Engine", "EngineStatistics", "StepObserver"]
 
@@ -146,6 +148,9 @@ class Engine:
             tag_validation=config.checkpoint.tag_validation,
         )
         """The checkpoint policy (`dstrain.checkpoint.policy`); ``checkpoints.pending``: a save in flight."""
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        self._no_sync = False
+        self._step_applied = False
         self.runner: Any = None
         """What runs whole batches (`train_batch` / `eval_batch`): a `dstrain.pipe.PipelineRunner` that
         `initialize` attaches for a pipeline model; None otherwise (train with forward/backward/step)."""
@@ -169,11 +174,18 @@ class Engine:
         return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next `step` will update the weights."""
+        """True when the next `step` will update the weights: every ``gradient_accumulation_steps``-th
+        micro-step, or what `set_gradient_accumulation_boundary` said; never inside `no_sync`."""
+        if self._no_sync:
+            return False
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward of ``loss`` x loss scale / accumulation steps; gradients accumulate over micro-steps."""
+        """Backward of ``loss`` x loss scale / accumulation steps; gradients accumulate over micro-steps.
+
+        Returns ``loss / gradient_accumulation_steps``, as DeepSpeed does."""
         start = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
@@ -187,10 +199,15 @@ class Engine:
         done = loss.detach().float()
         self._loss_sum = done if self._loss_sum is None else self._loss_sum + done
         self._times["backward"] += time.perf_counter() - start
-        return loss
+        return loss / self.config.gradient_accumulation_steps
 
     def step(self) -> None:
         """At an accumulation boundary: reduce, unscale, check overflow, clip, update; always count the micro-step."""
+        if self._no_sync:
+            raise DstrainError(
+                "engine.step() inside engine.no_sync(): step after leaving it (as DeepSpeed requires)"
+            )
+        self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             start = time.perf_counter()
             self.zero.reduce_gradients()
@@ -198,6 +215,9 @@ class Engine:
             # an async save may still be reading what the step changes: a stepper that steps piece
             # by piece waits for each piece; everything else waits for the whole staging
             self._staging_fence(lend=not overflow)
+            self._step_applied = not overflow
+            if self.optimizer is not None:  # DeepSpeed's optimizer.overflow, read by integrations
+                self.optimizer.overflow = overflow
             if overflow:
                 self.skipped_steps += 1
             else:
@@ -312,15 +332,14 @@ class Engine:
 
         At stage 3 ``module.state_dict()`` holds released parameters; this gathers them first.
         """
-        gather = getattr(self.zero, "gathered_module", None)
-        if gather is not None:
-            gather()
+        partitioned = isinstance(self.zero, GathersModule)
+        if isinstance(self.zero, GathersModule):
+            self.zero.gathered_module()
         try:
             return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
         finally:
-            release = getattr(self.zero, "release_all", None)
-            if release is not None:
-                release()
+            if partitioned and isinstance(self.zero, GathersModule):
+                self.zero.release_all()
 
     def statistics(self) -> EngineStatistics:
         """A snapshot of counters and timings."""
@@ -459,6 +478,79 @@ class Engine:
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_strict=load_module_strict,
         )
+
+    # -- DeepSpeed's engine API (what HF Trainer, Accelerate and DeepSpeed's tests call) -------------
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the next `step` is an accumulation boundary (DeepSpeed: for callers that count
+        micro-steps themselves); `is_gradient_accumulation_boundary` returns it until changed again."""
+        if not isinstance(is_boundary, bool):
+            raise TypeError(f"is_boundary must be a bool, got {type(is_boundary).__name__}")
+        self._boundary = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (DeepSpeed's semantics): ZeRO stages 0-1 only,
+        no `step` inside, no re-entry."""
+        if self.zero.stage >= 2:
+            raise DstrainError(
+                f"no_sync is incompatible with ZeRO stage {self.zero.stage}: it partitions (reduce-scatters) "
+                "gradients in every backward"
+            )
+        if self._no_sync:
+            raise DstrainError("no_sync does not nest")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def was_step_applied(self) -> bool:
+        """Whether the last `step` updated the weights (False for a micro-step that was not a boundary,
+        and for a step skipped because fp16 gradients overflowed)."""
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last optimizer step; None where it was not computed (no
+        clipping and no fp16; DeepSpeed returns None when its norm is off)."""
+        return None if math.isnan(self._grad_norm) else self._grad_norm
+
+    def gradient_clipping(self) -> float:
+        """``gradient_clipping`` from the config (0: off)."""
+        return self.config.gradient_clipping
+
+    @property
+    def device(self) -> torch.device:
+        """Where the module computes (this rank's GPU under NCCL, else the CPU)."""
+        for t in itertools.chain(self.module.parameters(), self.module.buffers()):
+            return t.device
+        return torch.device("cpu")
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        """The module's parameters (at stage 3, released ones are empty between uses)."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True
+    ) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse)
+
+    def is_first_stage(self) -> bool:
+        """This rank runs the first pipeline stage (always, without a pipeline)."""
+        return self.topology.pp.rank == 0
+
+    def is_last_stage(self) -> bool:
+        """This rank runs the last pipeline stage (always, without a pipeline)."""
+        return self.topology.pp.rank == self.topology.pp.world_size - 1
+
+    def empty_partition_cache(self) -> None:
+        """Release every gathered stage-3 parameter (DeepSpeed's name); nothing to do below stage 3."""
+        if isinstance(self.zero, GathersModule):
+            self.zero.release_all()
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for `close`."""
+        self.close()
 
     # -- lifetime ------------------------------------------------------------------------------
 

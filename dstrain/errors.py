@@ -13,6 +13,7 @@ __all__ = [
     "InitError",
     "InsufficientDiskError",
     "NotImplementedConfigError",
+    "PartitionedSaveError",
     "PretrainedMismatchError",
     "ReshapeError",
     "TopologyError",
@@ -167,3 +168,9 @@ class CheckpointRankError(DstrainError):
         super().__init__(message)
         self.step = step
         self.rank = rank
+
+
+class PartitionedSaveError(DstrainError, RuntimeError):
+    """A Hugging Face model's ``save_pretrained`` was called under ZeRO-3 while its parameters were
+    partitioned over the ranks; the message names what saves the whole weights instead
+    (``engine.save_16bit_model``, the dstrain Trainer's ``save_model``, ``dstrain export``)."""

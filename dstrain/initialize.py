@@ -26,6 +26,7 @@ from dstrain.dist import comms_logger
 from dstrain.dist.topology import Topology
 from dstrain.engine import Engine
 from dstrain.errors import ConfigError
+from dstrain.integrations.save_guard import guard_save_pretrained
 from dstrain.moe.compose import (
     ExpertLayoutPart,
     bind_expert_groups,
@@ -326,6 +327,8 @@ def initialize(
     zero_init.prepare(model, precision.dtype)  # zero.Init's placeholders: cast without materializing
     model.to(precision.dtype)
     zero = build_zero(model, groups, routes, cfg, topology, precision.dtype)
+    if zero.stage == 3:  # a transformers model's save_pretrained would write empty placeholders
+        guard_save_pretrained(model)
 
     stepper = build_stepper(zero, cfg, optimizer)
     schedule = build_schedule(stepper, cfg, lr_scheduler, optimizer)

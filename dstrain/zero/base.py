@@ -5,14 +5,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from dstrain.dist.comm import Comm
 from dstrain.optim.clip import GradSet
 
-__all__ = ["MasterPiece", "ZeroStatistics", "ZeroStrategy"]
+__all__ = ["GathersModule", "MasterPiece", "ZeroStatistics", "ZeroStrategy"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,21 @@ class ZeroStatistics:
     """Stage 3 all-gathers issued (including prefetches)."""
     prefetches: int
     """Stage 3 gathers issued ahead of need from the recorded order."""
+
+
+@runtime_checkable
+class GathersModule(Protocol):
+    """A strategy whose module parameters are partitioned between uses (stage 3): it can gather all of
+    them at once (export, `Engine.full_state_dict`) and release them again (DeepSpeed's
+    ``empty_partition_cache``)."""
+
+    def gathered_module(self) -> None:
+        """Gather every parameter of the module."""
+        ...
+
+    def release_all(self) -> None:
+        """Release every gathered parameter (back to this rank's shard)."""
+        ...
 
 
 class ZeroStrategy(ABC):

@@ -1,0 +1,41 @@
+"""A Hugging Face model's ``save_pretrained`` under ZeRO-3: a typed error instead of an empty or broken file.
+
+At stage 3 each rank holds only shards of the parameters; between uses ``module.parameters()`` are empty
+placeholders, so ``model.save_pretrained(dir)`` writes nothing useful (or fails deep inside safetensors).
+`guard_save_pretrained` makes it raise `PartitionedSaveError` naming what to use instead, while the
+parameters are released; inside a gather (`dstrain.zero.GatheredParameters`) it saves as usual.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import torch
+
+from dstrain.errors import PartitionedSaveError
+
+__all__ = ["guard_save_pretrained"]
+
+
+def guard_save_pretrained(module: torch.nn.Module) -> bool:
+    """Wrap ``module.save_pretrained`` (a transformers model's; other modules have none) so it refuses
+    while parameters are released. Returns whether the module had one."""
+    original = getattr(module, "save_pretrained", None)  # a foreign model's method, not a dstrain part
+    if original is None or not callable(original):
+        return False
+
+    @functools.wraps(original)
+    def save_pretrained(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if any(p.untyped_storage().nbytes() == 0 for p in self.parameters()):  # released (resized to 0)
+            raise PartitionedSaveError(
+                "model.save_pretrained() under ZeRO-3: the parameters are partitioned over the ranks. Use "
+                "engine.save_16bit_model(dir) (with zero_optimization.stage3_gather_16bit_weights_on_model_save), "
+                "Trainer.save_model() of dstrain.integrations.transformers, or `dstrain export CKPT_DIR OUT_DIR` "
+                "on a checkpoint; the config.json can still be written with model.config.save_pretrained(dir)"
+            )
+        return original(*args, **kwargs)
+
+    module.save_pretrained = types.MethodType(save_pretrained, module)  # type: ignore[assignment]
+    return True
