@@ -5,7 +5,8 @@
 #   source bench/baselines/deepspeed_device.sh install # there (carry=[".device-deepspeed"]): installs, exports
 #
 # fetch: DeepSpeed's sdist, the wheels it needs that the device image lacks (hjson, pydantic + pydantic-core,
-# annotated-types, typing-inspection, typing-extensions; versions as in the CPU DeepSpeed venv) for CPython 3.12,
+# annotated-types, typing-inspection, typing-extensions; versions as in the CPU DeepSpeed venv; and crc32c, which
+# dsio itself needs there) for CPython 3.12,
 # and Debian's libaio1 + libaio-dev unpacked with `dpkg -x` into .device-deepspeed/aio (never into /).
 # install: pip-installs those into /tmp/ds-site (--no-index, DS_BUILD_OPS=0: ops are JIT-built there) and exports
 # what DeepSpeed needs on that machine: PYTHONPATH; CFLAGS / LDFLAGS (its libaio probe, `has_function`) and CPATH /
@@ -19,7 +20,7 @@ _DS_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 _DS_DIR="${DSIO_DS_DEVICE_DIR:-$_DS_ROOT/.device-deepspeed}"
 _DS_VERSION=0.19.8
 _DS_WHEELS=(hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-    typing-extensions==4.16.0)
+    typing-extensions==4.16.0 crc32c)  # (crc32c: dsio.checkpoint's, absent from the device image)
 
 _ds_fetch() {
     local pip="${PIP:-$_DS_ROOT/.venv/bin/pip}"
