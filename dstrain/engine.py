@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from dstrain import loop
 from dstrain.checkpoint.export import save_16bit_model
 from dstrain.checkpoint.policy import EngineCheckpoints
 from dstrain.checkpoint.state import CountersPart, Part, RngPart
@@ -108,7 +109,13 @@ class Engine:
         lr_scheduler: LRSchedule | None,
         store: CheckpointStore,
         parts: Mapping[str, Part] | None = None,
+        grad_sets: Callable[[], list[GradSet]] | None = None,
+        runner: Callable[[Engine], Any] | None = None,
     ) -> None:
+        """``parts``: the rooms' own checkpoint parts (e.g. MoE's expert layout). ``grad_sets``: what
+        the global gradient norm is computed over (default: ZeRO's sets; a pipeline stage's are summed
+        over every stage). ``runner``: builds, over this engine, what runs whole batches (`train_batch`
+        / `eval_batch`: a pipeline model's `dstrain.pipe.PipelineRunner`)."""
         self.module = module
         self.config = config
         self.topology = topology
@@ -121,9 +128,9 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._grad_norm = float("nan")
-        self.grad_sets: Callable[[], list[GradSet]] = zero.grad_sets
-        """What the global gradient norm (clipping, fp16's overflow check) is computed over: ZeRO's sets; a
-        pipeline stage's runner replaces it with sets summed over every stage (tied weights counted once)."""
+        self.grad_sets: Callable[[], list[GradSet]] = grad_sets if grad_sets is not None else zero.grad_sets
+        """What the global gradient norm (clipping, fp16's overflow check) is computed over: ZeRO's sets, or
+        a pipeline stage's sets summed over every stage (tied weights counted once)."""
         self._samples = 0
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._last_step_end: float | None = None
@@ -151,9 +158,9 @@ class Engine:
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
         self._no_sync = False
         self._step_applied = False
-        self.runner: Any = None
-        """What runs whole batches (`train_batch` / `eval_batch`): a `dstrain.pipe.PipelineRunner` that
-        `initialize` attaches for a pipeline model; None otherwise (train with forward/backward/step)."""
+        self.runner: Any = runner(self) if runner is not None else None
+        """What runs whole batches (`train_batch` / `eval_batch`): a `dstrain.pipe.PipelineRunner` for a
+        pipeline model; None otherwise (train with forward/backward/step)."""
 
     # -- training ----------------------------------------------------------------------------
 
@@ -187,15 +194,14 @@ class Engine:
 
         Returns ``loss / gradient_accumulation_steps``, as DeepSpeed does."""
         start = time.perf_counter()
-        boundary = self.is_gradient_accumulation_boundary()
-        if boundary:
-            self.stepper.prepare()  # e.g. an offloading stepper starts reading its state now
-        self.zero.before_backward(boundary)
-        scaled = self.precision.scale_loss(
-            loss, self.config.gradient_accumulation_steps, self.zero.loss_prescale
+        loop.backward(
+            loss,
+            boundary=self.is_gradient_accumulation_boundary(),
+            stepper=self.stepper,
+            zero=self.zero,
+            precision=self.precision,
+            accumulation_steps=self.config.gradient_accumulation_steps,
         )
-        scaled.backward()
-        self.zero.after_backward(boundary)
         done = loss.detach().float()
         self._loss_sum = done if self._loss_sum is None else self._loss_sum + done
         self._times["backward"] += time.perf_counter() - start

@@ -37,7 +37,7 @@ from dstrain.moe.compose import (
 from dstrain.monitor import compose as monitors
 from dstrain.optim.build import ClientOptimizer, build_optimizer, client_param_groups
 from dstrain.optim.stepper import NoOptimizer, Stepper, TorchStepper
-from dstrain.pipe.compose import attach, pipeline_stages, tied_groups
+from dstrain.pipe import compose as pipeline
 from dstrain.pipe.module import PipelineModule
 from dstrain.precision import Precision
 from dstrain.profiling import compose as flops_profiler
@@ -84,7 +84,7 @@ def init_distributed(backend: str | None = None) -> bool:
 def build_topology(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLike[str]) -> Topology:
     """The process groups. Pipeline stages (``pp``) and expert parallelism (``ep``) come from the model
     (a pipeline module's stages, its MoE layers' ``ep_size``) when those rooms are in; else 1 and 1."""
-    return Topology.from_world(pp=pipeline_stages(model), ep=expert_parallel_size(model))
+    return Topology.from_world(pp=pipeline.pipeline_stages(model), ep=expert_parallel_size(model))
 
 
 def _param_groups(module: torch.nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
@@ -323,7 +323,8 @@ def initialize(
     if cfg.zero_optimization.stage != 3:  # a model built under zero.Init: whole again below stage 3
         zero_init.materialize(model)
     _place_and_broadcast(model, groups, routes, topology)
-    tied = tied_groups(model, topology) if isinstance(model, PipelineModule) else {}  # before ZeRO copies
+    # a pipeline's tied weights: groups made (and weights made equal) before ZeRO copies them
+    tied = pipeline.tied_groups(model, topology) if isinstance(model, PipelineModule) else {}
     zero_init.prepare(model, precision.dtype)  # zero.Init's placeholders: cast without materializing
     model.to(precision.dtype)
     zero = build_zero(model, groups, routes, cfg, topology, precision.dtype)
@@ -333,6 +334,8 @@ def initialize(
     stepper = build_stepper(zero, cfg, optimizer)
     schedule = build_schedule(stepper, cfg, lr_scheduler, optimizer)
     loader = _build_loader(training_data, cfg, topology, collate_fn)
+    # a pipeline model: the norm over every stage, and train_batch / eval_batch's 1F1B runner (dstrain/pipe)
+    pipe = pipeline.build(model, zero, topology, tied, cfg) if isinstance(model, PipelineModule) else None
 
     engine = Engine(
         module=model,
@@ -344,9 +347,9 @@ def initialize(
         lr_scheduler=schedule,
         store=checkpoint_store or default_store(),
         parts={"moe": ExpertLayoutPart(model)},  # which experts this rank's state holds (dstrain/moe)
+        grad_sets=pipe.grad_sets if pipe is not None else None,
+        runner=pipe.runner if pipe is not None else None,
     )
-    if isinstance(model, PipelineModule):  # train_batch / eval_batch run the 1F1B schedule (dstrain/pipe)
-        engine.runner = attach(engine, model, topology, tied, cfg.pipeline)
     monitor = monitors.build(cfg, topology.world.rank)  # tensorboard / csv_monitor / wandb (dstrain/monitor)
     if monitor is not None:
         engine.observers.append(monitor)

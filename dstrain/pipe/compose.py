@@ -2,26 +2,30 @@
 
 pp = pipeline_stages(model, config)            # build_topology
 tied = tied_groups(model, topology)            # before ZeRO flattens parameters (collective)
-runner = attach(engine, model, topology, tied, pipeline_config)  # after the engine is built
+pipe = build(model, zero, topology, tied, config)   # Engine(..., grad_sets=pipe.grad_sets, runner=pipe.runner)
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dstrain.config import DSConfig
 from dstrain.dist.topology import Topology
 from dstrain.errors import ConfigError, NotImplementedConfigError
+from dstrain.optim.clip import GradSet
 from dstrain.pipe.config import PipelineConfig
 from dstrain.pipe.grads import StageGrads, TiedGroup
 from dstrain.pipe.module import PipelineModule
 from dstrain.pipe.runner import PipelineRunner
 from dstrain.pipe.transport import Transport
 
-__all__ = ["attach", "pipeline_stages", "tied_groups"]
+__all__ = ["Pipeline", "build", "pipeline_stages", "tied_groups"]
 
 _CHANNELS = itertools.count()
 
@@ -70,48 +74,65 @@ def tied_groups(model: PipelineModule, topology: Topology) -> dict[str, TiedGrou
     return mine
 
 
-def attach(
-    engine: Any,
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """What a pipeline model gives the `Engine`: the norm's gradient sets and its batch runner."""
+
+    grad_sets: Callable[[], list[GradSet]] | None
+    """The gradient sets of the whole model, summed over the stages (None with one stage: ZeRO's)."""
+    runner: Callable[[Any], PipelineRunner]
+    """Builds the runner of ``train_batch``/``eval_batch`` over the engine (collective)."""
+
+
+def build(
     model: PipelineModule,
+    zero: Any,
     topology: Topology,
     tied: dict[str, TiedGroup],
-    config: PipelineConfig,
+    config: DSConfig,
     *,
     channel_id: int | None = None,
-) -> PipelineRunner:
-    """The runner executing ``train_batch``/``eval_batch`` for ``engine`` (built over the local stage).
+) -> Pipeline:
+    """The pipeline's parts for the `Engine` (built over the local stage): gradient sets summed over
+    the stages, and the runner executing ``train_batch``/``eval_batch``.
 
     ``channel_id`` keeps the messages of several pipelines in one process group apart; by default each
     pipeline built in this process takes the next id (every rank builds its pipelines in the same order).
     """
-    pipeline_stages(model, config)
-    stage = engine.config.zero_optimization.stage
-    if model.num_stages > 1 and stage == 3:
+    pipeline = config.pipeline
+    pipeline_stages(model, pipeline)
+    if model.num_stages > 1 and config.zero_optimization.stage == 3:
         raise NotImplementedConfigError(
             "zero_optimization.stage", "3 is not implemented with pipeline parallelism; use 0, 1 or 2"
         )
     reduce_tied = None
+    grad_sets = None
     if model.num_stages > 1:
-        grads = StageGrads(module=model, zero=engine.zero, topology=topology, tied=tied)
-        if engine.config.gradient_clipping > 0:
+        grads = StageGrads(module=model, zero=zero, topology=topology, tied=tied)
+        if config.gradient_clipping > 0:
             grads.check_clipping()
-        engine.grad_sets = grads.grad_sets  # the norm of the whole model: summed over the stages
+        grad_sets = grads.grad_sets  # the norm of the whole model: summed over the stages
         reduce_tied = grads.reduce_tied if tied else None
-    if config.activation_checkpoint_interval:
-        model.activation_checkpoint_interval = config.activation_checkpoint_interval
+    if pipeline.activation_checkpoint_interval:
+        model.activation_checkpoint_interval = pipeline.activation_checkpoint_interval
     layout = topology.layout
-    return PipelineRunner(
-        module=model,
-        engine=engine,
-        micro_batches=engine.config.gradient_accumulation_steps,
-        pp_ranks=layout.group_of("pp", topology.world.rank),
-        pp_group=topology.pp.group,
-        dp_size=layout.dp,
-        reduce_tied=reduce_tied,
-        p2p_timeout=config.p2p_timeout,
-        channel_id=next(_CHANNELS) if channel_id is None else channel_id,
-        transport=transport_for(topology, model, config),
-    )
+    channel = next(_CHANNELS) if channel_id is None else channel_id
+
+    def runner(engine: Any) -> PipelineRunner:
+        return PipelineRunner(
+            module=model,
+            engine=engine,
+            micro_batches=config.gradient_accumulation_steps,
+            pp_ranks=layout.group_of("pp", topology.world.rank),
+            pp_group=topology.pp.group,
+            dp_size=layout.dp,
+            reduce_tied=reduce_tied,
+            p2p_timeout=pipeline.p2p_timeout,
+            channel_id=channel,
+            transport=transport_for(topology, model, pipeline),
+        )
+
+    return Pipeline(grad_sets=grad_sets, runner=runner)
 
 
 def transport_for(topology: Topology, model: PipelineModule, config: PipelineConfig) -> Transport:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dstrain import loop
 from dstrain.pipe.errors import (
     DataExhaustedError,
     LabelMismatchError,
@@ -464,18 +465,18 @@ class PipelineRunner:
         start = time.perf_counter()
         engine = self.engine
         boundary = mb == self.micro_batches - 1
-        if boundary:
-            engine.stepper.prepare()  # as Engine.backward: e.g. an offloading stepper starts reading its state
-        engine.zero.before_backward(boundary)
         out = state.outputs.pop(b)
-        if self.last:
-            scaled = engine.precision.scale_loss(out, self.micro_batches, engine.zero.loss_prescale)
-            scaled.backward()
-        else:
-            outs = [t for t in _as_tuple(out) if t.requires_grad]
-            grads = state.grads.pop(b)
-            torch.autograd.backward(outs, grads)
-        engine.zero.after_backward(boundary)
+        # the micro-step of Engine.backward (dstrain.loop): the loss on the last stage, else this
+        # stage's outputs with the gradients the next stage sent for them
+        loop.backward(
+            out if self.last else [t for t in _as_tuple(out) if t.requires_grad],
+            boundary=boundary,
+            stepper=engine.stepper,
+            zero=engine.zero,
+            precision=engine.precision,
+            accumulation_steps=self.micro_batches,
+            grads=None if self.last else state.grads.pop(b),
+        )
         if not boundary:
             engine.step()  # counts the micro-step (no optimizer step off the boundary)
         inputs = state.inputs.pop(b)
