@@ -48,6 +48,9 @@ class GatherScheduler:
         self.prefetches = 0
         self.peak_resident = 0
         self.handles: list[Any] = []
+        # unit -> forwards running that need it: a module whose forward uses another module's
+        # parameter (registered external) keeps that unit gathered past the owner's own forward
+        self.in_use: dict[int, int] = {}
         self.handles.append(root.register_forward_pre_hook(self._root_pre_forward))
         for module, needed in module_units.items():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward(needed)))
@@ -60,6 +63,7 @@ class GatherScheduler:
         if self.recording and (self.trace is None or self.deviated):
             self.trace = self.recording
         self.recording = []
+        self.in_use.clear()
         self.deviated = False
         self.pos = 0
         self.following = self.trace is not None
@@ -67,6 +71,8 @@ class GatherScheduler:
 
     def _pre_forward(self, needed: list[Unit]):
         def hook(module: torch.nn.Module, args: Any) -> None:
+            for unit in needed:
+                self.in_use[unit.index] = self.in_use.get(unit.index, 0) + 1
             self.need(needed)
 
         return hook
@@ -74,7 +80,10 @@ class GatherScheduler:
     def _post_forward(self, needed: list[Unit]):
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             for unit in needed:
-                unit.release()
+                left = self.in_use.get(unit.index, 1) - 1
+                self.in_use[unit.index] = left
+                if left <= 0:  # an enclosing module still running (an external parameter) keeps it
+                    unit.release()
             if torch.is_grad_enabled():
                 for t in _tensors(output):
                     if t.requires_grad:

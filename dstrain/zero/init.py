@@ -41,6 +41,7 @@ file). Too little disk for a unit's shard is `InsufficientDiskError` before its 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import logging
 import os
@@ -98,6 +99,14 @@ def free_bytes(path: str) -> int:
     """Bytes available to this user on the filesystem holding ``path``."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+_PUNCH_HOLE, _KEEP_SIZE = 0x02, 0x01
+try:
+    _fallocate: Any = ctypes.CDLL(None, use_errno=True).fallocate
+    _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
+except (OSError, AttributeError):  # pragma: no cover - another libc
+    _fallocate = None
 
 
 class _SwapFile:
@@ -175,6 +184,18 @@ class _SwapFile:
                 f.close()
 
         self._run(get())
+
+    def punch(self, offset: int, nbytes: int) -> None:
+        """Give the disk blocks of ``[offset, offset + nbytes)`` back (a unit the engine adopted),
+        so that Init's file and the engine's swap files never both hold the whole model."""
+        region = -(-nbytes // _ALIGN) * _ALIGN
+        if region == 0 or _fallocate is None:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            _fallocate(fd, _PUNCH_HOLE | _KEEP_SIZE, offset, region)  # best effort: ext4, xfs, tmpfs do it
+        finally:
+            os.close(fd)
 
     def remove(self) -> None:
         self._finalizer()
@@ -286,6 +307,8 @@ class InitUnit:
         """Drop the shard (memory or its swap region) and forget the parameters."""
         self.shard = None
         swap, self.swap = self.swap, None
+        if swap is not None:
+            swap.punch(self.offset, self.shard_bytes)
         del swap  # the file goes with the last unit that holds a region of it
         for p in self.params:
             if _unit_of.get(p) is self:

@@ -177,6 +177,21 @@ class _Mix(nn.Module):
         return self.lin(x) @ self._emb[0].weight.t()  # (B, T, V)
 
 
+class _RootUsesChild(nn.Module):
+    """The root's forward uses ``emb``'s weight after ``emb``'s own forward returned (a GPT head tied
+    to the embedding, written as ``F.linear(x, self.emb.weight)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.ln = nn.LayerNorm(16)
+        register_external_parameter(self, self.emb.weight)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = nn.functional.linear(self.ln(self.emb(idx)), self.emb.weight)  # (B, T, V)
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
 def _features(cls: Any, stage: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -207,6 +222,7 @@ def _features_all() -> dict[str, Any]:
     return {
         "parented": _features(_Parented, 3),
         "external": _features(_UsesOther, 3),
+        "root_uses_child": _features(_RootUsesChild, 3),
         "tied_stage1": _features(Tiny, 1),
     }
 
@@ -216,7 +232,7 @@ def features2() -> list[dict[str, Any]]:
     return spawn(_features_all, world=2, start_method="forkserver")
 
 
-@pytest.mark.parametrize("case", ["parented", "external", "tied_stage1"])
+@pytest.mark.parametrize("case", ["parented", "external", "root_uses_child", "tied_stage1"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_modules_that_touch_others_work(features2: list[dict[str, Any]], case: str, rank: int) -> None:
     out = features2[rank][case]
@@ -338,3 +354,21 @@ def test_inner_classes_defined_inside_the_block_are_partitioned() -> None:
         m = Local()
     assert is_partitioned(m.w)
     assert "__init__" in Local.__dict__ and not is_partitioned(Local().w)  # unwrapped after the block
+
+
+def test_adopted_units_give_their_disk_blocks_back(tmp_path: Path) -> None:
+    from dstrain.dist.comm import Comm
+    from dstrain.zero.init import adopt
+
+    cfg = _config("nvme", str(tmp_path), 1)
+    model, _, _ = _build(_Big, cfg, remote_device="nvme")
+    (name,) = [f for f in os.listdir(tmp_path) if f.startswith("zero_init")]
+    path = str(tmp_path / name)
+    want = _values(model)["big.weight"]
+    before = os.stat(path).st_blocks * 512
+    params = list(model.big.parameters())
+    shard = adopt(params, Comm(), torch.float32)
+    assert shard is not None and torch.equal(shard.read()[: want.numel()], want.reshape(-1))
+    shard.release()  # the engine placed it: Init's region of the file is punched out
+    after = os.stat(path).st_blocks * 512
+    assert before - after >= 2048 * 2048 * 4
