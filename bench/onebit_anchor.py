@@ -7,6 +7,10 @@ Run under torchrun with 2 ranks, once per implementation, and compare the JSON t
         /work/ds-venv/bin/torchrun --standalone --nproc_per_node 2 bench/onebit_anchor.py deepspeed 40 10
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 2 bench/onebit_anchor.py dstrain 40 10
 
+A fourth argument ``lamb`` runs 1-bit LAMB (DeepSpeed's ``runtime/fp16/onebit/lamb.py``, unmodified, same
+shims; ``tests/dstrain/fixtures/onebit_lamb_deepspeed_0.16.5.json`` is ``... deepspeed 40 10 lamb``; put
+``deepspeed-0.16.5/deepspeed/runtime/fp16/onebit/lamb.py`` from the same source distribution into ONEBIT_SRC
+next to the two files extract_onebit.sh takes).
 A fourth argument ``zeroone`` runs 0/1 Adam instead (DeepSpeed's ``runtime/fp16/onebit/zoadam.py``,
 unmodified, with the same shims); the third argument is then ``var_freeze_step``, and the scalers are
 small enough that 40 steps see every schedule: ``var_update_scaler=4`` (the variance interval doubles
@@ -14,7 +18,7 @@ small enough that 40 steps see every schedule: ``var_update_scaler=4`` (the vari
 
     ... bench/onebit_anchor.py deepspeed 40 20 zeroone     (tests/dstrain/fixtures/onebit_zeroone_deepspeed_0.16.5.json)
 
-ONEBIT_SRC holds DeepSpeed 0.16.5's ``runtime/fp16/onebit/adam.py`` and ``runtime/comm/compressed.py``
+ONEBIT_SRC holds DeepSpeed 0.16.5's ``runtime/fp16/onebit/adam.py`` (``lamb.py``, ``zoadam.py``) and ``runtime/comm/compressed.py``
 from its source distribution (DeepSpeed removed them after 0.16.5; see shared/anchors/extract_onebit.sh),
 loaded unmodified, with the anchor's two shims: a CPU ``PackbitsBuilder`` (numpy packbits) and an
 all-gather that gives gloo the receive buffers' shape. Both runs: the same model (seed 0), the same
@@ -90,7 +94,12 @@ def _deepspeed_optimizer(params, freeze: int, kind: str = "onebit"):
         enable_backward_allreduce = True
 
     eng = Engine()
-    if kind == "zeroone":
+    if kind == "lamb":
+        lamb = load("deepspeed_onebit_lamb_0165", os.path.join(src, "lamb.py"))
+        opt = lamb.OnebitLamb(
+            params, deepspeed=eng, lr=1e-2, freeze_step=freeze, comm_backend_name="compressed"
+        )
+    elif kind == "zeroone":
         zoadam = load("deepspeed_zoadam_0165", os.path.join(src, "zoadam.py"))
         opt = zoadam.ZeroOneAdam(
             params, deepspeed=eng, lr=1e-2, var_freeze_step=freeze, comm_backend_name="compressed", **ZEROONE
@@ -103,10 +112,12 @@ def _deepspeed_optimizer(params, freeze: int, kind: str = "onebit"):
 
 
 def _dstrain_optimizer(params, freeze: int, kind: str = "onebit"):
-    from dstrain.onebit import OneBitAdam, ZeroOneAdam
+    from dstrain.onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 
     dist.init_process_group("gloo")
-    if kind == "zeroone":
+    if kind == "lamb":
+        opt = OneBitLamb(params, lr=1e-2, freeze_step=freeze)
+    elif kind == "zeroone":
         opt = ZeroOneAdam(
             params, lr=1e-2, var_freeze_step=freeze, deepspeed_compat=True, fused=False, **ZEROONE
         )
@@ -150,6 +161,8 @@ def main() -> None:
         out = {"impl": impl, "steps": steps, "freeze_step": freeze, "losses": losses}
         if kind == "zeroone":
             out.update(optimizer="ZeroOneAdam", var_freeze_step=freeze, **ZEROONE, reduced=reduced)
+        if kind == "lamb":
+            out.update(optimizer="OneBitLamb", reduced=reduced, lamb_coeffs=opt.get_lamb_coeffs())
         print(json.dumps(out))
     dist.destroy_process_group()
 

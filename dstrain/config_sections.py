@@ -356,17 +356,47 @@ _OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
         "fused",
     ),
 }
+_OPTIMIZER_PARAMS["lamb"] = (  # dstrain/optim/lamb.py: DeepSpeed's FusedLamb keys
+    "lr",
+    "bias_correction",
+    "betas",
+    "eps",
+    "eps_inside_sqrt",
+    "weight_decay",
+    "max_coeff",
+    "min_coeff",
+    "max_grad_norm",
+)
+_OPTIMIZER_PARAMS["onebitlamb"] = (  # dstrain/onebit/lamb.py: DeepSpeed 0.16.5's OnebitLamb keys
+    "lr",
+    "freeze_step",
+    "bias_correction",
+    "betas",
+    "eps",
+    "eps_inside_sqrt",
+    "weight_decay",
+    "max_grad_norm",
+    "max_coeff",
+    "min_coeff",
+    "amsgrad",
+    "cuda_aware",
+    "comm_backend_name",
+    "coeff_beta",
+    "factor_max",
+    "factor_min",
+    "factor_threshold",
+)
 _OPTIMIZER_NAMES = {
     "adam": "Adam",
     "adamw": "AdamW",
     "sgd": "SGD",
     "onebitadam": "OneBitAdam",
     "zerooneadam": "ZeroOneAdam",
+    "lamb": "Lamb",
+    "onebitlamb": "OneBitLamb",
 }
 _TORCH_ADAM = "dstrain always steps with torch's Adam(W) kernels (fused where they apply)"
 _OPTIMIZER_UNIMPLEMENTED = (
-    "OneBitLamb",
-    "Lamb",
     "Lion",
     "Adagrad",
     "MuAdam",
@@ -431,6 +461,7 @@ class OptimizerConfig:
             "cuda_aware",
             "bias_correction",
             "deepspeed_compat",
+            "eps_inside_sqrt",
         ):
             if flag in self.params:
                 check_bool("optimizer.params", flag, self.params[flag])

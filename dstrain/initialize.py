@@ -61,6 +61,7 @@ __all__ = [
 _ONEBIT = (
     "OneBitAdam",
     "ZeroOneAdam",
+    "OneBitLamb",
 )  # optimizers built by dstrain/onebit (room.NAMES; not imported eagerly)
 
 
@@ -199,7 +200,15 @@ def build_stepper(zero: ZeroStrategy, config: DSConfig, client: ClientOptimizer 
         raise TypeError(
             f"optimizer= callable returned {type(made).__name__}: expected a torch optimizer or a dstrain Stepper"
         )
-    return TorchStepper(build_optimizer(zero.param_groups(), config.optimizer, client))
+    groups = zero.param_groups()
+    lamb = client is None and config.optimizer is not None and config.optimizer.name == "Lamb"
+    if lamb and isinstance(zero, DataParallelZero) and zero.stage == 0:
+        from dstrain.optim.lamb import per_parameter_groups
+
+        groups = per_parameter_groups(
+            zero.groups
+        )  # LAMB's trust ratio is per parameter (dstrain/optim/lamb.py)
+    return TorchStepper(build_optimizer(groups, config.optimizer, client))
 
 
 ClientScheduler = LRSchedule | torch.optim.lr_scheduler.LRScheduler | Callable[[Any], Any]

@@ -3,6 +3,7 @@ DeepSpeed removed them in 0.17), on torch.distributed collectives: gloo and NCCL
 
 from dstrain.onebit.adam import OneBitAdam
 from dstrain.onebit.compressed import CompressedAllReduce, CompressedStatistics
+from dstrain.onebit.lamb import OneBitLamb
 from dstrain.onebit.zeroone import ZeroOneAdam
 
-__all__ = ["CompressedAllReduce", "CompressedStatistics", "OneBitAdam", "ZeroOneAdam"]
+__all__ = ["CompressedAllReduce", "CompressedStatistics", "OneBitAdam", "OneBitLamb", "ZeroOneAdam"]

@@ -34,7 +34,9 @@ from dstrain.dist.topology import Topology
 from dstrain.errors import ConfigError
 from dstrain.onebit.adam import OneBitAdam, Partition
 from dstrain.onebit.compressed import CompressedStatistics
+from dstrain.onebit.lamb import OneBitLamb
 from dstrain.onebit.zeroone import ZeroOneAdam
+from dstrain.optim.lamb import per_parameter_groups
 from dstrain.optim.stepper import StepperStatistics, TorchStepper
 from dstrain.zero.reduce import DefaultReducer, Handle, Route
 
@@ -43,11 +45,12 @@ __all__ = [
     "OneBitReducer",
     "OneBitStepper",
     "OneBitStepperStatistics",
+    "lamb_options",
     "onebit_options",
     "zeroone_options",
 ]
 
-NAMES = ("OneBitAdam", "ZeroOneAdam")
+NAMES = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 """The config's ``optimizer.type`` names this room builds."""
 
 log = logging.getLogger("dstrain")
@@ -86,6 +89,34 @@ def zeroone_options(params: Mapping[str, Any]) -> dict[str, Any]:
     return _options(out, _ZEROONE_KEYS, "ZeroOneAdam")
 
 
+_LAMB_KEYS = (
+    "lr",
+    "freeze_step",
+    "betas",
+    "eps",
+    "weight_decay",
+    "max_coeff",
+    "min_coeff",
+    "coeff_beta",
+    "factor_max",
+    "factor_min",
+    "factor_threshold",
+)
+
+
+def lamb_options(params: Mapping[str, Any]) -> dict[str, Any]:
+    """OneBitLamb's keyword arguments (DeepSpeed 0.16.5's names and defaults). DeepSpeed's OnebitLamb takes
+    ``bias_correction`` and ``eps_inside_sqrt`` and uses neither: both are accepted with no effect when
+    they ask for DeepSpeed's arithmetic (any ``bias_correction``; ``eps_inside_sqrt: false``); ``amsgrad``
+    and ``eps_inside_sqrt: true`` raise `ConfigError`."""
+    out = dict(params)
+    out.pop("bias_correction", None)
+    for flag in ("amsgrad", "eps_inside_sqrt"):
+        if out.pop(flag, False):
+            raise ConfigError(f"optimizer.params.{flag}", "not supported by 1-bit LAMB; use false")
+    return _options(out, _LAMB_KEYS, "OneBitLamb")
+
+
 def _options(params: Mapping[str, Any], keys: tuple[str, ...], name: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in params.items():
@@ -112,7 +143,7 @@ class OneBitReducer:
     """Sums gradients during warm-up; after the freeze, sends nothing (1-bit Adam averages momentum)."""
 
     def __init__(self) -> None:
-        self.optimizer: OneBitAdam | ZeroOneAdam | None = None
+        self.optimizer: OneBitAdam | ZeroOneAdam | OneBitLamb | None = None
         self._default = DefaultReducer()
         self.skipped = 0
 
@@ -156,10 +187,13 @@ class OneBitStepper(TorchStepper):
     chunk): a checkpoint of it loads only at the world size and stage it was saved with."""
 
     def __init__(
-        self, optimizer: OneBitAdam | ZeroOneAdam, reducer: OneBitReducer, zero_groups: Sequence[Any] = ()
+        self,
+        optimizer: OneBitAdam | ZeroOneAdam | OneBitLamb,
+        reducer: OneBitReducer,
+        zero_groups: Sequence[Any] = (),
     ) -> None:
         super().__init__(optimizer)
-        self.optimizer: OneBitAdam | ZeroOneAdam = optimizer
+        self.optimizer: OneBitAdam | ZeroOneAdam | OneBitLamb = optimizer
         self.reducer = reducer
         reducer.optimizer = optimizer
         self._zero_groups = list(zero_groups)  # ZeRO's flat groups: told when 0/1 Adam holds replicas
@@ -230,6 +264,16 @@ def build_stepper(zero: Any, config: Any) -> OneBitStepper:
             "optimizer.type", f"{name} needs its own gradient routes (dstrain.onebit.room.build_routes)"
         )
     group = routes[0].comm.group
+    if name == "OneBitLamb":
+        if stage != 0:
+            raise ConfigError(
+                "zero_optimization.stage",
+                "OneBitLamb composes with ZeRO stage 0 (its update needs whole parameters)",
+            )
+        groups = per_parameter_groups(zero.groups)  # LAMB's trust ratio is per parameter, as in DeepSpeed
+        lamb = OneBitLamb(groups, group=group, **lamb_options(config.optimizer.params))
+        lamb.backend.counter = routes[0].comm  # engine.statistics().comm counts the compressed traffic
+        return OneBitStepper(lamb, routes[0].reducer)
     zeroone = name == "ZeroOneAdam"
     options = zeroone_options(config.optimizer.params) if zeroone else onebit_options(config.optimizer.params)
     partitions = None

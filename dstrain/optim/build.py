@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dstrain.config_sections import OptimizerConfig
-from dstrain.errors import UnsupportedOptimizerError
+from dstrain.errors import ConfigError, UnsupportedOptimizerError
 
 __all__ = [
     "ClientOptimizer",
@@ -133,6 +133,12 @@ def build_optimizer(
     name = config.name
     if name == "SGD":
         return torch.optim.SGD(param_groups, **params)
+    if name == "Lamb":
+        from dstrain.optim.lamb import Lamb
+
+        if params.pop("max_grad_norm", 0.0):
+            raise ConfigError("optimizer.params.max_grad_norm", "use the top-level gradient_clipping")
+        return Lamb(param_groups, **params)
     cls = torch.optim.AdamW if name == "AdamW" or params.pop("adam_w_mode", True) else torch.optim.Adam
     params.pop("adam_w_mode", None)
     if "fused" not in params and "foreach" not in params:

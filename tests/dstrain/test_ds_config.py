@@ -194,8 +194,8 @@ UNIMPLEMENTED = [
         {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
         "zero_optimization.offload_optimizer.device",
     ),
-    ({"optimizer": {"type": "OneBitLamb"}}, "optimizer.type"),
-    ({"optimizer": {"type": "lamb"}}, "optimizer.type"),
+    ({"optimizer": {"type": "Lion"}}, "optimizer.type"),
+    ({"optimizer": {"type": "muon"}}, "optimizer.type"),
     ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),
 ]
 
