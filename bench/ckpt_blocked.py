@@ -103,7 +103,7 @@ class _StageAtCall:
 
         ckpt = self.inner._checkpointer(directory)
         try:
-            task = self.inner._run(ckpt.save(step, state))  # background_staging=False: staged here
+            task = self.inner._run(ckpt.save(step, state, background_staging=False))  # staged here
         finally:
             release_sources(state)  # staged (or failed): swap versions pinned for it can go
         expected = directory / step_name(step) / f"rank-{world.rank:05d}{self.suffix}"
