@@ -296,17 +296,20 @@ class CheckpointConfig:
 
     tag_validation: str = "Warn"
     """Ignore, Warn or Fail when ranks save with different tags."""
+    use_node_local_storage: bool = False
+    """Each host writes its ranks' files into its own ``save_dir`` (storage not shared between hosts;
+    ``dstrain.checkpoint.node_local``): the commit is agreed over the process group and each host's
+    first local rank commits its directory. False: ``save_dir`` must be one directory every rank sees
+    (checked at the first save into it; refused otherwise, naming this key)."""
 
     _UNBUILT: ClassVar[dict[str, Unbuilt]] = {
         "load_universal": Unbuilt(why="loading DeepSpeed universal checkpoints", default=False),
-        "use_node_local_storage": Unbuilt(
-            why="per-node checkpoints without a shared filesystem", default=False
-        ),
         "parallel_write": Unbuilt(why="pipeline-stage parallel writes", default={"pipeline_stage": False}),
     }
 
     def __post_init__(self) -> None:
         check_choice("checkpoint", "tag_validation", self.tag_validation, ("Ignore", "Warn", "Fail"))
+        check_bool("checkpoint", "use_node_local_storage", self.use_node_local_storage)
 
 
 _OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
@@ -413,7 +416,9 @@ def _check_params(prefix: str, params: object, known: tuple[str, ...], numeric_m
     for name, low in numeric_min.items():
         if name in params:
             # a schedule's lr may be a list, one per param group (DeepSpeed's per-group values)
-            values = params[name] if prefix == "scheduler" and isinstance(params[name], list) else [params[name]]
+            values = (
+                params[name] if prefix == "scheduler" and isinstance(params[name], list) else [params[name]]
+            )
             for value in values:
                 check_float(f"{prefix}.params", name, value, min_value=low)
 

@@ -153,6 +153,7 @@ class Engine:
             dp=self.comm,
             stage=zero.stage,
             tag_validation=config.checkpoint.tag_validation,
+            node_local=config.checkpoint.use_node_local_storage,
         )
         """The checkpoint policy (`dstrain.checkpoint.policy`); ``checkpoints.pending``: a save in flight."""
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override

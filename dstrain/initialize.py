@@ -276,6 +276,15 @@ def _build_loader(
     )
 
 
+def _default_store(config: DSConfig) -> CheckpointStore:
+    """dsio's checkpoints (or the torch.save fallback); per-host directories with node-local storage."""
+    if config.checkpoint.use_node_local_storage:
+        from dstrain.checkpoint.node_local import NodeLocalStore
+
+        return NodeLocalStore()
+    return default_store()
+
+
 # -- the composer ----------------------------------------------------------------------------------
 
 
@@ -354,7 +363,7 @@ def initialize(
         zero=zero,
         stepper=stepper,
         lr_scheduler=schedule,
-        store=checkpoint_store or default_store(),
+        store=checkpoint_store or _default_store(cfg),
         parts={"moe": ExpertLayoutPart(model)},  # which experts this rank's state holds (dstrain/moe)
         grad_sets=pipe.grad_sets if pipe is not None else None,
         runner=pipe.runner if pipe is not None else None,

@@ -44,18 +44,21 @@ def commit_or_discard(
     tmpdir: str,
     failures: list[tuple[int | None, str]],
     names: Sequence[str] | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> tuple[Outcome, list[str]]:
     """Commit ``tmpdir`` as ``step`` when no rank failed, else remove it; returns the outcome and
     the retired steps' directories to delete (off the save's critical path). ``names``: rank r's
-    file in ``tmpdir`` (default dsio's ``rank-NNNNN.safetensors``)."""
+    file in ``tmpdir`` (default dsio's ``rank-NNNNN.safetensors``); with ``ranks``, ``names[i]`` is
+    the file of rank ``ranks[i]`` of ``world_size`` (a directory holding some ranks' files: one host's
+    of node-local storage)."""
     if failures:
         remove_quietly(tmpdir)
         err = next((e for e, _ in failures if isinstance(e, int)), None)
         return ("failed", err, "; ".join(m for _, m in failures), None), []
     try:
         files = []
-        for r in range(world_size):
-            name = rank_file(r) if names is None else names[r]
+        for i, r in enumerate(range(world_size) if ranks is None else ranks):
+            name = rank_file(r) if names is None else names[i]
             files.append({"rank": r, "path": name, "bytes": os.path.getsize(os.path.join(tmpdir, name))})
         manifest = {
             "format": "dsio.checkpoint",
@@ -107,17 +110,30 @@ def commit_written(
     *,
     failures: Sequence[str] = (),
     keep_last: int | None = None,
+    ranks: Sequence[int] | None = None,
+    world_size: int | None = None,
 ) -> None:
     """Rank 0's end of a save whose rank files were written (with `write_rank_file`) into
     `step_tmp_dir`: ``names[r]`` is rank r's file. With no ``failures``: write the manifest,
     commit the step, point ``latest`` at it and retire steps beyond ``keep_last``, each made
     durable as ``Checkpointer`` does. With failures (one message per failed rank), or when the
     commit fails, the partial step is removed and `CheckpointCommitError` raised;
-    `LatestNotUpdatedError` when the step is committed but ``latest`` could not be updated."""
+    `LatestNotUpdatedError` when the step is committed but ``latest`` could not be updated.
+
+    ``ranks`` / ``world_size``: the directory holds only these ranks' files (``names[i]`` is rank
+    ``ranks[i]``'s) of a job of ``world_size`` ranks, e.g. one host's directory of node-local storage;
+    its manifest lists those files."""
     root = os.fspath(directory)
     tmpdir = os.path.join(root, _commit.tmp_name(step))
     outcome, doomed = commit_or_discard(
-        root, len(names), keep_last, step, tmpdir, [(None, m) for m in failures], names
+        root,
+        len(names) if world_size is None else world_size,
+        keep_last,
+        step,
+        tmpdir,
+        [(None, m) for m in failures],
+        names,
+        ranks,
     )
     _commit.remove_trees(doomed)
     if outcome is None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from dstrain.dist.comm import Comm
 from dstrain.errors import CheckpointNotFoundError, CheckpointRankError
 
-__all__ = ["agree_step", "broadcast_object", "gather_objects"]
+__all__ = ["agree_step", "broadcast_object", "gather_objects", "storage_leaders"]
 
 
 def gather_objects(world: Comm, obj: Any) -> list[Any]:
@@ -58,3 +58,23 @@ def agree_step(world: Comm, directory: Path, step: int | None, *, latest: Any, c
             rank=rank,
         )
     return int(chosen)
+
+
+def storage_leaders(world: Comm, directory: Path) -> list[int]:
+    """For each rank, the lowest rank that sees the same ``directory`` (collective): ``[0] * world`` when
+    the directory is shared by all; with node-local storage, each host's first local rank. Every rank
+    drops a marker file there, every rank looks for all of them, then each removes its own."""
+    import uuid
+
+    token = broadcast_object(world, uuid.uuid4().hex)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        mine = directory / f".dstrain-probe-{token}-{world.rank}"
+        mine.touch()
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write into the checkpoint directory {directory}: {e.strerror}") from e
+    gather_objects(world, None)  # every marker is there
+    seen = [r for r in range(world.world_size) if (directory / f".dstrain-probe-{token}-{r}").exists()]
+    groups = gather_objects(world, seen)  # and looked at
+    mine.unlink(missing_ok=True)
+    return [min(groups[r]) for r in range(world.world_size)]

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dstrain.checkpoint.agree import agree_step
+from dstrain.checkpoint.agree import agree_step, storage_leaders
 from dstrain.checkpoint.gate import lend_gate, touch_order
 from dstrain.checkpoint.layout import Layout, PinnedPart, check_same_model, describe
 from dstrain.checkpoint.pending import PendingSave
@@ -69,6 +69,7 @@ class EngineCheckpoints:
         dp: Comm,
         stage: int,
         tag_validation: str,
+        node_local: bool = False,
     ) -> None:
         self.owner = owner
         self.store = store
@@ -77,6 +78,9 @@ class EngineCheckpoints:
         self.dp = dp
         self.stage = stage
         self.tag_validation = tag_validation
+        self.node_local = node_local
+        """``checkpoint.use_node_local_storage``: each host has its own ``save_dir``."""
+        self._shared: set[str] = set()
         self.pending: PendingSave | None = None
         """The asynchronous save in flight (None when none is)."""
         self.blocked_seconds = 0.0
@@ -93,6 +97,22 @@ class EngineCheckpoints:
         if not tag or "/" in tag or tag in (".", ".."):
             raise DstrainError(f"checkpoint tag {tag!r} is not a plain name")
         return root / tag, self.owner.global_steps
+
+    def check_shared(self, directory: Path) -> None:
+        """Without node-local storage, refuse a ``save_dir`` that not every rank sees (each host its
+        own), naming the key that makes that work; found once per directory (collective)."""
+        key = os.path.abspath(directory)
+        if self.node_local or self.world.world_size == 1 or key in self._shared:
+            return
+        leaders = storage_leaders(self.world, directory)
+        others = [r for r, first in enumerate(leaders) if first != 0]
+        if others:
+            raise DstrainError(
+                f"the checkpoint directory {directory} is not shared by every rank: ranks {others} see "
+                "another directory at that path than rank 0 (storage local to each host?); set "
+                '"checkpoint": {"use_node_local_storage": true} to save into per-host directories'
+            )
+        self._shared.add(key)
 
     def module_states(self, exclude_frozen: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """(entries every rank saves: buffers and frozen parameters, full state dict on rank 0 below
@@ -120,6 +140,7 @@ class EngineCheckpoints:
         self.wait()
         directory, step = self.where(Path(save_dir), tag, save_latest)
         validate_tag(str(directory / step_name(step)), self.world, self.tag_validation)
+        self.check_shared(directory)
         extra, full = self.module_states(exclude_frozen)
         if async_save:  # buffers (e.g. BatchNorm statistics) change in forward: snapshot them now
             copies = {k: v.detach().clone() for k, v in extra.items() if isinstance(v, torch.Tensor)}

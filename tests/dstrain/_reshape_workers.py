@@ -115,7 +115,9 @@ class Untied(torch.nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.logits(idx)
-        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        )
 
 
 def make_untied(seed: int = 0, **kw: Any) -> Untied:
@@ -129,7 +131,9 @@ def train_and_save(ckpt: str, stage: int, steps: int = 3, tied: bool = False, **
 
     net = make_model() if tied else make_untied(**model)
     world, _ = world_rank()
-    engine, _, _, _ = dstrain.initialize(model=net, config=base_config(stage, world=world, micro=GLOBAL_BATCH // world))
+    engine, _, _, _ = dstrain.initialize(
+        model=net, config=base_config(stage, world=world, micro=GLOBAL_BATCH // world)
+    )
     engine_losses(engine, steps)
     engine.save_checkpoint(ckpt)
     full = engine.full_state_dict()
@@ -153,3 +157,40 @@ def online_export(out: str, stage: int, gather: bool, bf16: bool = False) -> dic
     flag = engine.zero_gather_16bit_weights_on_model_save()
     engine.close()
     return {"saved": saved, "state": full, "flag": flag}
+
+
+def node_local_run(root: str, node_local: bool, phase: str) -> dict[str, Any]:
+    """Two 'hosts': each rank checkpoints into ``root/host<rank>``. ``phase`` "save": train 4 steps,
+    save at 2 and 4 (a failing save between: rank 1 cannot store its client state), train 2 more;
+    "load": a fresh model loads the latest and trains 2 steps. Errors come back as (type, message, step, rank)."""
+    import dstrain
+
+    world, rank = world_rank()
+    cfg = base_config(
+        1, world=world, micro=GLOBAL_BATCH // world, checkpoint={"use_node_local_storage": node_local}
+    )
+    d = os.path.join(root, f"host{rank}")
+    engine, _, _, _ = dstrain.initialize(model=make_model(seed=0 if phase == "save" else 8), config=cfg)
+    out: dict[str, Any] = {}
+    try:
+        if phase == "save":
+            losses = engine_losses(engine, 2)
+            engine.save_checkpoint(d, client_state={"at": 2})
+            losses += engine_losses(engine, 2, start=2)
+            bad = {"at": 4, "x": (i for i in range(1))} if rank == 1 else {"at": 4}
+            try:
+                engine.save_checkpoint(d, client_state=bad)
+            except Exception as e:
+                out["failed_save"] = type(e).__name__
+            out["after_failed"] = sorted(os.listdir(d))
+            engine.save_checkpoint(d, client_state={"at": 4})
+            out["losses"] = losses + engine_losses(engine, 2, start=4)
+        else:
+            _, client = engine.load_checkpoint(d)
+            out["client"] = client
+            out["losses"] = engine_losses(engine, 2, start=engine.global_steps)
+    except dstrain.DstrainError as e:
+        out["error"] = (type(e).__name__, str(e), getattr(e, "step", None), getattr(e, "rank", None))
+    finally:
+        engine.close()
+    return out

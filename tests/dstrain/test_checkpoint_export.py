@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -69,7 +68,9 @@ def test_sharded_export_with_index(stage3_world2, tmp_path: Path) -> None:
     files = export(ckpt, tmp_path, max_shard_size="1KB", dtype="fp16", progress=False)
     shards, index = files[:-1], files[-1]
     assert len(shards) > 1 and index.name == "model.safetensors.index.json"
-    assert [p.name for p in shards] == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    assert [p.name for p in shards] == [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+    ]
     meta = json.loads(index.read_text())
     assert set(meta["weight_map"]) == set(trained)
     got: dict[str, torch.Tensor] = {}
@@ -136,7 +137,10 @@ def test_export_memory_is_bounded_by_one_shard(tmp_path: Path) -> None:
     model_bytes = depth * dim * dim * 4
     out = subprocess.run(
         [sys.executable, "-c", _RSS_SCRIPT, str(tmp_path / "ck"), str(tmp_path), "1MB"],
-        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     grown = int(out.stdout.strip().splitlines()[-1])
     assert len(list((tmp_path / "out").glob("model-*.safetensors"))) >= 6
@@ -162,6 +166,42 @@ def test_save_16bit_model_below_stage3_in_the_compute_dtype(tmp_path: Path) -> N
     r = online_export(str(tmp_path), 1, False, bf16=True)
     assert r["saved"]
     sd = safetensors.load_file(str(tmp_path / "model.safetensors"))
-    assert sd["emb.weight"].dtype == torch.bfloat16 and torch.equal(sd["emb.weight"], r["state"]["emb.weight"])
+    assert sd["emb.weight"].dtype == torch.bfloat16 and torch.equal(
+        sd["emb.weight"], r["state"]["emb.weight"]
+    )
     fresh = make_untied(seed=4)
     fresh.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+
+
+def test_from_pretrained_of_the_export_equals_the_trained_model(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from _dstrain_helpers import base_config
+
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    engine, _, _, _ = dstrain.initialize(
+        model=transformers.GPT2LMHeadModel(cfg), config=base_config(3, world=1)
+    )
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(0, 64, (4, 16), generator=g)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(tmp_path / "ck")
+    trained = engine.full_state_dict()
+    engine.close()
+    export(tmp_path / "ck", tmp_path / "hf", progress=False)
+    cfg.save_pretrained(tmp_path / "hf")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    reference = transformers.GPT2LMHeadModel(cfg).eval()
+    reference.load_state_dict(trained)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # re-tied
+    ids = torch.randint(0, 64, (2, 16), generator=g)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, reference(input_ids=ids).logits)
+    assert not torch.equal(
+        reference.transformer.wte.weight, transformers.GPT2LMHeadModel(cfg).transformer.wte.weight
+    )

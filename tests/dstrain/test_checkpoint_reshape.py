@@ -6,8 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _dstrain_helpers import spawn
+import torch
+from _dstrain_helpers import base_config, engine_losses, make_model, spawn
 from _reshape_workers import AFTER, BEFORE, GLOBAL_BATCH, resume_many, save_many
+
+import dsio
+import dstrain
 
 SAVED = {  # world -> name: (stage, offload)
     1: {"w1s0": (0, "none")},
@@ -73,8 +77,6 @@ def test_each_rank_reads_only_its_slices(runs: tuple[dict[str, Any], dict[str, l
 
 def test_without_the_optimizer_state_the_losses_differ(tmp_path) -> None:
     # the control of the matrix above: the resumed losses depend on the Adam state that came along
-    import dstrain
-    from _dstrain_helpers import base_config, engine_losses, make_model
 
     engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(1, world=1))
     engine_losses(engine, BEFORE)
@@ -88,9 +90,6 @@ def test_without_the_optimizer_state_the_losses_differ(tmp_path) -> None:
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_parameters(tmp_path) -> None:
-    import dstrain
-    import torch
-    from _dstrain_helpers import base_config, engine_losses, make_model
 
     engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(2, world=1))
     engine_losses(engine, 1)
@@ -106,3 +105,46 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameters(tmp_path
         assert other.global_steps == 0  # nothing was applied
         assert all(torch.equal(before[k], v) for k, v in other.full_state_dict().items())
         other.close()
+
+
+@pytest.mark.parametrize("damage", ["bit-flip", "truncate"])
+@pytest.mark.parametrize("stage", [1, 3])  # the same shape (native load) and another (resharded)
+def test_a_damaged_rank_file_is_detected_before_anything_is_applied(
+    tmp_path, damage: str, stage: int
+) -> None:
+
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(1, world=1))
+    engine_losses(engine, 2)
+    path = engine.save_checkpoint(tmp_path)
+    engine.close()
+    data = bytearray(path.read_bytes())
+    if damage == "bit-flip":
+        data[len(data) // 2] ^= 0x10  # inside the tensors' bytes (the header is a few KB at the start)
+    else:
+        del data[-100:]
+    path.write_bytes(bytes(data))
+    other, _, _, _ = dstrain.initialize(model=make_model(seed=4), config=base_config(stage, world=1))
+    before = other.full_state_dict()
+    with pytest.raises((dsio.ChecksumError, dsio.CheckpointFormatError)):
+        other.load_checkpoint(tmp_path)
+    assert other.global_steps == 0
+    assert all(torch.equal(before[k], v) for k, v in other.full_state_dict().items())
+    other.close()
+
+
+def test_one_bit_adam_state_at_another_stage_is_refused_naming_both_shapes(tmp_path) -> None:
+
+    onebit = {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": 2}}
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(0, world=1, optimizer=onebit))
+    engine_losses(engine, 3)
+    engine.save_checkpoint(tmp_path)
+    engine.close()
+    other, _, _, _ = dstrain.initialize(
+        model=make_model(seed=1), config=base_config(1, world=1, optimizer=onebit)
+    )
+    with pytest.raises(dstrain.ReshapeError) as e:
+        other.load_checkpoint(tmp_path)
+    assert "ZeRO stage 0" in str(e.value) and "stage 1" in str(e.value) and "error feedback" in str(e.value)
+    other.load_checkpoint(tmp_path, load_optimizer_states=False)  # the weights alone reshard
+    assert other.global_steps == 3
+    other.close()
