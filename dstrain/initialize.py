@@ -331,8 +331,9 @@ def initialize(
     precision = Precision(cfg.precision, cfg.fp16)
     if cfg.comms_logger is not None:  # every Comm (and MoE's all-to-all) reports to it
         comms_logger.configure(cfg.comms_logger)
+    checkpointer = None
     if activation_checkpointing.applies(cfg):  # dstrain.checkpointing.checkpoint follows the section
-        activation_checkpointing.build(cfg)
+        checkpointer = activation_checkpointing.build(cfg)
 
     if isinstance(optimizer, torch.optim.Optimizer):  # its groups, each with its own options (as DeepSpeed)
         model_parameters = client_param_groups(optimizer)
@@ -368,6 +369,8 @@ def initialize(
         grad_sets=pipe.grad_sets if pipe is not None else None,
         runner=pipe.runner if pipe is not None else None,
     )
+    if checkpointer is not None:
+        engine.observers.append(checkpointer)  # closed with the engine (its NVMe swap file)
     monitor = monitors.build(cfg, topology.world.rank)  # tensorboard / csv_monitor / wandb (dstrain/monitor)
     if monitor is not None:
         engine.observers.append(monitor)

@@ -119,7 +119,12 @@ class ActivationCheckpointer:
             recompute_seconds=self.recompute_seconds,
         )
 
+    def after_step(self, engine: Any) -> None:
+        """Nothing per step: `initialize` adds the checkpointer to the engine's observers so that
+        `Engine.close` closes it (its NVMe swap file and pinned buffers)."""
+
     def close(self) -> None:
+        """Close the store (the NVMe swap file and buffers; a later checkpoint opens them again)."""
         if self.config.profile:
             log.info(
                 "activation checkpointing: %d forwards %.3fs, %d recomputes %.3fs",

@@ -208,6 +208,7 @@ class NvmeStore(Store):
         self.buffer_bytes = buffer_bytes
         self._io_config = io_config
         self._swapper: Swapper | None = None  # built at the first save (its buffer size may come from it)
+        self._closed_stats: Any = None  # the swapper's last statistics, kept after close
         self._free: list[Hashable] = []
         self._slots = 0
         self._pending: list[weakref.ref[Saved]] = []  # saved and not yet loaded, in forward order
@@ -306,7 +307,7 @@ class NvmeStore(Store):
         fetch.add_done_callback(give_back)
 
     def io_statistics(self) -> Any:
-        return None if self._swapper is None else self._swapper.statistics()
+        return self._closed_stats if self._swapper is None else self._swapper.statistics()
 
     def drain(self) -> None:
         if self._swapper is not None:
@@ -315,4 +316,8 @@ class NvmeStore(Store):
     def close(self) -> None:
         if self._swapper is not None:
             self._swapper.close()
+            self._closed_stats = self._swapper.statistics()
             self._swapper = None
+            self._free.clear()  # the next swapper's file has no slots yet
+            self._slots = 0
+            self._pending, self._ahead = [], 0

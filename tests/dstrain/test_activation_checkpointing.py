@@ -312,6 +312,7 @@ def test_nvme_activations_with_zero3_param_and_optimizer_offload(tmp_path) -> No
     ref = _train({**_cfg(3), "zero_optimization": zero}, use_ckpt=False)
     cfg = {**_cfg(3), "zero_optimization": zero, "activation_checkpointing": _section("nvme", acts)}
     got = _train(cfg, use_ckpt=True)
+    assert list(acts.iterdir()) == []  # engine.close closed the activation swap file (and its directory)
     s = ckpt.statistics()
     assert s.placement == "nvme" and s.nvme_read_bytes == s.nvme_written_bytes > 0
     assert s.peak_host_buffers <= 2
