@@ -14,7 +14,8 @@
 # libaio; TORCH_CUDA_ARCH_LIST=9.0 (the image sets 9.0a, which DeepSpeed's builder cannot parse);
 # TORCH_EXTENSIONS_DIR; and RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT for a world of one (the two settings
 # the H200 anchor run needed: shared/anchors/h200/README.md).
-set -eo pipefail
+# (no `set -e` at the top: `install` is sourced, and -e would then stop the caller at its first failing run;
+# the first H200 call with this script lost its CPU-offload pair that way)
 
 _DS_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 _DS_DIR="${DSIO_DS_DEVICE_DIR:-$_DS_ROOT/.device-deepspeed}"
@@ -22,7 +23,8 @@ _DS_VERSION=0.19.8
 _DS_WHEELS=(hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
     typing-extensions==4.16.0 crc32c)  # (crc32c: dsio.checkpoint's, absent from the device image)
 
-_ds_fetch() {
+_ds_fetch() (
+    set -euo pipefail
     local pip="${PIP:-$_DS_ROOT/.venv/bin/pip}"
     rm -rf "$_DS_DIR" && mkdir -p "$_DS_DIR/wheels" "$_DS_DIR/aio" "$_DS_DIR/debs"
     "$pip" download -q --no-deps --no-binary :all: -d "$_DS_DIR" "deepspeed==$_DS_VERSION"
@@ -35,14 +37,15 @@ _ds_fetch() {
     # libaio-dev's libaio.so links to the libaio1 file by a relative name: check both are there
     test -f "$_DS_DIR/aio/usr/include/libaio.h" && ls "$_DS_DIR"/aio/usr/lib/x86_64-linux-gnu/libaio.so* >/dev/null
     du -sh "$_DS_DIR" && ls "$_DS_DIR" "$_DS_DIR/wheels"
-}
+)
 
 _ds_install() {
     local site=/tmp/ds-site lib="$_DS_DIR/aio/usr/lib/x86_64-linux-gnu" inc="$_DS_DIR/aio/usr/include"
     [ -d "$_DS_DIR/wheels" ] || { echo "deepspeed_device: $_DS_DIR missing: carry .device-deepspeed" >&2; return 1; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$_DS_DIR"/wheels/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+        "$_DS_DIR"/wheels/*.whl || return 1
     DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
-        --target "$site" "$_DS_DIR"/deepspeed-$_DS_VERSION.tar.gz
+        --target "$site" "$_DS_DIR"/deepspeed-$_DS_VERSION.tar.gz || return 1
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
     export CFLAGS="-I$inc ${CFLAGS:-}" LDFLAGS="-L$lib ${LDFLAGS:-}"
     export CPATH="$inc${CPATH:+:$CPATH}" LIBRARY_PATH="$lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
