@@ -57,7 +57,9 @@ def test_bandwidths_follow_nccl_tests_definitions() -> None:
     assert ar.algbw_gbps == pytest.approx(2.0) and ar.busbw_gbps == pytest.approx(3.0)
     assert by[("all_gather", 1_000_000)].busbw_gbps == pytest.approx(0.5)
     assert by[("broadcast", 1_000_000)].busbw_gbps == pytest.approx(1.0)
-    table = comms_logger.log_summary()
+    import dstrain.comm
+
+    table = dstrain.comm.log_summary()  # deepspeed.comm.log_summary()'s place
     assert table.splitlines()[0].startswith("Comm. Op") and "Avg Latency(ms)" in table
     assert "all_reduce" in table and "7.6 MB" in table
 
