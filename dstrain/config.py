@@ -157,7 +157,7 @@ class DSConfig(Mapping[str, Any]):
         "gradient_allreduce_op": Unbuilt(
             why="summing gradients over ranks instead of averaging them", default="mean"
         ),
-        "gradient_predivide_factor": Unbuilt(why="dividing gradients before the all-reduce", default=1.0),
+        "gradient_predivide_factor": Unbuilt(why="dividing gradients before the all-reduce", default=1),
         "memory_breakdown": Unbuilt(why="memory usage prints", default=False),
         "prescale_gradients": Unbuilt(why="scaling gradients before the all-reduce", default=False),
         "sparse_attention": Unbuilt(why="block-sparse attention kernels", default=None),

@@ -33,7 +33,7 @@ class FlopsProfilerConfig:
 
     _UNBUILT: ClassVar[dict[str, Unbuilt]] = {
         "recompute_fwd_factor": Unbuilt(
-            why="adds estimated recompute FLOPs; dstrain counts what ran, recomputes included", default=0.0
+            why="adds estimated recompute FLOPs; dstrain counts what ran, recomputes included", default=0
         ),
     }
 
