@@ -27,7 +27,7 @@ import torch
 from dstrain.checkpoint.layout import check_same_model, parameter_names
 from dstrain.checkpoint.reshape import Assembled, SavedStep, open_step
 from dstrain.checkpoint.sources import materialize
-from dstrain.checkpoint.store import latest_step, step_name
+from dstrain.checkpoint.store import committed_step_dir
 from dstrain.errors import CheckpointNotFoundError
 
 __all__ = [
@@ -79,15 +79,7 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def _open(ckpt_dir: str | os.PathLike[str], step: int | None) -> SavedStep:
-    directory = Path(ckpt_dir)
-    if step is None:
-        step = latest_step(directory)
-        if step is None:
-            raise CheckpointNotFoundError(f"no committed checkpoint in {directory}")
-    step_dir = directory / step_name(step)
-    if not step_dir.is_dir():
-        raise CheckpointNotFoundError(f"no committed step {step} in {directory}")
-    return open_step(step_dir)
+    return open_step(committed_step_dir(Path(ckpt_dir), step)[0])
 
 
 class _Weights:

@@ -44,7 +44,7 @@ __all__ = ["NodeLocalStore", "remove_own_leftovers"]
 def remove_own_leftovers(directory: Path, rank: int, suffix: str = ".safetensors") -> list[Path]:
     """Remove this rank's files in ``directory``'s uncommitted ``step-*.tmp`` directories (a failed or
     killed save), and each such directory once it is empty; returns the files removed."""
-    removed = []
+    removed: list[Path] = []
     try:
         tmps = [directory / n for n in os.listdir(directory) if n.startswith("step-") and n.endswith(".tmp")]
     except FileNotFoundError:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from dstrain.checkpoint.agree import broadcast_object, gather_objects
 from dstrain.checkpoint.pending import PendingSave
 from dstrain.checkpoint.sources import materialize, release_sources
 from dstrain.dist.comm import Comm
@@ -46,6 +47,7 @@ __all__ = [
     "DsioStore",
     "PendingSave",
     "TorchSaveStore",
+    "committed_step_dir",
     "default_store",
     "load_any",
     "rank_file_in",
@@ -309,7 +311,7 @@ class TorchSaveStore:
 
         def finish() -> Path:
             error = future.exception()
-            verdicts = _gather(world, None if error is None else f"rank {world.rank}: {error!r}")
+            verdicts = gather_objects(world, None if error is None else f"rank {world.rank}: {error!r}")
             failures = [v for v in verdicts if v is not None]
             commit_error = None
             if world.rank == 0:
@@ -318,7 +320,7 @@ class TorchSaveStore:
                     commit_written(directory, step, names, failures=failures)
                 except OSError as e:  # dsio's CheckpointCommitError (an OSError) among them
                     commit_error = f"rank 0 could not commit: {e!r}"
-            outcome = _broadcast(world, commit_error)
+            outcome = broadcast_object(world, commit_error)
             if error is not None:
                 raise error
             if failures or outcome is not None:
@@ -342,27 +344,11 @@ class TorchSaveStore:
         return None
 
 
-def _gather(world: Comm, obj: Any) -> list[Any]:
-    if world.world_size == 1:
-        return [obj]
-    out: list[Any] = [None] * world.world_size
-    dist.all_gather_object(out, obj, group=world.group)
-    return out
-
-
-def _broadcast(world: Comm, obj: Any) -> Any:
-    if world.world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=world.global_rank(0), group=world.group)
-    return box[0]
-
-
 def validate_tag(name: str, world: Comm, mode: str) -> None:
     """DeepSpeed's ``checkpoint.tag_validation``: Ignore, Warn or Fail when ranks save under different names."""
     if mode == "Ignore" or world.world_size == 1:
         return
-    names = _gather(world, name)
+    names = gather_objects(world, name)
     if len(set(names)) > 1:
         message = f"ranks save checkpoints under different tags: {names}"
         if mode == "Fail":
@@ -390,11 +376,9 @@ def default_store() -> CheckpointStore:
         return TorchSaveStore()
 
 
-def load_any(
-    store: CheckpointStore, directory: Path, step: int | None, world: Comm, *, lazy: tuple[str, ...] = ()
-) -> tuple[Path, dict[str, Any]]:
-    """Load step ``step`` (default: the latest) with the store that wrote it (``.pt`` or dsio's).
-    ``lazy``: top-level entries whose big tensors may stay in a dsio file (read by `restore`)."""
+def committed_step_dir(directory: Path, step: int | None) -> tuple[Path, int]:
+    """(directory, number) of committed step ``step`` of ``directory`` (None: the latest one);
+    `CheckpointNotFoundError` when there is none."""
     if step is None:
         step = latest_step(directory)
         if step is None:
@@ -402,6 +386,15 @@ def load_any(
     step_dir = directory / step_name(step)
     if not step_dir.is_dir():
         raise CheckpointNotFoundError(f"no committed step {step} in {directory}")
+    return step_dir, step
+
+
+def load_any(
+    store: CheckpointStore, directory: Path, step: int | None, world: Comm, *, lazy: tuple[str, ...] = ()
+) -> tuple[Path, dict[str, Any]]:
+    """Load step ``step`` (default: the latest) with the store that wrote it (``.pt`` or dsio's).
+    ``lazy``: top-level entries whose big tensors may stay in a dsio file (read by `restore`)."""
+    step_dir, step = committed_step_dir(directory, step)
     found = rank_file_in(step_dir, world.rank)
     if found is not None and found.suffix != store.suffix:
         # written by the other kind of store (e.g. with torch.save before dsio was available here)
