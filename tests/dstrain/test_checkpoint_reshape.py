@@ -148,3 +148,29 @@ def test_one_bit_adam_state_at_another_stage_is_refused_naming_both_shapes(tmp_p
     other.load_checkpoint(tmp_path, load_optimizer_states=False)  # the weights alone reshard
     assert other.global_steps == 3
     other.close()
+
+
+def test_loss_scaler_and_lr_schedule_come_along_when_resharded(tmp_path) -> None:
+    warmup = {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 8},
+    }
+    fp16 = {
+        "enabled": True,
+        "initial_scale_power": 20,
+        "loss_scale_window": 2,
+    }  # skips, then grows and shrinks
+    engine, _, _, _ = dstrain.initialize(
+        model=make_model(), config=base_config(1, world=1, fp16=fp16, scheduler=warmup)
+    )
+    engine_losses(engine, BEFORE)
+    engine.save_checkpoint(tmp_path)
+    state = (engine.loss_scale, engine.get_lr(), engine.skipped_steps)
+    expected = engine_losses(engine, AFTER, start=BEFORE)
+    other, _, _, _ = dstrain.initialize(
+        model=make_model(seed=6), config=base_config(3, world=1, fp16=fp16, scheduler=warmup)
+    )
+    other.load_checkpoint(tmp_path)
+    assert (other.loss_scale, other.get_lr(), other.skipped_steps) == state
+    assert state[0] != 2.0**20 and state[2] > 0  # the scaler moved: restoring it is what is tested
+    assert engine_losses(other, AFTER, start=BEFORE) == pytest.approx(expected, rel=1e-6)
