@@ -13,7 +13,11 @@ import statistics
 import subprocess
 import sys
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+#: Where drivers write their result files: ``$DSIO_BENCH_RESULTS`` (``make bench``'s quick runs point it
+#: under build/, so they never mix with the committed results), else bench/results.
+RESULTS = os.environ.get("DSIO_BENCH_RESULTS") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results"
+)
 #: The checkout: benchmark defaults live under it, never at a machine-specific path.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -27,6 +27,23 @@ For async saves, blocked = ``EngineStatistics.checkpoint_blocked_seconds`` accum
 and the ``steps_after`` steps that follow (the fence before the next optimizer step); the commit wait
 (``wait_checkpoint`` after those steps) is reported apart, as is the mean time of the steps that ran
 during the save vs the steps before it. Results: bench/results/ckpt-blocked-<date>[-label].{json,md}.
+
+``--stage3``: the same question for a ZeRO-3 run whose parameters *and* optimizer state are on NVMe (the
+fp32 master lives only in the shard file, or at bf16 in its own master file), where the save streams the
+master and Adam's m, v from their swap files while the next forward and backward run:
+
+    .venv/bin/python bench/ckpt_blocked.py --stage3                      # 3 reps, fp32 and bf16, ~3 min
+    .venv/bin/python bench/ckpt_blocked.py --stage3 --reps 1 --dim 512   # smoke run
+
+- ``sync``: as above.
+- ``async, whole-staging fence``: the next optimizer step waits for the whole staging (the engine's
+  per-sub-group gate switched off).
+- ``async``: as the engine does it: the step waits, sub-group by sub-group, only until the save has
+  read the bytes that sub-group's step rewrites (its master range; m, v too unless the optimizer's
+  swapper writes around a pinned version).
+
+Results: bench/results/ckpt-blocked-stage3-<date>[-label].{json,md}. ``--quick`` (``make bench``): both
+modes, tiny model, one rep, results under ``$DSIO_BENCH_RESULTS`` (see bench/_common.py).
 """
 
 from __future__ import annotations
@@ -56,6 +73,8 @@ METHODS = (
     "async, staged in background",
 )
 NVME_ONLY = ("async, gate without copy-on-write",)
+#: The ``--stage3`` methods.
+STAGE3_METHODS = ("sync", "async, whole-staging fence", "async")
 
 
 def _model(dim: int, layers: int) -> torch.nn.Module:
@@ -242,6 +261,87 @@ def run_config(args: argparse.Namespace, offload: str, root: str) -> dict[str, A
     }
 
 
+def stage3_config(swap: str, *, bf16: bool, sub_group: int = 1 << 22) -> dict[str, Any]:
+    """Stage 3 with parameters and optimizer state on NVMe under ``swap``."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": sub_group,
+            "offload_param": {"device": "nvme", "nvme_path": swap},
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap},
+        },
+        "steps_per_print": 1_000_000,
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def run_stage3(args: argparse.Namespace, root: str, bf16: bool) -> dict[str, Any]:
+    import dstrain
+    import dstrain.checkpoint.policy as policy_module
+    from dstrain.checkpoint.store import DsioStore
+
+    swap = os.path.join(root, f"swap-{'bf16' if bf16 else 'fp32'}")
+    os.makedirs(swap, exist_ok=True)
+    engine, _, _, _ = dstrain.initialize(
+        model=_model(args.dim, args.layers), config=stage3_config(swap, bf16=bf16)
+    )
+    assert engine.zero.store.holds_master, "the master must live in the swap files"
+    assert isinstance(engine.store, DsioStore), "this bench needs dsio's native core"
+    engine.store.keep_last = 1  # one directory per method, kept open across reps; old steps go
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x = torch.randn(args.batch, args.dim, dtype=dtype)
+    _train(engine, x, 2)  # warm-up
+    lend = policy_module.lend_gate
+    rows: dict[str, list[dict[str, float]]] = {m: [] for m in STAGE3_METHODS}
+    try:
+        # rep 0 is not measured: it creates each directory's Checkpointer (handle, lock, staging region)
+        for rep in range(args.reps + 1):
+            for i, method in enumerate(STAGE3_METHODS):
+                d = os.path.join(root, f"ck-{'bf16' if bf16 else 'fp32'}-{i}")
+                before = _train(engine, x, args.steps_before)
+                policy_module.lend_gate = (lambda *a: False) if method.endswith("fence") else lend
+                b0 = engine.statistics().checkpoint_blocked_seconds
+                t0 = time.perf_counter()
+                engine.save_checkpoint(d, async_save=method != "sync")
+                call = time.perf_counter() - t0
+                during = _train(engine, x, args.steps_after) if method != "sync" else []
+                blocked = engine.statistics().checkpoint_blocked_seconds - b0
+                t1 = time.perf_counter()
+                engine.wait_checkpoint()
+                commit_wait = time.perf_counter() - t1
+                policy_module.lend_gate = lend
+                if rep > 0:
+                    rows[method].append(
+                        {
+                            "blocked_s": blocked if method != "sync" else call,
+                            "call_s": call,
+                            "commit_wait_s": commit_wait,
+                            "step_before_s": statistics.mean(before),
+                            "step_during_s": statistics.mean(during) if during else float("nan"),
+                        }
+                    )
+    finally:
+        policy_module.lend_gate = lend
+        engine.close()
+        shutil.rmtree(swap, ignore_errors=True)
+    numel = sum(g.total for g in engine.zero.groups)
+    sync = [r["blocked_s"] for r in rows["sync"]]
+    ratios = {m: [r["blocked_s"] / s for r, s in zip(rows[m], sync, strict=True)] for m in STAGE3_METHODS[1:]}
+    return {
+        "precision": "bf16" if bf16 else "fp32",
+        "master_bytes": 4 * numel,
+        "state_bytes": 12 * numel,  # master, m, v (fp32): what the checkpoint streams
+        "rows": rows,
+        "ratios": ratios,
+    }
+
+
 def _split(rows: list[dict[str, float]]) -> str:
     """Medians of the blocked time's parts: the call, the per-sub-group gate, the fence (the rest)."""
     if not rows or "gate_s" not in rows[0]:
@@ -300,6 +400,59 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, info: dict[s
     return "\n".join(lines) + "\n"
 
 
+def report_stage3(results: list[dict[str, Any]], args: argparse.Namespace, info: dict[str, str]) -> str:
+    lines = [
+        f"# Checkpoint of a ZeRO-3 run with parameters and optimizer state on NVMe: time training is blocked "
+        f"({info['date']}{', ' + args.label if args.label else ''})",
+        "",
+        f"Machine: {info['cpu']}, {info['memory']}, kernel {info['kernel']}; scratch {args.where} "
+        f"({fs_of(args.where)}); load average at start {args.load_start}. One process, ZeRO stage 3, "
+        f"offload_param and offload_optimizer on NVMe (the master only in the swap files), MLP {args.layers} x "
+        f"Linear({args.dim}, {args.dim}), batch {args.batch}, Adam; {args.reps} reps after one unmeasured, methods "
+        "interleaved rep by rep; median (min-max), seconds. Async blocked = time inside save_checkpoint + the "
+        f"waits of the next optimizer step ({args.steps_after} steps run after each async save); ratio = async "
+        "blocked / the same rep's synchronous save.",
+        "",
+        "| precision | master + m + v | method | blocked (s) | blocked / sync save | commit wait after the steps (s) "
+        "| of which in the call (s) | step before (s) | step during the save (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        for m in STAGE3_METHODS:
+            rows = r["rows"][m]
+            ratio = fmt([100 * x for x in r["ratios"][m]], 1) + " %" if m != "sync" else "100 %"
+            lines.append(
+                f"| {r['precision']} | {r['state_bytes'] / 2**20:.0f} MiB | {m} "
+                f"| {fmt([x['blocked_s'] for x in rows], 3)} | {ratio} "
+                f"| {fmt([x['commit_wait_s'] for x in rows], 3)} | {fmt([x['call_s'] for x in rows], 3)} "
+                f"| {fmt([x['step_before_s'] for x in rows], 3)} "
+                f"| {fmt([x['step_during_s'] for x in rows], 3) if m != 'sync' else '-'} |"
+            )
+    lines += ["", "Target (issue 11): async save blocks training <= 5% of a synchronous save's time."]
+    for r in results:
+        med = statistics.median(r["ratios"]["async"])
+        whole = statistics.median(r["ratios"]["async, whole-staging fence"])
+        lines.append(
+            f"- {r['precision']}: {100 * med:.1f}% ({'met' if med <= 0.05 else 'MISSED'}); "
+            f"whole-staging fence: {100 * whole:.1f}%"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _write(
+    kind: str, label: str, info: dict[str, str], args: argparse.Namespace, results: list, text: str
+) -> None:
+    day = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    stem = os.path.join(RESULTS, f"{kind}-{day}{'-' + label if label else ''}")
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump({"machine": info, "args": vars(args), "results": results}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    print(text)
+    print(f"wrote {stem}.json and .md")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim", type=int, default=2048)
@@ -309,8 +462,16 @@ def main() -> None:
     ap.add_argument("--steps-before", type=int, default=2)
     ap.add_argument("--steps-after", type=int, default=3)
     ap.add_argument("--offload", default="none,nvme")
+    ap.add_argument("--stage3", action="store_true", help="ZeRO-3 with parameters + optimizer state on NVMe")
+    ap.add_argument("--precision", default="fp32,bf16", help="--stage3: comma-separated fp32, bf16")
     ap.add_argument("--label", default="", help="suffix of the result files, e.g. under-load")
+    ap.add_argument(
+        "--quick", action="store_true", help="seconds: both modes, tiny model, 1 rep (make bench)"
+    )
     args = ap.parse_args()
+    if args.quick:
+        args.dim, args.layers, args.batch, args.reps, args.steps_before, args.steps_after = 256, 2, 8, 1, 1, 1
+        args.label = args.label or "quick"
     args.where = scratch_dir()
     args.load_start = " ".join(f"{x:.1f}" for x in os.getloadavg())
     os.makedirs(args.where, exist_ok=True)
@@ -318,19 +479,14 @@ def main() -> None:
     os.makedirs(root)
     info = machine()
     try:
-        results = [run_config(args, o, root) for o in args.offload.split(",")]
+        if not args.stage3 or args.quick:
+            results = [run_config(args, o, root) for o in args.offload.split(",")]
+            _write("ckpt-blocked", args.label, info, args, results, report(results, args, info, args.label))
+        if args.stage3 or args.quick:
+            results = [run_stage3(args, root, p == "bf16") for p in args.precision.split(",")]
+            _write("ckpt-blocked-stage3", args.label, info, args, results, report_stage3(results, args, info))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    day = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
-    stem = os.path.join(RESULTS, f"ckpt-blocked-{day}{'-' + args.label if args.label else ''}")
-    os.makedirs(RESULTS, exist_ok=True)
-    text = report(results, args, info, args.label)
-    with open(stem + ".json", "w") as f:
-        json.dump({"machine": info, "args": vars(args), "results": results}, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(text)
-    print(text)
-    print(f"wrote {stem}.json and .md")
 
 
 if __name__ == "__main__":
