@@ -1,4 +1,4 @@
-"""What bench/io.py and bench/io_tuned.py share: dsio's runner (one open handle per configuration),
+"""What bench/io.py's main table and its tuned sweep share: dsio's runner (one open handle per configuration),
 DeepSpeed's baseline script, and the file helpers around a measured transfer (fsync, unlink, a
 verified page-cache drop)."""
 

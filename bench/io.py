@@ -20,7 +20,9 @@ shared/ANCHORS.md), so medians and ratios compare methods measured side by side:
     file: dsio through paths (one open per op, as DeepSpeed's async_* + wait() does: the
     headline) and through one open file (its own row), fio QD1/QD32 (no end fsync: none of
     the others flush either).
-  - tuned vs tuned: each side's best of the same small sweep (bench/io_tuned.py).
+  - tuned vs tuned: each side's best of the same small sweep (``--tuned-only``: only that, with the
+    main table's method as the reference next to dsio's default; ``--points defaults`` for the two
+    default points alone). Results of that mode: bench/results/io-tuned[-LABEL]-<date>.md (+ .json).
 Writes are timed to completion of the data transfer; "+fsync" columns add a durable flush.
 Results: bench/results/<date>-<host>-io.md (+ .json, .png).
 """
@@ -29,13 +31,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import functools
+import itertools
 import json
 import os
 import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from statistics import median
 
 import torch
 from tqdm import tqdm
@@ -44,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dsio  # noqa: E402
 from bench._common import (  # noqa: E402
     deepspeed_python,
+    drop_caches_verified,
     fmt,
     fs_of,
     machine,
@@ -52,8 +59,9 @@ from bench._common import (  # noqa: E402
     summarize,
     write_labelled_result,
 )
-from bench._io_runners import COLD, DS_SCRIPT, DsioRunner, drop, unlink  # noqa: E402
+from bench._io_runners import COLD, DS_SCRIPT, DsioRunner, drop, fsync_path, unlink  # noqa: E402
 from bench.baselines import fio  # noqa: E402
+from bench.io_read_path import DeepSpeedServer  # noqa: E402
 from dsio._native import native  # noqa: E402
 
 DS_PY: str | None = None  # set by main() from --ds-python / the environment
@@ -274,6 +282,230 @@ def unaligned_tensor(nbytes: int) -> torch.Tensor:
     return out
 
 
+# -- tuned vs tuned (issue 16) ----------------------------------------------------------------
+# Tuned vs tuned: each side's best of the same small sweep (issue 16, "fair baselines").
+#
+# Both dsio and DeepSpeed's ``aio_handle`` run the same grid -- worker threads 1-2, overlap on/off,
+# (block size, queue depth) in {(1 MiB, 32), (1 MiB, 128), (8 MiB, 32)} -- plus each side's own
+# default configuration (dsio's ``IOConfig()`` and DeepSpeed's aio defaults; DeepSpeed's is in the
+# grid already), so a side's "tuned" figure can never be below its default measured the same way.
+# Each point writes a locked buffer to a new file and reads it back cold. Config by config, dsio and
+# DeepSpeed alternate rep by rep, and which goes first alternates too (one dsio handle and one
+# DeepSpeed process, with its locked buffer, alive at a time). Each side's best median per
+# operation is reported with the settings that won it.
+#
+# Order: reps outside, points inside. Every rep visits every point (the starting point rotates
+# from rep to rep, and which side goes first alternates), so a drift of this disk over the ~10
+# minutes of a sweep spreads over all points instead of landing on the last ones. Before this,
+# each point ran all its reps back to back and dsio's default was the last point: in the quiet
+# run of 18:28 (bench/results/2026-11-30-vm-io-quiet.md) it measured 1.63/1.39 GB/s against
+# 1.87/1.65 for the main table's default run, while the same run's main table had already drifted
+# to 1.55/1.23 in its own third rep. A freshly created handle per point, a second event loop,
+# the buffer's content, an overwrite before the read and a sync after the unlink were each
+# measured against the main table's method in one process, interleaved, under load (bench/results/
+# io-tuned-sweep-diagnosis-2026-11-30.md): none moved the medians beyond their rep-to-rep range,
+# except a second, freshly allocated 1 GiB locked buffer (1.45/1.31 vs 1.83/1.49 in one 10-rep
+# run, not reproduced in two others); the sweep now uses the caller's buffer (the main table's)
+# when given one, so that factor is gone too.
+#
+# ``reference`` (bench/io.py passes the main table's own runner: its handle, its buffer) runs
+# right next to dsio's default point in every rep, so the report shows the default point and the
+# main table's method measured in the same minutes.
+
+MIB = 1 << 20
+Point = tuple[int, bool, int, int]  # (threads, overlap, block size, queue depth)
+
+GRID: list[Point] = [
+    (threads, overlap, bs, qd)
+    for threads, overlap, (bs, qd) in itertools.product(
+        (1, 2), (True, False), ((1 * MIB, 32), (1 * MIB, 128), (8 * MIB, 32))
+    )
+]
+_d = dsio.IOConfig()
+#: dsio's defaults, read from ``IOConfig()`` (so the sweep follows them when they change).
+DSIO_DEFAULT: Point = (_d.intra_op_parallelism, _d.overlap_events, _d.block_size, _d.queue_depth)
+#: DeepSpeed's aio defaults (bench/baselines/deepspeed_io.py's, which are aio_handle's).
+DEEPSPEED_DEFAULT: Point = (1, False, 1 * MIB, 128)
+SWEEP: list[Point] = GRID + [p for p in (DSIO_DEFAULT, DEEPSPEED_DEFAULT) if p not in GRID]
+DEFAULTS = {"dsio": DSIO_DEFAULT, "DeepSpeed": DEEPSPEED_DEFAULT}
+
+
+def label(threads: int, overlap: bool, bs: int, qd: int) -> str:
+    return f"threads {threads}, overlap {'on' if overlap else 'off'}, block {bs // MIB} MiB, QD {qd}"
+
+
+def run_tuned(
+    directory: str,
+    size: int,
+    reps: int,
+    ds_python: str | None,
+    ds_script: str,
+    progress: Callable[[str], None] = lambda s: None,
+    sweep: Sequence[Point] = SWEEP,
+    buf: torch.Tensor | None = None,
+    reference: Callable[[], tuple[float, float]] | None = None,
+) -> dict:
+    """Run the sweep; ``{"results": {side: {op: {label: [GB/s per rep]}}}, "cold", "defaults",
+    "reference"}``.
+
+    ``buf``: a locked, 4096-aligned uint8 tensor of ``size`` bytes to write from and read into
+    (default: one allocated here). ``reference``: called once per rep right next to dsio's
+    default point (before it in even reps, after it in odd ones); returns (write, read) GB/s of
+    the caller's own method, stored under ``"reference"``.
+    """
+    path = os.path.join(directory, "tuned.bin")
+    if buf is None:
+        mem = native().AlignedBuffer(size, True)
+        buf = torch.frombuffer(mem, dtype=torch.uint8)
+        buf.fill_(5)
+    elif buf.nbytes != size or buf.data_ptr() % 4096:
+        raise ValueError(f"buf must be a 4096-aligned tensor of exactly size={size} bytes")
+    loop = asyncio.new_event_loop()
+    out: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    ref: dict[str, list[float]] = {"write": [], "read": []}
+    cold = True
+
+    def fresh() -> None:
+        if os.path.exists(path):
+            os.unlink(path)
+        os.sync()
+
+    def measure_dsio(h: dsio.AsyncIOHandle, name: str) -> None:
+        nonlocal cold
+        fresh()
+        t0 = time.perf_counter()
+        loop.run_until_complete(h.pwrite(buf, path))
+        out["dsio"]["write"][name].append(size / (time.perf_counter() - t0) / 1e9)
+        fsync_path(path)
+        cold &= drop_caches_verified(path)
+        t0 = time.perf_counter()
+        loop.run_until_complete(h.pread(buf, path))
+        out["dsio"]["read"][name].append(size / (time.perf_counter() - t0) / 1e9)
+
+    def measure_ds(server: DeepSpeedServer, name: str) -> None:
+        nonlocal cold
+        fresh()
+        out["DeepSpeed"]["write"][name].append(server.call("write", path, 0, size)["gbps"])
+        fsync_path(path)
+        cold &= drop_caches_verified(path)
+        out["DeepSpeed"]["read"][name].append(server.call("read", path, 0, size)["gbps"])
+
+    def measure_reference() -> None:
+        assert reference is not None
+        w, r = reference()
+        ref["write"].append(w)
+        ref["read"].append(r)
+
+    try:
+        for rep in range(reps):
+            # Rotate the starting point: spread over the sweep (or step by one when reps outnumber
+            # points), so no point always runs first or last.
+            start = rep * len(sweep) // reps if reps <= len(sweep) else rep % len(sweep)
+            order = list(sweep[start:]) + list(sweep[:start])
+            for i, cfg in enumerate(order):
+                name = label(*cfg)
+                progress(f"tuned sweep: rep {rep + 1}/{reps}, {name}")
+                # The main table's IOConfig with only the swept fields changed (its pools too: a
+                # locked, aligned buffer is never staged, so they cost nothing here).
+                h = dsio.AsyncIOHandle(
+                    dataclasses.replace(
+                        dsio.IOConfig(),
+                        intra_op_parallelism=cfg[0],
+                        overlap_events=cfg[1],
+                        block_size=cfg[2],
+                        queue_depth=cfg[3],
+                    )
+                )
+                server = None
+                try:
+                    if ds_python:
+                        extra = ["--threads", str(cfg[0]), "--block-size", str(cfg[2])]
+                        extra += ["--queue-depth", str(cfg[3])] + (["--overlap-events"] if cfg[1] else [])
+                        server = DeepSpeedServer(ds_python, ds_script, size, extra)
+                    steps: list[Callable[[], None]] = [functools.partial(measure_dsio, h, name)]
+                    if reference is not None and cfg == DSIO_DEFAULT:
+                        steps.insert(rep % 2, measure_reference)
+                    if server is not None:
+                        steps.insert((rep + i) % 2 * len(steps), functools.partial(measure_ds, server, name))
+                    for step in steps:
+                        step()
+                finally:
+                    loop.run_until_complete(h.aclose())
+                    if server is not None:
+                        server.close()
+    finally:
+        loop.close()
+        if os.path.exists(path):
+            os.unlink(path)
+    return {
+        "results": {k: {o: dict(v) for o, v in d.items()} for k, d in out.items()},
+        "cold": cold,
+        "defaults": {side: label(*p) for side, p in DEFAULTS.items()},
+        "reference": ref if reference is not None else None,
+        "order": "reps outside, points inside (rotating)",
+    }
+
+
+def best_of(by_cfg: dict[str, list[float]]) -> tuple[str, list[float]]:
+    """The setting with the highest median, and its values."""
+    return max(by_cfg.items(), key=lambda kv: median(kv[1]))
+
+
+def report_tuned(data: dict, size: int, main_defaults: dict[tuple[str, str], float] | None = None) -> str:
+    """The tuned-vs-tuned table. ``main_defaults``: {(side, op): median GB/s} of the main table's
+    default-config runs in the same invocation, shown beside the sweep's default point."""
+    res = data["results"]
+    defaults = data.get("defaults") or {side: label(*p) for side, p in DEFAULTS.items()}
+    lines = ["", "## Tuned vs tuned: each side's best of the same sweep", ""]
+    lines.append(
+        f"{size / (1 << 30):g} GiB, locked buffer, new file / cold read"
+        + ("" if data["cold"] else " (WARM: the cache drop did not take)")
+        + "; grid: threads 1-2 x overlap on/off x (block, QD) in (1 MiB, 32), (1 MiB, 128), (8 MiB, 32), "
+        "plus each side's default configuration; every point: write (timed), fsync, drop the cache, read; "
+        + (
+            "every rep visits every point (starting point rotating), the two sides alternating who goes first."
+            if data.get("order")
+            else "the two sides alternate (and alternate who goes first) rep by rep."
+        )
+    )
+    lines += [
+        "",
+        "| side | op | best GB/s, median (min-max) | winning settings | its default in the sweep "
+        "| its default, main table |",
+        "|---|---|---|---|---|---|",
+    ]
+    best: dict = {}
+    for side, ops in res.items():
+        for op, by_cfg in ops.items():
+            name, xs = best_of(by_cfg)
+            best[side, op] = median(xs)
+            d = by_cfg.get(defaults[side])
+            main = (main_defaults or {}).get((side, op))
+            lines.append(
+                f"| {side} | {op} | {fmt(xs)} | {name} | {fmt(d) if d else 'not in sweep'} | "
+                f"{f'{main:.2f}' if main else '-'} |"
+            )
+    ref = data.get("reference")
+    if ref and ref.get("write") and "dsio" in res:
+        lines.append(
+            "\ndsio's default point in the sweep vs the main table's method (its handle and buffer), "
+            "run next to it in every rep:"
+        )
+        for op in ("write", "read"):
+            d = res["dsio"].get(op, {}).get(defaults["dsio"])
+            if d and ref.get(op):
+                lines.append(
+                    f"- {op}: sweep point {fmt(d)}, main-table method {fmt(ref[op])} GB/s: "
+                    f"{median(d) / median(ref[op]):.2f}x"
+                )
+    for op in ("write", "read"):
+        if ("dsio", op) in best and ("DeepSpeed", op) in best:
+            lines.append(
+                f"\ntuned dsio / tuned DeepSpeed, {op}: {best['dsio', op] / best['DeepSpeed', op]:.2f}x"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     global DS_PY
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -297,11 +529,23 @@ def main() -> None:
     ap.add_argument(
         "--tuned-reps", type=int, default=3, help="reps of the tuned sweep (each visits every point)"
     )
+    ap.add_argument("--tuned-only", action="store_true", help="only the tuned-vs-tuned sweep")
+    ap.add_argument(
+        "--points", choices=("defaults", "all"), default="all", help="--tuned-only: the sweep's points"
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="seconds (make bench): 64 MiB, 1 rep, 200 ops, the sweep's two default points, no DeepSpeed",
+    )
     ap.add_argument("--read-path", action="store_true", help="only the issue-17 read-path matrix")
     ap.add_argument("--sizes-mib", default="512,2048", help="--read-path tensor sizes")
     ap.add_argument("--runs", type=int, default=5, help="--read-path: interleaved runs")
     ap.add_argument("--label", default="", help="appended to the result file names (e.g. under-load)")
     args = ap.parse_args()
+    if args.quick:
+        args.size_gib, args.reps, args.ops, args.tuned_reps, args.points = 1 / 16, 1, 200, 1, "defaults"
+        args.skip_deepspeed, args.label = True, args.label or "quick"
     args.dir = args.dir or scratch_dir()
     os.makedirs(args.dir, exist_ok=True)
     DS_PY = None if args.skip_deepspeed else deepspeed_python(args.ds_python)
@@ -310,6 +554,9 @@ def main() -> None:
     meta["dsio backends"] = ", ".join(s.name for s in dsio.backend_status() if s.available)
     if args.read_path:
         main_read_path(args, meta)
+        return
+    if args.tuned_only:
+        main_tuned(args, meta)
         return
     args.reps = args.reps or 5
     main_io(args, meta)
@@ -339,6 +586,51 @@ def main_read_path(args: argparse.Namespace, meta: dict) -> None:
     )
     md = report_read_path(data, meta, header)
     write_labelled_result("io-read-path", args.label, meta, md, {"args": vars(args), **data})
+
+
+def tuned_points(points: str) -> list[Point]:
+    return [DSIO_DEFAULT, DEEPSPEED_DEFAULT] if points == "defaults" else SWEEP
+
+
+def main_tuned(args: argparse.Namespace, meta: dict) -> None:
+    """Only the sweep, with the main table's method as the reference next to dsio's default."""
+    size = int(args.size_gib * (1 << 30)) // MIB * MIB
+    mem = native().AlignedBuffer(size, True)
+    buf = torch.frombuffer(mem, dtype=torch.uint8)
+    buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))  # as the main table's `locked`
+    loop = asyncio.new_event_loop()
+    runner = DsioRunner(loop, dsio.IOConfig(backend="io_uring"))
+    seq_path = os.path.join(args.dir, "seq.bin")
+
+    def reference() -> tuple[float, float]:
+        o: dict[str, list[float]] = defaultdict(list)
+        runner.seq(buf, seq_path, o)
+        return o["write_new"][0], o["read"][0]
+
+    t0 = time.perf_counter()
+    try:
+        data = run_tuned(
+            args.dir,
+            size,
+            args.tuned_reps,
+            DS_PY,
+            DS_SCRIPT,
+            lambda s: print(s, file=sys.stderr),
+            sweep=tuned_points(args.points),
+            buf=buf,
+            reference=reference,
+        )
+    finally:
+        runner.close()
+        loop.close()
+        unlink(seq_path)
+    md = f"# Tuned sweep, {meta['date']}\n\nMachine: " + ", ".join(f"{k} {v}" for k, v in meta.items())
+    md += f"\nPoints: {args.points}; {args.tuned_reps} reps; took {time.perf_counter() - t0:.0f} s"
+    md += (
+        f"; label: **{args.label}**" if args.label else ""
+    ) + f"; load average at the end {os.getloadavg()}.\n"
+    md += report_tuned(data, size)
+    write_labelled_result("io-tuned", args.label, meta, md, {"args": vars(args), **data})
 
 
 def main_io(args: argparse.Namespace, meta: dict) -> None:
@@ -406,8 +698,6 @@ def main_io(args: argparse.Namespace, meta: dict) -> None:
 
     md = report(res, meta, args)
     if not args.skip_tuned:
-        from bench.io_tuned import report_tuned, run_tuned
-
         ref_runner = runners.get("io_uring") or next(iter(runners.values()))
 
         def reference() -> tuple[float, float]:
@@ -424,6 +714,7 @@ def main_io(args: argparse.Namespace, meta: dict) -> None:
                 DS_PY,
                 DS_SCRIPT,
                 progress=lambda s: (tbar.set_postfix_str(s), tbar.update()),
+                sweep=tuned_points(args.points),
                 buf=locked,  # the main table's buffer: a second 1 GiB locked buffer is one difference less
                 reference=reference,
             )

@@ -347,7 +347,7 @@ def _bench_module(name: str) -> Any:
 
 
 def render_io_tuned(src: dict[str, Any], source: str) -> str:
-    """bench/io.py's tuned-vs-tuned sweep (bench/io_tuned.report_tuned), the main table's defaults beside it."""
+    """bench/io.py's tuned-vs-tuned sweep (bench/io.report_tuned), the main table's defaults beside it."""
     res, meta = _get(src, "results"), _get(src, "meta")
     tuned = _get(res, "tuned")
     _get(tuned, "results", "dsio")
@@ -360,7 +360,7 @@ def render_io_tuned(src: dict[str, Any], source: str) -> str:
         for op, case in (("write", "write_new"), ("read", "read"))
         if res.get(method, {}).get(case)
     }
-    body = _bench_module("io_tuned").report_tuned(tuned, 1 << 30, main_defaults)
+    body = _bench_module("io").report_tuned(tuned, 1 << 30, main_defaults)
     body = body.replace("## Tuned vs tuned: each side's best of the same sweep", "").strip()
     return f"`{source}` ({meta.get('date', '?')}, host {meta.get('host', '?')}): " + body + "\n"
 

@@ -1,4 +1,4 @@
-"""bench/io_tuned.py's tuned-vs-tuned sweep and bench/io.py's asyncio-vs-uvloop rows (issue 16).
+"""bench/io.py's tuned-vs-tuned sweep and its asyncio-vs-uvloop rows (issue 16).
 
 The sweep must contain each side's default configuration (so "tuned" is never below "default"
 measured the same way), every point must reach the handle it measures with its own settings,
@@ -15,17 +15,16 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dsio  # noqa: E402
 from bench import io as bench_io  # noqa: E402
-from bench import io_tuned  # noqa: E402
 
 MIB = 1 << 20
 
 
 def test_the_sweep_contains_both_sides_defaults():
     d = dsio.IOConfig()
-    assert (d.intra_op_parallelism, d.overlap_events, d.block_size, d.queue_depth) in io_tuned.SWEEP
-    assert io_tuned.DEEPSPEED_DEFAULT == (1, False, MIB, 128)  # aio_handle's defaults
-    assert io_tuned.DEEPSPEED_DEFAULT in io_tuned.SWEEP
-    assert len(set(io_tuned.SWEEP)) == len(io_tuned.SWEEP)
+    assert (d.intra_op_parallelism, d.overlap_events, d.block_size, d.queue_depth) in bench_io.SWEEP
+    assert bench_io.DEEPSPEED_DEFAULT == (1, False, MIB, 128)  # aio_handle's defaults
+    assert bench_io.DEEPSPEED_DEFAULT in bench_io.SWEEP
+    assert len(set(bench_io.SWEEP)) == len(bench_io.SWEEP)
 
 
 def test_each_point_measures_a_handle_with_its_own_settings(tmp_path, monkeypatch):
@@ -37,16 +36,16 @@ def test_each_point_measures_a_handle_with_its_own_settings(tmp_path, monkeypatc
         seen.append((cfg.intra_op_parallelism, cfg.overlap_events, cfg.block_size, cfg.queue_depth))
         return real(cfg)
 
-    monkeypatch.setattr(io_tuned.dsio, "AsyncIOHandle", handle)
-    sweep = [io_tuned.DSIO_DEFAULT, (1, False, MIB, 32)]
-    data = io_tuned.run_tuned(str(tmp_path), 4 * MIB, 2, None, "", sweep=sweep)
+    monkeypatch.setattr(bench_io.dsio, "AsyncIOHandle", handle)
+    sweep = [bench_io.DSIO_DEFAULT, (1, False, MIB, 32)]
+    data = bench_io.run_tuned(str(tmp_path), 4 * MIB, 2, None, "", sweep=sweep)
     # Reps outside, points inside, the starting point rotating: no point always runs last.
     assert seen == sweep + sweep[::-1]
     dsio_res = data["results"]["dsio"]
     for op in ("write", "read"):
-        assert set(dsio_res[op]) == {io_tuned.label(*p) for p in sweep}
+        assert set(dsio_res[op]) == {bench_io.label(*p) for p in sweep}
         assert all(len(v) == 2 and all(x > 0 for x in v) for v in dsio_res[op].values())
-    assert data["defaults"]["dsio"] == io_tuned.label(*io_tuned.DSIO_DEFAULT)
+    assert data["defaults"]["dsio"] == bench_io.label(*bench_io.DSIO_DEFAULT)
     assert not os.path.exists(tmp_path / "tuned.bin")
 
 
@@ -70,32 +69,32 @@ def test_reference_runs_next_to_the_default_point_on_the_callers_buffer(tmp_path
             events.append(f"point {c.intra_op_parallelism},{c.queue_depth}")
             return await super().pwrite(tensor, path, offset, fsync=fsync)
 
-    monkeypatch.setattr(io_tuned.dsio, "AsyncIOHandle", Spy)
+    monkeypatch.setattr(bench_io.dsio, "AsyncIOHandle", Spy)
 
     def reference() -> tuple[float, float]:
         events.append("reference")
         return 1.0, 2.0
 
     other = (1, False, MIB, 32)
-    data = io_tuned.run_tuned(
-        str(tmp_path), size, 3, None, "", sweep=[io_tuned.DSIO_DEFAULT, other], buf=buf, reference=reference
+    data = bench_io.run_tuned(
+        str(tmp_path), size, 3, None, "", sweep=[bench_io.DSIO_DEFAULT, other], buf=buf, reference=reference
     )
-    d = f"point {io_tuned.DSIO_DEFAULT[0]},{io_tuned.DSIO_DEFAULT[3]}"
+    d = f"point {bench_io.DSIO_DEFAULT[0]},{bench_io.DSIO_DEFAULT[3]}"
     assert events.count("reference") == 3
     for i, e in enumerate(events):
         if e == "reference":  # always adjacent to the default point
             assert d in events[max(i - 1, 0) : i + 2]
     assert data["reference"] == {"write": [1.0, 1.0, 1.0], "read": [2.0, 2.0, 2.0]}
     assert (buf == 9).all()  # read back what it wrote
-    md = io_tuned.report_tuned(data, size)
+    md = bench_io.report_tuned(data, size)
     assert "main-table method 1.00 (1.00-1.00) GB/s" in md
     with pytest.raises(ValueError):
-        io_tuned.run_tuned(str(tmp_path), size + MIB, 1, None, "", sweep=[other], buf=buf)
+        bench_io.run_tuned(str(tmp_path), size + MIB, 1, None, "", sweep=[other], buf=buf)
 
 
 def test_report_names_the_best_point_and_shows_the_default_beside_the_main_run():
-    default = io_tuned.label(*io_tuned.DSIO_DEFAULT)
-    other = io_tuned.label(1, False, MIB, 32)
+    default = bench_io.label(*bench_io.DSIO_DEFAULT)
+    other = bench_io.label(1, False, MIB, 32)
     data = {
         "results": {
             "dsio": {
@@ -103,13 +102,13 @@ def test_report_names_the_best_point_and_shows_the_default_beside_the_main_run()
                 "read": {default: [1.5], other: [1.9]},
             },
             "DeepSpeed": {
-                "write": {io_tuned.label(*io_tuned.DEEPSPEED_DEFAULT): [2.0]},
-                "read": {io_tuned.label(*io_tuned.DEEPSPEED_DEFAULT): [1.9]},
+                "write": {bench_io.label(*bench_io.DEEPSPEED_DEFAULT): [2.0]},
+                "read": {bench_io.label(*bench_io.DEEPSPEED_DEFAULT): [1.9]},
             },
         },
         "cold": False,
     }
-    md = io_tuned.report_tuned(data, 1 << 30, {("dsio", "write"): 2.12})
+    md = bench_io.report_tuned(data, 1 << 30, {("dsio", "write"): 2.12})
     rows = {
         tuple(c.strip() for c in line.split("|")[1:3]): line
         for line in md.splitlines()
