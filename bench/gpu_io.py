@@ -1,6 +1,6 @@
 """GPU <-> disk benchmark (run on the H200 through `make gpu-check`), interleaved rep by rep.
 
-    python bench/gpu_io.py --dir /tmp/gpubench --size-gib 4 --reps 3 --out results/
+    python bench/gpu_io.py --dir "$DSIO_BENCH_DIR" --size-gib 4 --reps 3 --out results/
 
 Methods, each writing a new file from a CUDA tensor and reading it back into one:
   dsio bounce  (pipelined pinned host buffers, side-stream copies, O_DIRECT)
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dsio  # noqa: E402
-from bench._common import drop_caches  # noqa: E402
+from bench._common import drop_caches, scratch_dir  # noqa: E402
 from dsio._native import native  # noqa: E402
 
 
@@ -44,11 +44,12 @@ def rm(p: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", default="/tmp/dsio-gpubench")
+    ap.add_argument("--dir", default=None, help="scratch folder (default: bench/_common.scratch_dir())")
     ap.add_argument("--size-gib", type=float, default=4.0)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
+    a.dir = a.dir or scratch_dir()
     os.makedirs(a.dir, exist_ok=True)
     os.makedirs(a.out, exist_ok=True)
     n = int(a.size_gib * (1 << 30))

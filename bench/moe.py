@@ -14,13 +14,16 @@ same quantities computed from its exp_counts and capacity, which its layer expos
 
     python bench/moe.py                                 # defaults below; writes bench/results/moe-<date>.{md,json}
     python bench/moe.py --reps 1 --steps 5 --label quick
+    python bench/moe.py --quick                         # seconds (make bench): tiny shape, dstrain MoE only, 1 rep
+
+DeepSpeed's interpreter: ``--ds-python``, else bench/_common.deepspeed_python()'s default.
 
 On GPUs (one per rank, NCCL): ``--device cuda --backend nccl`` (optionally ``--bf16``). DeepSpeed is not
 installed on the GPU machine, so there the comparison is dstrain's MoE vs the dense MLP only (the report
 says so), e.g. a realistic layer on 2x H200:
 
     python bench/moe.py --device cuda --backend nccl --bf16 --d 2048 --ffn 8192 --experts 8 --k 2 \
-        --tokens 8192 --steps 20 --reps 3 --output /tmp/out/moe-h200x2-nccl
+        --tokens 8192 --steps 20 --reps 3 --output "$OUT/moe-h200x2-nccl"
 """
 
 from __future__ import annotations
@@ -179,7 +182,8 @@ def _capacity(tokens: int, experts: int, k: int) -> int:
 def _launch(method: str, a: argparse.Namespace) -> dict[str, Any]:
     py = a.ds_python if method == "deepspeed-moe" else sys.executable
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(a.ds_python).parent.parent / "torch_extensions"))
+    if a.ds_python:  # DeepSpeed's JIT ops, where bench/baselines/setup_deepspeed.sh built them
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(a.ds_python).parent.parent / "torch_extensions"))
     args = [
         py,
         "-m",
@@ -219,7 +223,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--ds-python", default=os.environ.get("DSIO_DEEPSPEED_PYTHON", "/work/ds-venv/bin/python"))
+    p.add_argument("--ds-python", default=None, help="DeepSpeed's interpreter (see bench/_common.py)")
+    p.add_argument(
+        "--quick", action="store_true", help="seconds (make bench): tiny shape, dstrain MoE only, 1 rep"
+    )
     p.add_argument("--label", default="", help="appended to the result file names (e.g. run-under-load)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: rank r on cuda:r")
@@ -234,6 +241,9 @@ def main() -> None:
             setattr(a, key, value)
         _worker(a)
         return
+    if a.quick:
+        a.d, a.ffn, a.tokens, a.steps, a.warmup, a.reps = 32, 64, 64, 2, 1, 1
+        a.methods, a.label = "dstrain-moe", a.label or "quick"  # one torchrun job: ~25 s under load
     if (a.device == "cuda") != (a.backend == "nccl"):
         p.error("--device cuda goes with --backend nccl (and cpu with gloo)")
     methods = [m for m in a.methods.split(",") if m]
@@ -243,9 +253,13 @@ def main() -> None:
         notes.append(
             "DeepSpeed is not run on the GPU machine (not installed there): dstrain MoE vs dense MLP only"
         )
-    if "deepspeed-moe" in methods and not os.path.exists(a.ds_python):
-        print(f"bench/moe: {a.ds_python} missing: DeepSpeed skipped", file=sys.stderr)
-        methods.remove("deepspeed-moe")
+    if "deepspeed-moe" in methods:
+        sys.path.insert(0, str(ROOT))
+        from bench._common import deepspeed_python
+
+        a.ds_python = deepspeed_python(a.ds_python)
+        if a.ds_python is None:  # deepspeed_python() said why
+            methods.remove("deepspeed-moe")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     started = time.time()
     for rep in range(a.reps):  # interleaved: rep 1 of every method, then rep 2, ...
@@ -277,7 +291,10 @@ def main() -> None:
                 ratios[f"speed_vs_{other}"] = {"median": statistics.median(per_rep), "per_rep": per_rep}
     date = datetime.date.today().isoformat()
     name = f"moe-{date}" + (f"-{a.label}" if a.label else "")
-    out_dir = ROOT / "bench" / "results"
+    sys.path.insert(0, str(ROOT))
+    from bench._common import RESULTS
+
+    out_dir = Path(RESULTS)
     if a.output:
         out_dir, name = Path(a.output).parent, Path(a.output).name
         out_dir.mkdir(parents=True, exist_ok=True)

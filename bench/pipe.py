@@ -2,9 +2,10 @@
 
     .venv/bin/python bench/pipe.py [--reps 3] [--steps 6] [--dim 1024] [--layers 8] [--micro 16] [--gas 4,8]
     .venv/bin/python bench/pipe.py --record-ds-losses tests/dstrain/pipe_ds_losses.json
+    .venv/bin/python bench/pipe.py --quick      # seconds (make bench): tiny model, dstrain and DDP, 1 rep
 
 Each rep runs every method (interleaved: rep 1 of all, then rep 2, ...) as its own ``torchrun`` job, DeepSpeed's
-in DeepSpeed's venv (``DS_PYTHON``, default /work/ds-venv/bin/python). Same model (``layers`` x (Linear(dim,
+in DeepSpeed's venv (``--ds-python``, else bench/_common.deepspeed_python()'s default). Same model (``layers`` x (Linear(dim,
 dim) + Tanh) and a Linear(dim, 8) head, seeded), same data, same Adam, micro-batch ``micro``, ``gas`` micro-batches
 per step. Reported per method and micro-batch count: median step time (first step dropped) with min-max, peak
 RSS growth per stage during training, and for dstrain the measured bubble (1 - compute time / step time of the
@@ -35,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-DS_PYTHON = os.environ.get("DS_PYTHON", "/work/ds-venv/bin/python")
 OUR_PYTHON = sys.executable
 
 
@@ -226,16 +226,17 @@ WORKERS = {"ds": worker_ds, "dstrain": worker_dstrain, "ddp": worker_ddp}
 
 def run_job(method: str, a: argparse.Namespace, gas: int, steps: int, out_dir: Path) -> list[dict[str, Any]]:
     """One torchrun job of ``method``; returns each rank's result."""
-    python = DS_PYTHON if method == "ds" else OUR_PYTHON
+    python = a.ds_python if method == "ds" else OUR_PYTHON
     torchrun = str(Path(python).parent / "torchrun")
     out = out_dir / f"{method}-{gas}-{time.monotonic_ns()}"
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "1",
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", "/work/ds-venv/torch_extensions"),
         "PYTHONPATH": "" if method == "ds" else str(ROOT),
     }
+    if method == "ds":  # DeepSpeed's JIT ops, where bench/baselines/setup_deepspeed.sh built them
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(python).parent.parent / "torch_extensions"))
     cmd = [
         torchrun, "--standalone", "--nproc_per_node", "2", __file__, "--worker", method, "--out", str(out),
         "--dim", str(a.dim), "--layers", str(a.layers), "--micro", str(a.micro), "--gas", str(gas),
@@ -269,9 +270,9 @@ def _phases(reps: list[list[dict[str, Any]]], rank: int, steps: int) -> dict[str
     return {k: statistics.median(v) for k, v in per.items()}
 
 
-def record_ds_losses(path: Path) -> None:
+def record_ds_losses(path: Path, args: argparse.Namespace) -> None:
     """DeepSpeed's per-step losses on the anchor model (dim 64, 3 hidden layers, mbs 4, gas 4, 10 steps)."""
-    a = argparse.Namespace(dim=64, layers=3, micro=4)
+    a = argparse.Namespace(dim=64, layers=3, micro=4, ds_python=args.ds_python)
     with tempfile.TemporaryDirectory() as d:
         res = run_job("ds", a, gas=4, steps=10, out_dir=Path(d))
     losses = res[0]["losses"]
@@ -280,7 +281,7 @@ def record_ds_losses(path: Path) -> None:
         json.dumps(
             {
                 "produced_by": "bench/pipe.py --record-ds-losses (DeepSpeed PipelineEngine, 2 gloo ranks)",
-                "deepspeed_python": DS_PYTHON,
+                "deepspeed_python": a.ds_python,
                 "model": {"dim": 64, "hidden_layers": 3, "micro_batch": 4, "gas": 4, "steps": 10},
                 "optimizer": _optimizer_cfg(),
                 "losses": losses,
@@ -344,7 +345,9 @@ def bench(a: argparse.Namespace) -> None:
             if r["gas"] == g:
                 r["dstrain_speedup_vs_this"] = r["step_s_median"] / base
     date = time.strftime("%Y-%m-%d")
-    stem = ROOT / "bench" / "results" / f"pipe-{date}{a.suffix}"
+    from bench._common import RESULTS
+
+    stem = Path(RESULTS) / f"pipe-{date}{a.suffix}"
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "host": platform.node(),
@@ -426,16 +429,28 @@ def main() -> None:
     p.add_argument("--label", default="under load: other jobs running on this 2-core machine")
     p.add_argument("--suffix", default="", help="appended to the result file names")
     p.add_argument("--record-ds-losses", type=Path)
+    p.add_argument("--ds-python", default=None, help="DeepSpeed's interpreter (see bench/_common.py)")
+    p.add_argument(
+        "--quick", action="store_true", help="seconds (make bench): tiny model, dstrain and DDP, 1 rep"
+    )
     a = p.parse_args()
     if a.worker:
         res = WORKERS[a.worker](a)
         Path(f"{a.out}.{res['rank']}.json").write_text(json.dumps(res))
         return
+    sys.path.insert(0, str(ROOT))  # the orchestrator imports bench._common
+    from bench._common import deepspeed_python
+
+    if a.quick:
+        a.dim, a.layers, a.micro, a.gas_list, a.steps, a.reps = 64, 2, 4, "4", 2, 1
+        a.methods, a.suffix = "dstrain,ddp", a.suffix or "-quick"
+    if a.record_ds_losses or "ds" in a.methods.split(","):
+        a.ds_python = deepspeed_python(a.ds_python)
+        if a.ds_python is None or shutil.which(str(Path(a.ds_python).parent / "torchrun")) is None:
+            sys.exit("bench/pipe: no DeepSpeed venv with torchrun (see above, or --methods dstrain,ddp)")
     if a.record_ds_losses:
-        record_ds_losses(a.record_ds_losses)
+        record_ds_losses(a.record_ds_losses, a)
         return
-    if not Path(DS_PYTHON).exists() or shutil.which(str(Path(DS_PYTHON).parent / "torchrun")) is None:
-        sys.exit(f"DeepSpeed's venv is not at {DS_PYTHON} (set DS_PYTHON)")
     a.load_start = tuple(round(x, 1) for x in os.getloadavg())
     bench(a)
 

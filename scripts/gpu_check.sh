@@ -21,5 +21,5 @@ python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/dsio/test_gpu.py 2>
 echo "== core tests on this machine"
 timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/dsio/test_roundtrip.py tests/dsio/test_errors.py tests/dsio/test_compat.py 2>&1 | tail -5
 echo "== gpu bench"
-python3 bench/gpu_io.py --out "$OUT" --size-gib "${GPU_BENCH_GIB:-4}" --reps "${GPU_BENCH_REPS:-3}"
+python3 bench/gpu_io.py --dir "${DSIO_BENCH_DIR:-/tmp/dsio-gpubench}" --out "$OUT" --size-gib "${GPU_BENCH_GIB:-4}" --reps "${GPU_BENCH_REPS:-3}"
 [ -f cufile.log ] && { echo "== cufile.log (tail)"; tail -5 cufile.log; }

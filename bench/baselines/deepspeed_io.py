@@ -2,7 +2,7 @@
 
 Run with the DeepSpeed venv's interpreter (made by setup_deepspeed.sh), not the project's:
 
-    /work/ds-venv/bin/python bench/baselines/deepspeed_io.py --path F --size 1073741824 --mode write
+    "$DSIO_DEEPSPEED_VENV"/bin/python bench/baselines/deepspeed_io.py --path F --size 1073741824 --mode write
 
 Modes:
   write      h.sync_pwrite(buffer, path) of --size bytes. The file is opened without O_TRUNC
