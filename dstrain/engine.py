@@ -190,10 +190,12 @@ class Engine:
             return self._boundary
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` x loss scale / accumulation steps; gradients accumulate over micro-steps.
 
-        Returns ``loss / gradient_accumulation_steps``, as DeepSpeed does."""
+        Returns ``loss / gradient_accumulation_steps``, as DeepSpeed does. ``scale_wrt_gas=False``
+        (DeepSpeed's argument): the caller already divided the loss (HF's Trainer does)."""
+        gas = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
         start = time.perf_counter()
         loop.backward(
             loss,
@@ -201,12 +203,12 @@ class Engine:
             stepper=self.stepper,
             zero=self.zero,
             precision=self.precision,
-            accumulation_steps=self.config.gradient_accumulation_steps,
+            accumulation_steps=gas,
         )
         done = loss.detach().float()
         self._loss_sum = done if self._loss_sum is None else self._loss_sum + done
         self._times["backward"] += time.perf_counter() - start
-        return loss / self.config.gradient_accumulation_steps
+        return loss / gas
 
     def step(self) -> None:
         """At an accumulation boundary: reduce, unscale, check overflow, clip, update; always count the micro-step."""

@@ -28,7 +28,8 @@ def guard_save_pretrained(module: torch.nn.Module) -> bool:
 
     @functools.wraps(original)
     def save_pretrained(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if any(p.untyped_storage().nbytes() == 0 for p in self.parameters()):  # released (resized to 0)
+        released = any(p.untyped_storage().nbytes() == 0 for p in self.parameters())  # resized to 0
+        if released and kwargs.get("state_dict") is None:  # a gathered state_dict passed in is fine
             raise PartitionedSaveError(
                 "model.save_pretrained() under ZeRO-3: the parameters are partitioned over the ranks. Use "
                 "engine.save_16bit_model(dir) (with zero_optimization.stage3_gather_16bit_weights_on_model_save), "
