@@ -12,19 +12,35 @@ from dstrain.zero.base import MasterPiece
 if TYPE_CHECKING:
     from dstrain.zero.reduce import Route
 
-__all__ = ["FlatGroup", "FlatLayout", "optimizer_views"]
+__all__ = ["ALIGN", "FlatGroup", "FlatLayout", "aligned_chunk", "optimizer_views"]
 
 #: Largest piece of a master partition the optimizer steps as one tensor. torch's CPU Adam(W) makes
 #: two temporaries the size of each tensor it steps; pieces bound them (an unsplit 110M-element
 #: partition cost ~0.9 GB of temporaries per step, more than DDP's per-parameter stepping).
 STEP_CHUNK = 1 << 23
 
+ALIGN = 64
+"""Elements. Every shard of a flat buffer, and every piece the optimizer steps, starts and ends at a
+multiple of this. torch's CPU kernels (fused Adam among them) run a vector loop over whole vectors
+and a scalar loop over the tail, and the two round differently (FMA, another order); a tail that
+depended on where a shard or piece ends would make ZeRO-1 and stage 0 disagree in the last bits, and
+by how much on which vector width the CPU has (AVX-512: 16 floats, AVX2: 8). At a multiple of 64
+(every vector of every width torch dispatches to, for fp32/bf16/fp16) no element of a partition goes
+through the scalar tail unless the same element does at stage 0: the same arithmetic on every CPU."""
+
+
+def aligned_chunk(chunk: int) -> int:
+    """``chunk`` rounded down to a multiple of `ALIGN` (at least `ALIGN`)."""
+    return max(ALIGN, chunk - chunk % ALIGN)
+
 
 def optimizer_views(master: torch.Tensor, grad: torch.Tensor, chunk: int) -> list[torch.Tensor]:
-    """Leaf views of ``master`` of at most ``chunk`` elements, each with ``.grad`` viewing ``grad``.
+    """Leaf views of ``master`` of at most ``chunk`` elements (rounded down to a multiple of `ALIGN`),
+    each with ``.grad`` viewing ``grad``.
 
     The optimizer steps these views in place, so it updates ``master`` itself; its state is per view.
     """
+    chunk = aligned_chunk(chunk)
     views = []
     with torch.no_grad():
         for start in range(0, max(master.numel(), 1), chunk):
@@ -39,10 +55,11 @@ class FlatLayout:
     """Where each parameter lives in a flat buffer of ``padded`` elements, split into ``world`` shards.
 
     Parameter i occupies ``[offsets[i], offsets[i] + numels[i])``; rank r owns
-    ``[r * shard, (r + 1) * shard)``. Padding at the end is zero and never trained.
+    ``[r * shard, (r + 1) * shard)``, ``shard`` a multiple of ``align`` elements (stages 0-2 pass
+    `ALIGN`). Padding at the end is zero and never trained.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], world: int, rank: int) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], world: int, rank: int, *, align: int = 1) -> None:
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.offsets: list[int] = []
@@ -51,7 +68,8 @@ class FlatLayout:
             self.offsets.append(total)
             total += n
         self.total = total
-        self.padded = -(-total // world) * world if total else world
+        unit = world * align  # every shard a whole number of align-element blocks
+        self.padded = max(1, -(-total // unit)) * unit
         self.shard = self.padded // world
         self.lo = rank * self.shard
         self.hi = self.lo + self.shard
@@ -104,7 +122,9 @@ class FlatGroup:
         self.params = params
         self.route = route
         comm = route.comm
-        self.layout = FlatLayout(params, comm.world_size, comm.rank)
+        # shards of ALIGN-element blocks: stage 1's partition and stage 0's whole buffer step the same
+        # elements through the same vector loop on every CPU (see ALIGN)
+        self.layout = FlatLayout(params, comm.world_size, comm.rank, align=ALIGN)
         self.flat = self.layout.flatten(params, dtype)  # (padded,)
         for p, view in zip(params, self.layout.views(self.flat), strict=True):
             p.data = view

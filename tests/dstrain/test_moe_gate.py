@@ -52,15 +52,20 @@ def test_routing_equals_deepspeed(i: int) -> None:
     assert torch.equal(out.indices, torch.tensor(case["indices"]))
     assert torch.equal(out.locations, torch.tensor(case["locations"]))
     assert torch.equal(out.exp_counts, torch.tensor(case["exp_counts"]))
-    assert torch.equal(out.weights.detach(), torch.tensor(case["gates"], dtype=torch.float32))
-    assert abs(out.l_aux.item() - case["l_aux"]) <= 1e-7
-    assert abs(out.l_aux.item() - case["dense_l_aux"]) <= 1e-7
+    # gate values: within a tolerance of the recording, not bitwise. It was made on one CPU; torch's fp32
+    # softmax runs exp in a vector loop (SLEEF, <= 1 ulp) or a scalar tail (libm, <= 0.5 ulp) by
+    # where an element falls for this CPU's vector width, then a sum over <= 8 experts and one or two
+    # divisions: <= ~12 ulps (7e-7 relative) apart on another CPU or ATEN_CPU_CAPABILITY (AVX2 showed it)
+    torch.testing.assert_close(out.weights.detach(), torch.tensor(case["gates"]), rtol=1e-6, atol=1e-7)
+    # l_aux: a mean over tokens of such values, its summation order set by the vector width: 1e-6 relative
+    assert abs(out.l_aux.item() - case["l_aux"]) <= 1e-6 * abs(case["l_aux"])
+    assert abs(out.l_aux.item() - case["dense_l_aux"]) <= 1e-6 * abs(case["dense_l_aux"])
     # DeepSpeed's dense (S, E, C) combine weights and dispatch mask
     cw = out.combine_weights().detach()
     assert tuple(cw.shape) == tuple(case["combine_shape"])
     nz = cw.nonzero().t()
     assert torch.equal(nz, torch.tensor(case["combine_idx"]).reshape(3, -1))
-    assert torch.equal(cw[tuple(nz)], torch.tensor(case["combine_val"], dtype=torch.float32))
+    torch.testing.assert_close(cw[tuple(nz)], torch.tensor(case["combine_val"]), rtol=1e-6, atol=1e-7)
     assert int(out.dispatch_mask().sum()) == case["dispatch_nnz"]
     kept_ds = sum(i >= 0 for r in case["indices"] for i in r)
     assert out.dropped_routes() == sum(case["exp_counts"]) - kept_ds

@@ -16,6 +16,7 @@ from _onebit_workers import engine_run, register, shared_runs
 import dstrain
 from dstrain.errors import ConfigError
 from dstrain.onebit import OneBitAdam, ZeroOneAdam
+from dstrain.zero.flat import ALIGN
 
 FREEZE = 3
 
@@ -45,11 +46,14 @@ def _zeroone(params: list[torch.Tensor]) -> ZeroOneAdam:
 
 def _reference(steps: int, make_opt: Any = _onebit) -> list[float]:
     """The same training written by hand: per-rank micro-batches, gradients averaged while the optimizer
-    asks for it, OneBitAdam over the parameters in module order (the engine's flat layout)."""
+    asks for it, OneBitAdam over the parameters in module order, zero-padded to a whole number of
+    ``world x ALIGN`` elements (the engine's flat layout)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
     params = list(model.parameters())  # tied weights appear once, as in the engine's flat buffer
-    opt = make_opt([torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))])
+    total = sum(p.numel() for p in params)
+    pad = torch.zeros(-total % (world * ALIGN))
+    opt = make_opt([torch.nn.Parameter(torch.cat([*(p.detach().reshape(-1) for p in params), pad]))])
     flat = opt.param_groups[0]["params"][0]
     losses = []
     for step in range(steps):
@@ -63,7 +67,7 @@ def _reference(steps: int, make_opt: Any = _onebit) -> list[float]:
             p.grad = None
         loss = model(idx[lo : lo + 4], targets[lo : lo + 4])
         (loss / world).backward()
-        grad = torch.cat([p.grad.reshape(-1) for p in params])
+        grad = torch.cat([*(p.grad.reshape(-1) for p in params), pad])
         if opt.reduces_gradients():
             dist.all_reduce(grad)
         else:

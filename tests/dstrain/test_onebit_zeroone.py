@@ -1,4 +1,5 @@
-"""0/1 Adam: DeepSpeed 0.16.5 parity (bitwise per-step losses and the same reduction schedule),
+"""0/1 Adam: DeepSpeed 0.16.5 parity (per-step losses within 1e-6 relative of the recorded run, the
+same reduction schedule),
 variance and local-step schedules, convergence, checkpoint/resume bitwise, wire bytes, the engine,
 config handling, and CUDA/NCCL (gpu-marked)."""
 
@@ -50,14 +51,22 @@ def runs() -> list[dict[str, Any]]:
     return shared_runs("zeroone")
 
 
-def test_matches_deepspeed_0_16_5_per_step_loss_bitwise(runs) -> None:
+def test_matches_deepspeed_0_16_5_per_step_loss(runs) -> None:
+    """The fixture was recorded on another CPU (bench/onebit_anchor.py), so it is compared with a
+    tolerance: torch's CPU kernels round a vector body and a scalar tail differently (FMA, order),
+    and which elements land where depends on the vector width of the CPU (AVX-512 16 floats, AVX2 8,
+    ``ATEN_CPU_CAPABILITY=default`` another loop): ~1 ulp (6e-8 relative in fp32) per element per
+    kernel. Through 40 steps of forward, backward and optimizer that stays well inside 1e-6 relative
+    (~8 ulps of the loss; measured on an AVX-512 EPYC against the recording: 7.6e-8 at step 2). The
+    reduction schedule, which a wrong step would change, is compared exactly."""
     ref = json.loads(FIXTURE.read_text())
     assert ref["optimizer"] == "ZeroOneAdam" and ref["var_freeze_step"] == 20
     assert {k: ref[k] for k in SMALL} == SMALL
     ours = runs[0]["compat"]
     assert len(ours["losses"]) == len(ref["losses"]) == 40
     assert ours["reduced"] == ref["reduced"]  # the engine reduces on exactly DeepSpeed's steps
-    assert ours["losses"] == ref["losses"]  # measured: bitwise (the issue asks for 1e-6 relative)
+    for step, (a, b) in enumerate(zip(ref["losses"], ours["losses"], strict=True), 1):
+        assert abs(a - b) <= 1e-6 * abs(a), f"step {step}: deepspeed {a} vs dstrain {b}"
 
 
 def test_schedule_without_communication_matches_deepspeed() -> None:
