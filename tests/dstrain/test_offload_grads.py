@@ -32,7 +32,11 @@ class _MLP(torch.nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = torch.tanh(layer(x))  # (B, WIDTH)
-        return torch.nn.functional.mse_loss(x.float(), y)
+        # the engine casts every floating input to the compute dtype, the target y too (bf16 here):
+        # the loss is computed in fp32 from both. A bf16 target beside an fp32 prediction is a
+        # mixed-dtype loss that torch 2.11's mse_loss backward refuses ("Found dtype BFloat16 but
+        # expected Float"; 2.13 promotes), issue 27.
+        return torch.nn.functional.mse_loss(x.float(), y.float())
 
 
 def _config(
