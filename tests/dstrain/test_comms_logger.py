@@ -8,12 +8,12 @@ import logging
 from typing import Any
 
 import pytest
+from _dstrain_helpers import base_config, engine_losses, make_model, spawn
 
 import dstrain
 from dstrain.dist import comms_logger
 from dstrain.dist.comms_logger import CommsLoggerConfig
 from dstrain.errors import ConfigError
-from tests.dstrain._dstrain_helpers import base_config, engine_losses, make_model, spawn
 
 
 @pytest.fixture(autouse=True)
