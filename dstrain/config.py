@@ -122,6 +122,10 @@ class DSConfig(Mapping[str, Any]):
     """`dstrain.profiling`: count one step's FLOPs, print the profile, MFU in `Engine.statistics`."""
     seed: int | None = None
     """If set, `initialize` seeds torch's RNG with it (same on every rank) before building anything."""
+    dist_timeout: float | None = None
+    """Seconds a collective of any process group dstrain creates (topology, pipeline, checkpoints) waits
+    for the other ranks before it fails (a dstrain key; DeepSpeed takes ``timeout`` on
+    ``init_distributed`` only, as dstrain does too). None: that of ``init_distributed``, else torch's."""
 
     _ALIASES: ClassVar[dict[str, str]] = {"bfloat16": "bf16"}
     zero_allow_untested_optimizer: bool = False
@@ -247,6 +251,12 @@ class DSConfig(Mapping[str, Any]):
         check_bool("", "dataloader_drop_last", self.dataloader_drop_last)
         if self.seed is not None:
             check_int("", "seed", self.seed, min_value=0)
+        if self.dist_timeout is not None:
+            check_float("", "dist_timeout", self.dist_timeout, min_value=0.0)
+            if self.dist_timeout <= 0:
+                raise ConfigError(
+                    "dist_timeout", f"must be a positive number of seconds, got {self.dist_timeout}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as JSON values under DeepSpeed's keys (every "auto" filled)."""

@@ -116,6 +116,7 @@ class Engine:
         the global gradient norm is computed over (default: ZeRO's sets; a pipeline stage's are summed
         over every stage). ``runner``: builds, over this engine, what runs whole batches (`train_batch`
         / `eval_batch`: a pipeline model's `dstrain.pipe.PipelineRunner`)."""
+        self._closed = False
         self.module = module
         self.config = config
         self.topology = topology
@@ -564,7 +565,13 @@ class Engine:
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Finish a pending asynchronous save, remove the ZeRO strategy's hooks (the model keeps its weights)."""
+        """Finish a pending asynchronous save, remove the ZeRO strategy's hooks (the model keeps its weights).
+
+        Idempotent. An engine still open at exit is closed then (dstrain.dist.lifetime), before the
+        process groups are destroyed."""
+        if self._closed:
+            return
+        self._closed = True
         self.checkpoints.close()  # finishes a pending save, releases the directories' writer locks
         for observer in self.observers:  # monitors flush and close their files
             observer.close()

@@ -10,6 +10,7 @@ never an engine subclass.
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -22,8 +23,9 @@ from dstrain.checkpoint import CheckpointStore, default_store
 from dstrain.checkpointing import compose as activation_checkpointing
 from dstrain.config import DSConfig, read_config_file
 from dstrain.config_auto import resolve_auto
-from dstrain.dist import comms_logger
-from dstrain.dist.topology import Topology
+from dstrain.dist import comms_logger, lifetime
+from dstrain.dist.groups import collective_timeout, set_timeout
+from dstrain.dist.topology import Layout, Topology
 from dstrain.engine import Engine
 from dstrain.errors import ConfigError
 from dstrain.integrations.save_guard import guard_save_pretrained
@@ -65,17 +67,26 @@ _ONEBIT = (
 )  # optimizers built by dstrain/onebit (room.NAMES; not imported eagerly)
 
 
-def init_distributed(backend: str | None = None) -> bool:
+def init_distributed(backend: str | None = None, timeout: datetime.timedelta | float | None = None) -> bool:
     """Create the default process group when launched by torchrun with WORLD_SIZE > 1.
 
-    Returns True when a process group exists afterwards. Without a launcher (or WORLD_SIZE 1) nothing
-    is created: world size 1 needs no process group.
+    ``backend``: None picks NCCL where CUDA is available, else gloo. ``timeout`` (DeepSpeed's
+    argument; a ``timedelta`` or seconds): how long a collective of the default group waits for the
+    other ranks before it fails (None: torch's default); the groups dstrain makes later take the
+    config's ``dist_timeout`` (or this one). Returns True when a process group exists afterwards.
+    Without a launcher (or WORLD_SIZE 1) nothing is created: world size 1 needs no process group. The
+    group is destroyed at exit if the script does not (dstrain.dist.lifetime).
     """
     if dist.is_initialized():
         return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    kwargs: dict[str, Any] = {}
+    if timeout is not None:
+        kwargs["timeout"] = collective_timeout(timeout)
+        set_timeout(timeout)  # the groups made later too, unless the config says otherwise
+    dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"), **kwargs)
+    lifetime.track_process_group()
     return True
 
 
@@ -321,11 +332,16 @@ def initialize(
     if dist_init_required is not False:
         init_distributed()
 
-    topology = build_topology(model, config)
-    bind_expert_groups(model, topology)  # MoE layers exchange tokens over topology.ep (dstrain/moe)
+    # batch sizes count data-parallel ranks; the config comes before the groups (their timeout)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    layout = Layout(world=world, pp=pipeline.pipeline_stages(model), ep=expert_parallel_size(model))
     raw = read_config_file(config) if isinstance(config, str | os.PathLike) else config
     raw = resolve_auto(raw, model=model, optimizer=optimizer)  # "auto": bucket sizes from hidden size, ...
-    cfg = DSConfig.load(raw, world_size=topology.dp.world_size)  # batch sizes count data-parallel ranks
+    cfg = DSConfig.load(raw, world_size=layout.dp)
+    if cfg.dist_timeout is not None:
+        set_timeout(cfg.dist_timeout)
+    topology = build_topology(model, config)
+    bind_expert_groups(model, topology)  # MoE layers exchange tokens over topology.ep (dstrain/moe)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     precision = Precision(cfg.precision, cfg.fp16)
@@ -377,4 +393,5 @@ def initialize(
     profiler = flops_profiler.build(cfg, model, topology.world.rank)  # flops_profiler (dstrain/profiling)
     if profiler is not None:
         engine.observers.insert(0, profiler)  # before the monitors: they read the MFU it sets
+    lifetime.track(engine)  # closed at exit if the script does not, before the process groups go
     return engine, engine.optimizer, loader, schedule

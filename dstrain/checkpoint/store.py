@@ -37,6 +37,7 @@ from dstrain.checkpoint.agree import broadcast_object, gather_objects
 from dstrain.checkpoint.pending import PendingSave
 from dstrain.checkpoint.sources import materialize, release_sources
 from dstrain.dist.comm import Comm
+from dstrain.dist.groups import new_group
 from dstrain.errors import CheckpointNotFoundError, DstrainError
 
 if TYPE_CHECKING:
@@ -177,7 +178,7 @@ class DsioStore:
             if dist.is_available() and dist.is_initialized() and self._group is None:
                 # the checkpoints' own gloo group (collective, created once): a background save
                 # coordinates on it while training runs its collectives on the others
-                self._group = dist.new_group(backend="gloo")
+                self._group = new_group(backend="gloo")
             ckpt = self._ckpt_mod.Checkpointer(
                 key, keep_last=self.keep_last, allow_pickle=self.allow_pickle, process_group=self._group
             )

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from dstrain.dist.groups import new_group
 from dstrain.dist.comm import Comm
 from dstrain.errors import TopologyError
 
@@ -158,7 +159,7 @@ class Topology:
                         made[key] = Comm.single()
                     else:
                         # new_group is collective over the world: every rank calls it for every group
-                        group = dist.new_group(members)
+                        group = new_group(members)
                         made[key] = Comm(group) if world.rank in members else Comm.single()
                 if world.rank in members:
                     mine[kind] = made[key]

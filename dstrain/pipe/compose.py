@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dstrain.config import DSConfig
+from dstrain.dist.groups import new_group
 from dstrain.dist.topology import Topology
 from dstrain.errors import ConfigError, NotImplementedConfigError
 from dstrain.optim.clip import GradSet
@@ -61,14 +62,14 @@ def tied_groups(model: PipelineModule, topology: Topology) -> dict[str, TiedGrou
         same_dp = None
         for d in range(layout.dp):
             ranks = [layout.rank_of(s, d) for s in stages]
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if topology.world.rank in ranks:
                 same_dp = group
                 with torch.no_grad():
                     for p in model.tied_weights(key):
                         dist.broadcast(p.data, src=ranks[0], group=group)
         every = sorted(layout.rank_of(s, d) for s in stages for d in range(layout.dp))
-        all_dp = dist.new_group(every) if layout.dp > 1 else same_dp
+        all_dp = new_group(every) if layout.dp > 1 else same_dp
         if same_dp is not None:
             mine[key] = TiedGroup(same_dp=same_dp, all_dp=all_dp)
     return mine

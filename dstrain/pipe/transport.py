@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dstrain.dist.groups import new_group
 from dstrain.pipe.errors import P2PTimeoutError, PipelineAbortedError
 
 __all__ = ["FORWARD", "BACKWARD", "Transport"]
@@ -87,7 +88,7 @@ class Transport:
         NCCL world on ``status_device``. Collective over the world (every pipeline group, in order)."""
         group = None
         for ranks in pp_ranks:
-            g = dist.new_group(list(ranks), backend="gloo")
+            g = new_group(list(ranks), backend="gloo")
             if list(ranks) == list(mine):
                 group = g
         return cls(
@@ -212,8 +213,8 @@ def _direction_groups(pp_ranks: list[list[int]], mine: list[int], *, backend: st
     """Two new groups per pipeline (forward, backward); this rank's pair. Collective over the world."""
     fwd = bwd = None
     for ranks in pp_ranks:
-        f = dist.new_group(list(ranks), backend=backend)
-        b = dist.new_group(list(ranks), backend=backend)
+        f = new_group(list(ranks), backend=backend)
+        b = new_group(list(ranks), backend=backend)
         if list(ranks) == list(mine):
             fwd, bwd = f, b
     return fwd, bwd
