@@ -31,7 +31,7 @@ from dstrain.dist.comm import CommStatistics
 from dstrain.dist.topology import Topology
 from dstrain.errors import DstrainError
 from dstrain.optim.clip import GradSet, clip_grads_, global_grad_norm
-from dstrain.optim.stepper import Stepper
+from dstrain.optim.stepper import Stepper, WrapsOptimizer
 from dstrain.precision import Precision
 from dstrain.scheduler import LRSchedule
 from dstrain.zero.base import GathersModule, ZeroStatistics, ZeroStrategy
@@ -307,7 +307,7 @@ class Engine:
     def optimizer(self) -> Any:
         """What `dstrain.initialize` returned as the optimizer: the torch optimizer behind a
         `TorchStepper`, else the stepper itself (both have ``param_groups``)."""
-        return getattr(self.stepper, "optimizer", self.stepper)
+        return self.stepper.optimizer if isinstance(self.stepper, WrapsOptimizer) else self.stepper
 
     def get_lr(self) -> list[float]:
         """Current learning rate of each param group."""

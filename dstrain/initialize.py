@@ -38,7 +38,7 @@ from dstrain.moe.compose import (
 )
 from dstrain.monitor import compose as monitors
 from dstrain.optim.build import ClientOptimizer, build_optimizer, client_param_groups
-from dstrain.optim.stepper import NoOptimizer, Stepper, TorchStepper
+from dstrain.optim.stepper import NoOptimizer, Stepper, TorchStepper, WrapsOptimizer
 from dstrain.pipe import compose as pipeline
 from dstrain.pipe.module import PipelineModule
 from dstrain.precision import Precision
@@ -237,7 +237,7 @@ def build_schedule(
     is the one stepped (moved onto the master tensors) except under optimizer offload, where the
     offloading stepper takes its place and the scheduler is bound to it instead.
     """
-    optimizer = getattr(stepper, "optimizer", stepper)
+    optimizer = stepper.optimizer if isinstance(stepper, WrapsOptimizer) else stepper
     if client is not None and optimizer is None:
         raise ConfigError("lr_scheduler", "a scheduler needs an optimizer (this engine has none)")
     if isinstance(client, LRSchedule | torch.optim.lr_scheduler.LRScheduler):

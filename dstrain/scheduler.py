@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
+import torch
+
 from dstrain.config_sections import SchedulerConfig
 
 __all__ = [
@@ -46,7 +48,8 @@ def _per_group(optimizer: HasParamGroups, value: Any, name: str) -> list[float]:
 
 def _set_lrs(optimizer: HasParamGroups, lrs: list[float]) -> list[float]:
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        if hasattr(group["lr"], "fill_"):  # a tensor lr (torch's capturable / fused options) stays a tensor
+        # a tensor lr (torch's capturable / fused options) stays a tensor
+        if isinstance(group["lr"], torch.Tensor):
             group["lr"].fill_(lr)
         else:
             group["lr"] = lr

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstrain.optim.stepper import GatedStepper
+
 if TYPE_CHECKING:
     from dsio.checkpoint import TouchOrder
     from dstrain.checkpoint.store import PendingSave
@@ -31,12 +33,11 @@ def touch_order(stepper: Any, module: torch.nn.Module) -> TouchOrder | None:
     from its ``checkpoint_touch_order()``), then the model's parameters (ZeRO rewrites them after
     the step). None for a stepper that cannot step piece by piece (the step then waits for the
     whole staging)."""
-    own = getattr(stepper, "checkpoint_touch_order", None)
-    if not callable(own):
+    if not isinstance(stepper, GatedStepper):
         return None
     from dsio.checkpoint import MemorySpan
 
-    sets = [list(s) for s in own()]
+    sets = [list(s) for s in stepper.checkpoint_touch_order()]
     sets.append(
         [
             MemorySpan.of(p.detach())
@@ -50,8 +51,7 @@ def touch_order(stepper: Any, module: torch.nn.Module) -> TouchOrder | None:
 def lend_gate(stepper: Any, pending: PendingSave) -> bool:
     """Let the stepper's next step wait for the save touch set by touch set; False where it cannot
     (then the caller waits for the whole staging)."""
-    lend = getattr(stepper, "gate_next_step", None)
-    if not callable(lend) or not pending.gated:
+    if not isinstance(stepper, GatedStepper) or not pending.gated:
         return False
-    lend(pending.wait_captured)
+    stepper.gate_next_step(pending.wait_captured)
     return True

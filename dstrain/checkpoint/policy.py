@@ -314,7 +314,7 @@ def _committed(directory: Path, step: int) -> bool:
 
 
 def _allow_pickle(store: CheckpointStore) -> bool:
-    return bool(getattr(store, "allow_pickle", False))
+    return store.allow_pickle
 
 
 def _check_shape(state: Mapping[str, Any], path: Path, stage: int, world: int) -> None:

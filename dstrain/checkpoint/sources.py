@@ -179,7 +179,9 @@ def read_lazy(src: LazyTensor, offset: int, out: torch.Tensor) -> None:
     raw = out.view(torch.uint8).reshape(-1)
     if raw.numel() == 0:
         return
-    io = getattr(src, "io", None)
+    from dsio.checkpoint import StoredTensor
+
+    io = src.io if isinstance(src, StoredTensor) else None  # a checkpoint file's tensor: its own handle
 
     async def read() -> None:
         if io is not None:
@@ -198,8 +200,9 @@ def verify_lazy(value: Any) -> None:
     """Check the checksum of every stored tensor in a nested state (reading what its consumer did
     not read in order); raises ``dsio.checkpoint.ChecksumError`` on a mismatch."""
     from dsio._bridge import run_sync
+    from dsio.checkpoint import StoredTensor
 
-    stored: list[Any] = [v for v in _walk(value) if callable(getattr(v, "verify", None))]
+    stored = [v for v in _walk(value) if isinstance(v, StoredTensor)]
     for t in stored:
         if not t.verified:
             run_sync(t.verify())

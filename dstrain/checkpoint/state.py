@@ -16,14 +16,14 @@ sources over those files (`dstrain.checkpoint.sources`): the store streams them,
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from dstrain.checkpoint.sources import has_lazy, materialize, verify_lazy
 from dstrain.errors import DstrainError
 
-__all__ = ["FORMAT", "STREAMED", "CountersPart", "Part", "RngPart", "collect", "restore"]
+__all__ = ["FORMAT", "STREAMED", "CountersPart", "Part", "RngPart", "StreamsState", "collect", "restore"]
 
 FORMAT = 2
 """Version of the layout above (1 was the single-dict layout of dstrain's own commit protocol)."""
@@ -39,6 +39,21 @@ class Part(Protocol):
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> None: ...
+
+
+@runtime_checkable
+class StreamsState(Protocol):
+    """A part whose checkpoint state holds lazy sources (``dsio.checkpoint.LazyTensor``: swap file
+    regions, streamed by the writer) instead of tensors, and that loads stored tensors piece by
+    piece where they belong (the offloaded optimizer, stage 3 with an offloading store)."""
+
+    def checkpoint_state(self) -> Any:
+        """`state_dict` with lazy sources where the state is not in memory."""
+        ...
+
+    def load_checkpoint_state(self, state: Any) -> None:
+        """`load_state_dict` of an entry whose tensors may still be in the checkpoint file."""
+        ...
 
 
 class RngPart:
@@ -84,8 +99,7 @@ def collect(parts: Mapping[str, Part | None], extra: Mapping[str, Any]) -> dict[
         if part is None:
             state[key] = None
             continue
-        lazy = getattr(part, "checkpoint_state", None)
-        state[key] = lazy() if callable(lazy) else part.state_dict()
+        state[key] = part.checkpoint_state() if isinstance(part, StreamsState) else part.state_dict()
     for key, value in extra.items():
         if key in state:
             raise ValueError(f"checkpoint entry {key!r} given twice")
@@ -109,9 +123,8 @@ def restore(
         if part is None or key in skip or state[key] is None:
             continue
         entry = state[key]
-        streamed = getattr(part, "load_checkpoint_state", None)
-        if callable(streamed) and has_lazy(entry):
-            streamed(entry)  # reads the stored tensors piece by piece where they belong
+        if isinstance(part, StreamsState) and has_lazy(entry):
+            part.load_checkpoint_state(entry)  # reads the stored tensors piece by piece where they belong
             verify_lazy(entry)
         else:
             part.load_state_dict(materialize(entry))

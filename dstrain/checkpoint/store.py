@@ -75,6 +75,10 @@ class CheckpointStore(Protocol):
     suffix: str
     """Extension of this store's rank files."""
 
+    allow_pickle: bool
+    """Whether loads may unpickle (``torch.load(weights_only=False)``); False loads only tensors
+    and plain data."""
+
     def save(
         self,
         directory: Path,
@@ -399,7 +403,7 @@ def load_any(
     found = rank_file_in(step_dir, world.rank)
     if found is not None and found.suffix != store.suffix:
         # written by the other kind of store (e.g. with torch.save before dsio was available here)
-        pickle = bool(getattr(store, "allow_pickle", False))
+        pickle = store.allow_pickle
         other: CheckpointStore = (
             TorchSaveStore(allow_pickle=pickle) if found.suffix == ".pt" else DsioStore(allow_pickle=pickle)
         )

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dstrain.dist.comm import Comm
 from dstrain.moe.dispatch import ExchangeStatistics, ExpertExchange, pack, unpack
 from dstrain.moe.errors import ExpertGroupError, MoEConfigError
 from dstrain.moe.experts import Experts, is_moe_param
@@ -199,7 +200,7 @@ class MoE(nn.Module):
 
         Its size must be ``ep_size``. `dstrain.initialize` calls this with the topology's expert group.
         """
-        if hasattr(group, "world_size") and hasattr(group, "group"):  # a Comm
+        if isinstance(group, Comm):
             pg, size, rank = group.group, group.world_size, group.rank
         elif self.ep_size == 1 and group is None:
             pg, size, rank = None, 1, 0

@@ -13,7 +13,9 @@ from dstrain.offload.config import OffloadOptimizerConfig, check_nvme_path
 from dstrain.offload.optimizer.adam import CUT, OffloadAdam
 from dstrain.offload.optimizer.early_step import KEY as EARLY_KEY
 from dstrain.offload.optimizer.early_step import EarlyStep
+from dstrain.zero.base import ReportsUnitReduced
 from dstrain.zero.flat import STEP_CHUNK
+from dstrain.zero.units import HoldsShards
 
 __all__ = [
     "build_offload_optimizer",
@@ -41,7 +43,7 @@ def io_config_from(aio: Any) -> Any:
     try:
         return IOConfig.from_deepspeed(block)
     except DsioConfigError as e:
-        raise ConfigError(f"aio.{getattr(e, 'field', None) or 'block'}", str(e)) from e
+        raise ConfigError(f"aio.{e.field or 'block'}", str(e)) from e
 
 
 def _adam_settings(optimizer: Any, client: Any, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
@@ -124,11 +126,11 @@ def build_offload_optimizer(
         check_nvme_path(f"{_FIELD}.nvme_path", offload.nvme_path)
     if offload.pin_memory and offload.device == "cpu" and not torch.cuda.is_available():
         log.info("%s.pin_memory: no GPU here, page-locking host state would buy nothing; not pinned", _FIELD)
-    store = getattr(zero, "store", None)
+    store = zero.store if isinstance(zero, HoldsShards) else None
     master_store = store.master if store is not None and store.holds_master else None
     if master_store is not None:
         sub_group_size = min(int(sub_group_size), master_store.max_master_numel)
-    grad_store = getattr(store, "grads", None)  # gradients on NVMe (the budget could not hold them)
+    grad_store = store.grads if store is not None else None  # on NVMe: the budget could not hold them
     if grad_store is not None:
         sub_group_size = min(int(sub_group_size), grad_store.max_numel)
     optimizer = OffloadAdam(
@@ -170,7 +172,7 @@ def early_step_legal(
     gradients in swap files are read during backward too (`OffloadAdam.attach_early_step`)."""
     if not offload.step_in_backward:
         return f"{EARLY_KEY} is false"
-    if not callable(getattr(zero, "on_unit_reduced", None)):
+    if not isinstance(zero, ReportsUnitReduced):
         return "only ZeRO stage 3 reduces each unit's gradient during backward"
     if gradient_clipping > 0:
         return "gradient_clipping needs the global norm of every gradient first"
@@ -221,5 +223,5 @@ def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> 
 
 def remaining_budget(zero: Any, budget: int) -> int:
     """``budget`` less the pinned bytes the ZeRO strategy's parameter store allocated."""
-    store = getattr(zero, "store", None)
-    return budget - int(getattr(store, "pinned_bytes", 0) or 0)
+    store = zero.store if isinstance(zero, HoldsShards) else None
+    return budget - (store.pinned_bytes if store is not None else 0)

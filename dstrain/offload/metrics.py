@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dsio._registry import Sample, track, untrack
+from dstrain.offload.optimizer.statistics import OffloadOptimizerStatistics
 
 __all__ = ["register_offload", "samples", "unregister_offload"]
 
@@ -43,13 +44,12 @@ def samples(s: Any, rank: int, kind: str = "optimizer") -> Iterator[Sample]:
     doc = "Sub-groups (optimizer) or shards (param) found swapped in when needed"
     yield counter("dstrain_offload_prefetch", doc, s.prefetch_hits, result="hit")
     yield counter("dstrain_offload_prefetch", doc, s.prefetch_misses, result="miss")
-    if hasattr(s, "stepped_in_backward"):
+    if isinstance(s, OffloadOptimizerStatistics):  # the optimizer's own counters
         yield counter(
             "dstrain_offload_stepped_in_backward",
             "Sub-groups stepped during the boundary backward (dstrain.offload.optimizer.early_step)",
             s.stepped_in_backward,
         )
-    if hasattr(s, "step_seconds"):
         yield counter("dstrain_offload_step_seconds", "Time in the offloaded optimizer step", s.step_seconds)
 
 

@@ -38,6 +38,7 @@ from dstrain.onebit.lamb import OneBitLamb
 from dstrain.onebit.zeroone import ZeroOneAdam
 from dstrain.optim.lamb import per_parameter_groups
 from dstrain.optim.stepper import StepperStatistics, TorchStepper
+from dstrain.zero.dp import DataParallelZero
 from dstrain.zero.reduce import DefaultReducer, Handle, Route
 
 __all__ = [
@@ -208,7 +209,7 @@ class OneBitStepper(TorchStepper):
 
     def _tell_zero(self) -> None:
         # 0/1 Adam at stage 1 after its freeze writes every rank's whole replica: ZeRO must not gather
-        replicated = bool(getattr(self.optimizer, "replicated", False))
+        replicated = isinstance(self.optimizer, ZeroOneAdam) and self.optimizer.replicated
         for g in self._zero_groups:
             g.replicated = replicated
 
@@ -257,7 +258,7 @@ def build_stepper(zero: Any, config: Any) -> OneBitStepper:
             f"{name} composes with ZeRO stage 0 or 1 (got {stage}): it needs every rank's whole local "
             "gradient and momentum",
         )
-    routes = [g.route for g in getattr(zero, "groups", [])]
+    routes = [g.route for g in zero.groups] if isinstance(zero, DataParallelZero) else []
     reducers = {id(r.reducer) for r in routes}
     if len(reducers) != 1 or not isinstance(routes[0].reducer, OneBitReducer):
         raise ConfigError(

@@ -16,6 +16,7 @@ Order of calls per optimizer step (at a gradient-accumulation boundary)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -23,7 +24,7 @@ import torch
 
 from dstrain.errors import DstrainError
 
-__all__ = ["NoOptimizer", "Stepper", "StepperStatistics", "TorchStepper"]
+__all__ = ["GatedStepper", "NoOptimizer", "Stepper", "StepperStatistics", "TorchStepper", "WrapsOptimizer"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,6 +69,29 @@ class Stepper(Protocol):
     def close(self) -> None:
         """Release files, memory and threads; the master weights keep their values."""
         ...
+
+
+@runtime_checkable
+class GatedStepper(Protocol):
+    """A stepper that steps piece by piece and lets an async checkpoint save gate it (the offloaded
+    Adam): the save reads in `checkpoint_touch_order`'s order and the next step waits per piece
+    (``dstrain.checkpoint.gate``); any other stepper's step waits for the whole staging."""
+
+    def checkpoint_touch_order(self) -> list[list[Any]]:
+        """What the next step changes, piece by piece in its order (``dsio.checkpoint`` spans)."""
+        ...
+
+    def gate_next_step(self, wait: Callable[[int], float]) -> None:
+        """Make the next step call ``wait(i)`` before it changes the bytes of touch set ``i``."""
+        ...
+
+
+@runtime_checkable
+class WrapsOptimizer(Protocol):
+    """A stepper over a torch optimizer (`TorchStepper`; `NoOptimizer`'s is None): what
+    `dstrain.initialize` returns as the optimizer (else the stepper itself)."""
+
+    optimizer: Any
 
 
 class TorchStepper:

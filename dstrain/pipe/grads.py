@@ -29,6 +29,7 @@ from dstrain.dist.topology import Topology
 from dstrain.errors import NotImplementedConfigError
 from dstrain.optim.clip import GradSet
 from dstrain.pipe.module import PipelineModule
+from dstrain.zero.dp import DataParallelZero
 
 __all__ = ["StageGrads", "TiedGroup"]
 
@@ -53,11 +54,11 @@ class StageGrads:
         self.zero = zero
         self.tied = tied
         self.stage = module.stage_id
-        groups = getattr(zero, "groups", None)
-        if groups is None:
+        if not isinstance(zero, DataParallelZero):  # stages 0-2: flat groups; stage 3 is refused
             raise NotImplementedConfigError(
                 "zero_optimization.stage", f"{zero.stage} is not implemented with pipeline parallelism"
             )
+        groups = zero.groups
         self._groups = groups
         layout = topology.layout
         # ZeRO 0: every dp rank holds the whole reduced gradient, so squares add over the stages only;

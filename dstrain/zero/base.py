@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -12,7 +12,13 @@ import torch
 from dstrain.dist.comm import Comm
 from dstrain.optim.clip import GradSet
 
-__all__ = ["GathersModule", "MasterPiece", "ZeroStatistics", "ZeroStrategy"]
+__all__ = [
+    "GathersModule",
+    "MasterPiece",
+    "ReportsUnitReduced",
+    "ZeroStatistics",
+    "ZeroStrategy",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +65,16 @@ class GathersModule(Protocol):
 
     def release_all(self) -> None:
         """Release every gathered parameter (back to this rank's shard)."""
+        ...
+
+
+@runtime_checkable
+class ReportsUnitReduced(Protocol):
+    """A strategy that reduces each unit's gradient during backward (stage 3) and says so: the
+    offload room's early stepping (`dstrain.offload.optimizer.early_step`) listens."""
+
+    def on_unit_reduced(self, listener: Callable[[int, int, int], None]) -> None:
+        """Call ``listener(group, offset, numel)`` after each unit's gradient is reduced."""
         ...
 
 

@@ -10,7 +10,7 @@ values in backward, and releasing really frees the memory.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -21,7 +21,7 @@ from dstrain.zero.flat import FlatLayout, optimizer_views
 if TYPE_CHECKING:
     from dstrain.zero.reduce import Route
 
-__all__ = ["InitialShard", "ShardGroup", "ShardStore", "Unit", "unit_of"]
+__all__ = ["HoldsShards", "InitialShard", "ShardGroup", "ShardStore", "Unit", "unit_of"]
 
 _owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> the Unit it is a view of
 
@@ -48,6 +48,15 @@ class ShardStore:
     grads: Any = None
     """Where the fp32 gradient shards live when not in memory (an `OffloadedGrads`, set by `expect`
     when the offload budget cannot hold them); None: in `ShardGroup.master_grad`."""
+
+    master: Any = None
+    """With `holds_master`: what the optimizer reads and writes the fp32 master through (a
+    `dstrain.offload.param.swapped_master.SwappedMaster`); None: the master is resident."""
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked bytes this store allocated (they come out of the offload budget)."""
+        return 0
 
     def expect(self, units: Sequence[Unit]) -> None:
         """Every unit of the strategy, before the first `place` (to size buffers)."""
@@ -117,6 +126,15 @@ class InitialShard(Protocol):
     def read(self) -> torch.Tensor: ...
 
     def release(self) -> None: ...
+
+
+@runtime_checkable
+class HoldsShards(Protocol):
+    """A strategy whose parameter shards live in a `dstrain.zero.units.ShardStore` between uses
+    (stage 3): the offload room builds the store (`dstrain.offload.param.shards.OffloadedShards`)
+    and reads the master and gradients it may hold."""
+
+    store: ShardStore
 
 
 class Unit:

@@ -23,6 +23,7 @@ pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 
 import dstrain  # noqa: E402
 from dsio.errors import ChecksumError  # noqa: E402
+from dstrain.checkpoint.sources import materialize  # noqa: E402
 from dstrain.zero.stage3 import Stage3Zero  # noqa: E402
 
 SMALL = 256  # ~0.53M parameters: a 2.1 MB master, above the 1 MiB a load leaves in the file
@@ -166,9 +167,10 @@ def test_load_streams_the_offloaded_master_without_materializing_it(
         loaded.load_checkpoint(tmp_path / "ck", load_optimizer_states=False)
         streamed = _load_growth(loaded, tmp_path / "ck")
         got = [loaded.zero.store.read_master(g) for g in loaded.zero.groups]
+        # the control: the entry is read into memory first, then loaded
         monkeypatch.setattr(
-            Stage3Zero, "load_checkpoint_state", None, raising=False
-        )  # restore() reads it into memory
+            Stage3Zero, "load_checkpoint_state", lambda self, entry: self.load_state_dict(materialize(entry))
+        )
         in_memory = _load_growth(loaded, tmp_path / "ck")
     finally:
         loaded.close()
