@@ -37,10 +37,11 @@ from dstrain.moe.compose import (
     split_expert_groups,
 )
 from dstrain.monitor import compose as monitors
+from dstrain.offload import compose as offload
+from dstrain.onebit import compose as onebit
 from dstrain.optim.build import ClientOptimizer, build_optimizer, client_param_groups
 from dstrain.optim.stepper import NoOptimizer, Stepper, TorchStepper, WrapsOptimizer
 from dstrain.pipe import compose as pipeline
-from dstrain.pipe.module import PipelineModule
 from dstrain.precision import Precision
 from dstrain.profiling import compose as flops_profiler
 from dstrain.scheduler import LRSchedule, build_scheduler
@@ -58,13 +59,6 @@ __all__ = [
     "init_distributed",
     "initialize",
 ]
-
-
-_ONEBIT = (
-    "OneBitAdam",
-    "ZeroOneAdam",
-    "OneBitLamb",
-)  # optimizers built by dstrain/onebit (room.NAMES; not imported eagerly)
 
 
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta | float | None = None) -> bool:
@@ -127,10 +121,8 @@ def build_routes(
     Default: all-reduce / reduce-scatter over the data-parallel group. MoE routes expert groups over
     ``topology.edp``; 1-bit Adam replaces the reducer (dstrain/onebit).
     """
-    if config is not None and config.optimizer is not None and config.optimizer.name in _ONEBIT:
-        from dstrain.onebit.room import build_routes as onebit_routes
-
-        return onebit_routes(groups, topology)  # refuses pipeline and expert parallelism
+    if onebit.applies(config):
+        return onebit.build_routes(groups, topology)  # refuses pipeline and expert parallelism
     return expert_routes(groups, default_routes(groups, topology.dp), topology)
 
 
@@ -163,10 +155,9 @@ def build_zero(
     """The ZeRO strategy of the configured stage, partitioning over the data-parallel group."""
     zc = config.zero_optimization
     if zc.stage == 3:
-        from dstrain.offload.compose import build_param_store  # offload_param: shards on CPU/NVMe
         from dstrain.zero.stage3 import Stage3Zero
 
-        store = build_param_store(zc, dtype, config.aio)
+        store = offload.build_param_store(zc, dtype, config.aio)  # offload_param: shards on CPU/NVMe
         return Stage3Zero(
             module, groups, config=zc, comm=topology.dp, dtype=dtype, routes=routes, store=store
         )
@@ -181,10 +172,8 @@ def build_stepper(zero: ZeroStrategy, config: DSConfig, client: ClientOptimizer 
     a torch optimizer or a `Stepper` of its own.
     """
     zc = config.zero_optimization
-    if zc.offload_optimizer.enabled:  # ZeRO-Infinity: optimizer state on CPU or NVMe (dstrain/offload)
-        from dstrain.offload.compose import build_offload_optimizer
-
-        return build_offload_optimizer(
+    if offload.applies(config):  # ZeRO-Infinity: optimizer state on CPU or NVMe (dstrain/offload)
+        return offload.build_offload_optimizer(
             zero.param_groups(),
             zc.offload_optimizer,
             optimizer_config=config.optimizer,
@@ -196,10 +185,8 @@ def build_stepper(zero: ZeroStrategy, config: DSConfig, client: ClientOptimizer 
             gradient_clipping=config.gradient_clipping,  # with fp16: whether sub-groups may step in backward
             precision=config.precision,
         )
-    if client is None and config.optimizer is not None and config.optimizer.name in _ONEBIT:
-        from dstrain.onebit.room import build_stepper as onebit_stepper
-
-        return onebit_stepper(zero, config)
+    if client is None and onebit.applies(config):
+        return onebit.build_stepper(zero, config)
     if client is None and config.optimizer is None:
         return NoOptimizer()  # DeepSpeed takes a model without one (evaluation); step() says so
     if callable(client) and not isinstance(client, torch.optim.Optimizer):
@@ -359,7 +346,7 @@ def initialize(
         zero_init.materialize(model)
     _place_and_broadcast(model, groups, routes, topology)
     # a pipeline's tied weights: groups made (and weights made equal) before ZeRO copies them
-    tied = pipeline.tied_groups(model, topology) if isinstance(model, PipelineModule) else {}
+    tied = pipeline.tied_groups(model, topology)
     zero_init.prepare(model, precision.dtype)  # zero.Init's placeholders: cast without materializing
     model.to(precision.dtype)
     zero = build_zero(model, groups, routes, cfg, topology, precision.dtype)
@@ -370,7 +357,7 @@ def initialize(
     schedule = build_schedule(stepper, cfg, lr_scheduler, optimizer)
     loader = _build_loader(training_data, cfg, topology, collate_fn)
     # a pipeline model: the norm over every stage, and train_batch / eval_batch's 1F1B runner (dstrain/pipe)
-    pipe = pipeline.build(model, zero, topology, tied, cfg) if isinstance(model, PipelineModule) else None
+    pipe = pipeline.build(model, zero, topology, tied, cfg)
 
     engine = Engine(
         module=model,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dstrain.checkpointing.function import ActivationCheckpointer, configure
 
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 __all__ = ["applies", "build"]
 
 
-def applies(config: DSConfig) -> bool:
+def applies(config: DSConfig, model: Any = None) -> bool:
     """The config has an ``activation_checkpointing`` section."""
     return config.activation_checkpointing is not None
 

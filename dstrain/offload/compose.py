@@ -1,4 +1,6 @@
-"""Composing optimizer offload: the few lines `initialize` calls when ``offload_optimizer`` is on."""
+"""The offload room's plug: what `initialize` calls. `build_param_store` (stage 3: the shard store
+``offload_param`` asks for, or None) inside `build_zero`; `build_offload_optimizer` in
+`build_stepper` when `applies` (``offload_optimizer`` is on)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dstrain.zero.flat import STEP_CHUNK
 from dstrain.zero.units import HoldsShards
 
 __all__ = [
+    "applies",
     "build_offload_optimizer",
     "build_param_store",
     "early_step_legal",
@@ -28,6 +31,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _FIELD = "zero_optimization.offload_optimizer"
+
+
+def applies(config: Any, model: torch.nn.Module | None = None) -> bool:
+    """Whether the optimizer is offloaded (``zero_optimization.offload_optimizer``): then this room
+    builds the stepper (`build_offload_optimizer`)."""
+    return bool(config.zero_optimization.offload_optimizer.enabled)
 
 
 def io_config_from(aio: Any) -> Any:

@@ -3,6 +3,7 @@
 pp = pipeline_stages(model, config)            # build_topology
 tied = tied_groups(model, topology)            # before ZeRO flattens parameters (collective)
 pipe = build(model, zero, topology, tied, config)   # Engine(..., grad_sets=pipe.grad_sets, runner=pipe.runner)
+Each gives the trivial answer (1, {}, None) for a model that is not a `PipelineModule`.
 """
 
 from __future__ import annotations
@@ -47,13 +48,16 @@ def pipeline_stages(model: torch.nn.Module, config: PipelineConfig | None = None
     return model.num_stages
 
 
-def tied_groups(model: PipelineModule, topology: Topology) -> dict[str, TiedGroup]:
+def tied_groups(model: torch.nn.Module, topology: Topology) -> dict[str, TiedGroup]:
     """Process groups of the ranks holding each tied key (one per data-parallel index, and one of every
-    data-parallel index: ZeRO 2 sums the master gradient's slices over it); this rank's ones.
+    data-parallel index: ZeRO 2 sums the master gradient's slices over it); this rank's ones (none for
+    a model that is not a pipeline).
 
     Collective: every rank creates every group in the same order. Each group's tied weights are then made
     equal to those of its lowest stage (a no-op for seeded layers), before ZeRO copies them anywhere.
     """
+    if not isinstance(model, PipelineModule):
+        return {}
     layout = topology.layout
     mine: dict[str, TiedGroup] = {}
     for key, stages in sorted(model.tied_stages().items()):
@@ -86,20 +90,22 @@ class Pipeline:
 
 
 def build(
-    model: PipelineModule,
+    model: torch.nn.Module,
     zero: Any,
     topology: Topology,
     tied: dict[str, TiedGroup],
     config: DSConfig,
     *,
     channel_id: int | None = None,
-) -> Pipeline:
+) -> Pipeline | None:
     """The pipeline's parts for the `Engine` (built over the local stage): gradient sets summed over
-    the stages, and the runner executing ``train_batch``/``eval_batch``.
+    the stages, and the runner executing ``train_batch``/``eval_batch``; None unless `applies`.
 
     ``channel_id`` keeps the messages of several pipelines in one process group apart; by default each
     pipeline built in this process takes the next id (every rank builds its pipelines in the same order).
     """
+    if not isinstance(model, PipelineModule):
+        return None
     pipeline = config.pipeline
     pipeline_stages(model, pipeline)
     if model.num_stages > 1 and config.zero_optimization.stage == 3:

@@ -1,7 +1,7 @@
 """1-bit Adam and 0/1 Adam composed into dstrain: a gradient `Reducer` that reduces only when the
 optimizer asks, and a `Stepper` over `OneBitAdam` / `ZeroOneAdam` (the engine is not touched;
-`dstrain.initialize` calls `build_routes` and `build_stepper` here when the config's optimizer is one
-of `NAMES`).
+`dstrain.initialize` calls `build_routes` and `build_stepper` here when `applies`: the config's
+optimizer is one of `NAMES`).
 
 When the optimizer asks (1-bit Adam's warm-up, 0/1 Adam's variance steps) the reducer sums gradients
 over the data-parallel group like the default reducer (the loss was pre-scaled by 1/dp, so the sum is
@@ -43,6 +43,9 @@ from dstrain.zero.reduce import DefaultReducer, Handle, Route
 
 __all__ = [
     "NAMES",
+    "applies",
+    "build_routes",
+    "build_stepper",
     "OneBitReducer",
     "OneBitStepper",
     "OneBitStepperStatistics",
@@ -53,6 +56,12 @@ __all__ = [
 
 NAMES = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 """The config's ``optimizer.type`` names this room builds."""
+
+
+def applies(config: Any, model: torch.nn.Module | None = None) -> bool:
+    """Whether this room builds the routes and the stepper: the config's optimizer is one of `NAMES`."""
+    return config is not None and config.optimizer is not None and config.optimizer.name in NAMES
+
 
 log = logging.getLogger("dstrain")
 
@@ -262,7 +271,7 @@ def build_stepper(zero: Any, config: Any) -> OneBitStepper:
     reducers = {id(r.reducer) for r in routes}
     if len(reducers) != 1 or not isinstance(routes[0].reducer, OneBitReducer):
         raise ConfigError(
-            "optimizer.type", f"{name} needs its own gradient routes (dstrain.onebit.room.build_routes)"
+            "optimizer.type", f"{name} needs its own gradient routes (dstrain.onebit.compose.build_routes)"
         )
     group = routes[0].comm.group
     if name == "OneBitLamb":
