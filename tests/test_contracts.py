@@ -29,6 +29,11 @@ ALLOWED = {
     ("dstrain/onebit/adam.py", "all_gather_single"): "torch.distributed of another torch version",
     ("dstrain/onebit/compressed.py", "all_gather_single"): "torch.distributed of another torch version",
     ("dstrain/integrations/save_guard.py", "save_pretrained"): "a foreign (transformers) model's method",
+    (
+        "dstrain/integrations/transformers.py",
+        "loss_is_scaled_for_ga",
+    ): "HF Trainer's attribute (transformers >= 5)",
+    ("dstrain/integrations/transformers.py", "generation_config"): "a transformers model's (generative ones)",
     ("dstrain/initialize.py", "deepspeed_config"): "the user's argparse namespace (DeepSpeed's args=)",
     ("dstrain/moe/experts.py", "allreduce"): "DeepSpeed's marker attribute on torch Parameters",
     ("dstrain/config_auto.py", "config"): "a transformers model's config (plain data)",
