@@ -174,3 +174,24 @@ def test_loss_scaler_and_lr_schedule_come_along_when_resharded(tmp_path) -> None
     assert (other.loss_scale, other.get_lr(), other.skipped_steps) == state
     assert state[0] != 2.0**20 and state[2] > 0  # the scaler moved: restoring it is what is tested
     assert engine_losses(other, AFTER, start=BEFORE) == pytest.approx(expected, rel=1e-6)
+
+
+def test_resharded_into_stage3_with_parameters_and_optimizer_state_on_nvme(tmp_path) -> None:
+    # the master and Adam's m, v are streamed from the saved file into the swap files, never whole
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(1, world=1))
+    engine_losses(engine, BEFORE)
+    engine.save_checkpoint(tmp_path / "ck")
+    expected = engine_losses(engine, AFTER, start=BEFORE)
+    engine.close()
+    cfg = base_config(3, world=1)
+    nvme = str(tmp_path / "nvme")
+    cfg["zero_optimization"].update(
+        sub_group_size=1024,
+        offload_optimizer={"device": "nvme", "nvme_path": nvme, "buffer_count": 2},
+        offload_param={"device": "nvme", "nvme_path": nvme, "buffer_count": 3, "buffer_size": 1 << 20},
+    )
+    (tmp_path / "nvme").mkdir()
+    other, _, _, _ = dstrain.initialize(model=make_model(seed=5), config=cfg)
+    other.load_checkpoint(tmp_path / "ck")
+    assert engine_losses(other, AFTER, start=BEFORE) == pytest.approx(expected, rel=1e-6)
+    other.close()
