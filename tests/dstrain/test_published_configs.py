@@ -1,5 +1,5 @@
 """DeepSpeed configs people have, loaded unmodified (tests/dstrain/fixtures/configs/README.md lists their
-sources): each trains under `dstrain.initialize` once a trainer fills the "auto" values only it knows."""
+sources): each trains (3 steps) under `dstrain.initialize` once a trainer fills the "auto" values only it knows."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_published_config_trains(name: str, one_thread: None) -> None:
             assert z.stage3_param_persistence_threshold == 10 * DIM
     before = {k: v.clone() for k, v in engine.full_state_dict().items()}
     losses = []
-    for step in range(2):
+    for step in range(3):  # a WarmupLR runs its first two steps at warmup_min_lr (0 here), as in DeepSpeed
         loss = engine(*global_batch(step, engine.config.train_micro_batch_size_per_gpu))
         engine.backward(loss)
         engine.step()
