@@ -191,7 +191,8 @@ def early_step_legal(
 
 
 def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> Any:
-    """The stage-3 `ShardStore` ``offload_param`` asks for (`OffloadedShards`), or None (resident).
+    """The stage-3 `ShardStore` ``offload_param`` asks for (`OffloadedShards`); with the optimizer alone
+    on the CPU, `HostMasterShards` (the fp32 master and gradients in host memory); else None (resident).
 
     Checks ``nvme_path`` first. The pinned budget is shared: the parameter pool takes half of
     ``offload_pinned_bytes`` when optimizer state is swapped too, else all of it; the optimizer gets
@@ -199,6 +200,10 @@ def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> 
     """
     param = zero_config.offload_param
     if not param.enabled:
+        if zero_config.offload_optimizer.device == "cpu":  # ZeRO-Offload: master + gradients on the host
+            from dstrain.offload.param.host_master import HostMasterShards
+
+            return HostMasterShards(pin_memory=zero_config.offload_optimizer.pin_memory)
         return None
     from dstrain.offload.param.shards import OffloadedShards
 

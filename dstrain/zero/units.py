@@ -71,6 +71,11 @@ class ShardStore:
             u.bind_shard(group.shards[off : off + u.layout.shard])
         group.master = group.shards if group.alias else group.shards.float()
 
+    def new_master_grad(self, group: ShardGroup) -> torch.Tensor:
+        """``group``'s fp32 gradient partition (zeros), where this store keeps it: on the group's
+        device here; in host memory with ZeRO-Offload (`dstrain.offload.param.host_master`)."""
+        return torch.zeros(group.total, dtype=torch.float32, device=group.device)
+
     def placed(self, group: ShardGroup) -> None:
         """``group``'s optimizer views over its master exist now."""
         return None
@@ -304,7 +309,7 @@ class ShardGroup:
         self.master: torch.Tensor = torch.empty(0)
         store.place(self)  # sets master (and shards where they stay resident)
         if store.grads is None:
-            self.master_grad = torch.zeros(self.total, dtype=torch.float32, device=device)
+            self.master_grad = store.new_master_grad(self)
         else:  # gradients on NVMe: the views keep shapes and offsets, the values are in the file
             self.master_grad = torch.empty(self.total, dtype=torch.float32, device=device)
             store.grads.place(index, self.total)
