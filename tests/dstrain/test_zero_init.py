@@ -372,3 +372,19 @@ def test_adopted_units_give_their_disk_blocks_back(tmp_path: Path) -> None:
     shard.release()  # the engine placed it: Init's region of the file is punched out
     after = os.stat(path).st_blocks * 512
     assert before - after >= 2048 * 2048 * 4
+
+
+@pytest.mark.parametrize("shard_dtype", [None, torch.float32])
+def test_bf16_engine_adopts_shards_of_either_dtype(shard_dtype: torch.dtype | None) -> None:
+    cfg = _config("none", None, 1)
+    cfg["bf16"] = {"enabled": True}
+    whole, _, _ = _build(Tiny, None)
+    e = dstrain.initialize(model=whole, config=cfg)[0]
+    ref = engine_losses(e, STEPS)
+    e.close()
+    model, zi, _ = _build(Tiny, cfg, dtype=shard_dtype)  # None: the config's dtype (bf16)
+    assert zi.statistics().shard_bytes["device"] <= (2 if shard_dtype is None else 4) * 3000
+    assert model.emb.weight.dtype == (torch.bfloat16 if shard_dtype is None else torch.float32)
+    e = dstrain.initialize(model=model, config=cfg)[0]  # placeholders cast without materializing
+    assert engine_losses(e, STEPS) == ref
+    e.close()
