@@ -38,18 +38,18 @@ import threading
 import time
 from statistics import median
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import torch  # noqa: E402
 
 import dsio  # noqa: E402
 import dsio._transfer as transfer  # noqa: E402
 import dsio.pool  # noqa: E402
 from bench._common import deepspeed_python, drop_caches_verified, scratch_dir  # noqa: E402
+from bench._io_runners import DS_SCRIPT  # noqa: E402
 from bench.io_read_path import DeepSpeedServer, _prepare  # noqa: E402
 from dsio._native import native  # noqa: E402
 
 PREFAULT_DEFAULT = transfer.PREFAULT_MIN_BYTES
-DS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "baselines", "deepspeed_io.py")
 CASES = (
     "dsio locked",
     "dsio touched",

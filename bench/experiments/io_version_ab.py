@@ -21,7 +21,7 @@ import statistics as S
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bench._common import drop_caches_verified, scratch_dir  # noqa: E402
 
 SERVER = r"""
