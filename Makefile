@@ -18,7 +18,7 @@ PROMETHEUS_DIR ?= $(CURDIR)/.cache/prometheus
 export DSIO_PROMETHEUS_DIR := $(PROMETHEUS_DIR)
 BUILD_DEPS := scikit-build-core pybind11 cmake ninja
 
-.PHONY: all setup demo demo-io test lint bench bench-io bench-checkpoint bench-metrics readme-numbers prometheus gpu-check clean
+.PHONY: all setup demo demo-io test lint bench bench-full bench-io bench-checkpoint bench-metrics readme-numbers prometheus gpu-check clean
 
 all: setup
 
@@ -68,7 +68,30 @@ lint: setup
 	$(BIN)/ruff format --check dsio dstrain tests bench examples demo scripts/readme_numbers.py
 	$(BIN)/mypy
 
-bench: bench-io bench-checkpoint bench-metrics
+# `make bench`: every benchmark driver's quick mode (each a few seconds on a quiet machine), a smoke test of the
+# tools, not a measurement: results and the summary page go to $(BENCH_QUICK), never bench/results. Real runs:
+# `make bench-full` (io, checkpoint, metrics) or a driver's own command (its docstring; bench/results/README.md).
+# GPU-only drivers (bench/gpu_io.py, bench/pipe_nccl.py) run on the GPU machine (`make gpu-check`);
+# bench/experiments/ holds one-issue experiments, run by hand.
+BENCH_QUICK ?= $(CURDIR)/build/bench-quick
+QUICK := DSIO_BENCH_RESULTS=$(BENCH_QUICK) PATH="$(PROMETHEUS_DIR)/bin:$$PATH" $(BIN)/python
+bench: setup prometheus
+	mkdir -p $(BENCH_QUICK)
+	$(QUICK) bench/io.py --quick
+	$(QUICK) bench/checkpoint.py --quick
+	$(QUICK) bench/ckpt_blocked.py --quick
+	$(QUICK) bench/metrics_overhead.py --quick
+	$(QUICK) bench/train.py --quick
+	$(QUICK) bench/pipe.py --quick
+	$(QUICK) bench/moe.py --quick
+	$(QUICK) bench/onebit.py --reps 1 --steps 4 --layers 2 --dim 64 --vocab 1000 --output $(BENCH_QUICK)/onebit-quick
+	$(QUICK) bench/offload.py --tiny --out $(BENCH_QUICK)/offload-quick
+	$(QUICK) bench/offload_gpu.py --device cpu --tiny --out $(BENCH_QUICK)/offload-gpu-quick
+	$(QUICK) bench/activation_checkpointing.py --small --steps 2 --label quick
+	$(QUICK) bench/flops_profiler.py --label quick
+	$(QUICK) bench/summary.py
+
+bench-full: bench-io bench-checkpoint bench-metrics
 	$(BIN)/python bench/summary.py
 
 # README's tables are generated from bench/results/*.json (tests/test_readme_numbers.py fails when they drift).

@@ -41,9 +41,8 @@ from dsio.checkpoint._integrity import crc_of
 from dsio.checkpoint._state import flatten
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, os.path.dirname(HERE))
-from bench._common import drop_caches_verified, scratch_dir  # noqa: E402
+from bench._common import RESULTS, drop_caches_verified, scratch_dir  # noqa: E402
 
 GB = 1e9
 
@@ -652,8 +651,17 @@ def main() -> None:
         help="suffix of the result files (checkpoint-<date>-<label>.json), e.g. 'quiet' or 'under-load': "
         "a re-run never overwrites another run's results unless asked to",
     )
-    ap.add_argument("--results", default=RESULTS, help="where the .json/.md/.png go (default: bench/results)")
+    ap.add_argument(
+        "--results",
+        default=RESULTS,
+        help="where the .json/.md/.png go (default: $DSIO_BENCH_RESULTS, else bench/results)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="seconds (make bench): 2 layers of 256, vocab 1024, 1 rep"
+    )
     args = ap.parse_args()
+    if args.quick:
+        args.layers, args.dim, args.vocab, args.reps, args.label = 2, 256, 1024, 1, args.label or "quick"
     asyncio.run(main_async(args))
 
 

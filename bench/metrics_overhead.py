@@ -33,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from bench._common import RESULTS  # noqa: E402
+
 OP = 64 << 10
 BATCH = 32
 
@@ -203,8 +206,13 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="directory on the disk under test (default: a temp dir)")
     ap.add_argument("--pairs", type=int, default=20, help="on/off window pairs (default 20)")
     ap.add_argument("--window", type=float, default=3.0, help="seconds per window (default 3)")
-    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument(
+        "--out", default=RESULTS, help="result folder (default: $DSIO_BENCH_RESULTS, else bench/results)"
+    )
+    ap.add_argument("--quick", action="store_true", help="seconds (make bench): 2 window pairs of 1 s")
     args = ap.parse_args()
+    if args.quick:
+        args.pairs, args.window = 2, 1.0
 
     tmp = tempfile.mkdtemp(prefix="dsio-metrics-bench-", dir=args.dir)
     port = _free_port()
@@ -314,7 +322,7 @@ def main() -> None:
         "cpu_seconds_per_op": cpu,
     }
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"metrics-{today}.md")
+    path = os.path.join(args.out, f"metrics-{today}{'-quick' if args.quick else ''}.md")
     with open(path, "w") as f:
         f.write("\n".join(lines))
     with open(path[:-3] + ".json", "w") as f:

@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import deepspeed_python, scratch_dir  # noqa: E402
+from bench._common import RESULTS, deepspeed_python, scratch_dir  # noqa: E402
 
 DSTRAIN_METHODS = [f"dstrain{s}" for s in range(4)]
 DS_METHODS = [f"deepspeed{s}" for s in range(4)]
@@ -383,10 +383,18 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="seconds (make bench): DDP and dstrain ZeRO-0, 2 layers of 128, 1 rep",
+    )
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.quick:
+        args.methods, args.reps, args.steps = "ddp,dstrain0", 1, 2
+        args.layers, args.dim, args.heads, args.vocab, args.seq = 2, 128, 4, 1024, 32
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
         if "results" not in saved:  # an earlier version stored the results alone
@@ -422,7 +430,8 @@ def main() -> None:
                     )
     text = report(results, args, skipped)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    path = Path(args.output) if args.output else ROOT / "bench" / "results" / f"train-{date}.md"
+    default = Path(RESULTS) / f"train-{date}{'-quick' if args.quick else ''}.md"
+    path = Path(args.output) if args.output else default
     path.write_text(text)
     path.with_suffix(".json").write_text(json.dumps({"results": results, "skipped": skipped}))
     if plot(results, path.with_suffix(".png")):
