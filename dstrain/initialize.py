@@ -327,6 +327,9 @@ def initialize(
     cfg = DSConfig.load(raw, world_size=layout.dp)
     if cfg.dist_timeout is not None:
         set_timeout(cfg.dist_timeout)
+    cfg = offload.aligned_sub_groups(
+        cfg
+    )  # params + optimizer on NVMe: page-aligned sub-groups (dstrain/offload)
     topology = build_topology(model, config)
     bind_expert_groups(model, topology)  # MoE layers exchange tokens over topology.ep (dstrain/moe)
     if cfg.seed is not None:

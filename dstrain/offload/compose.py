@@ -20,6 +20,7 @@ from dstrain.zero.flat import STEP_CHUNK
 from dstrain.zero.units import HoldsShards
 
 __all__ = [
+    "aligned_sub_groups",
     "applies",
     "build_offload_optimizer",
     "build_param_store",
@@ -37,6 +38,28 @@ def applies(config: Any, model: torch.nn.Module | None = None) -> bool:
     """Whether the optimizer is offloaded (``zero_optimization.offload_optimizer``): then this room
     builds the stepper (`build_offload_optimizer`)."""
     return bool(config.zero_optimization.offload_optimizer.enabled)
+
+
+def aligned_sub_groups(config: Any) -> Any:
+    """``config`` with ``zero_optimization.sub_group_size`` rounded up to a multiple of `CUT` (1024
+    elements, 4 KiB of fp32) where parameters and optimizer state are both on NVMe: the master is
+    then stepped in page-aligned pieces of its file. DeepSpeed configs often say 1e6 or 5e6; the size
+    is a performance hint, so it is rounded (and logged), not refused. Else ``config`` itself."""
+    zc = config.zero_optimization
+    both_nvme = zc.offload_param.device == "nvme" and zc.offload_optimizer.device == "nvme"
+    size = int(zc.sub_group_size)
+    if zc.stage != 3 or not both_nvme or min(size, STEP_CHUNK) % CUT == 0:
+        return config
+    rounded = -(-size // CUT) * CUT
+    log.info(
+        "zero_optimization.sub_group_size %d rounded up to %d: with parameters and optimizer state on "
+        "NVMe the master is stepped in page-aligned pieces (multiples of %d elements)",
+        size,
+        rounded,
+        CUT,
+    )
+    zc = dataclasses.replace(zc, sub_group_size=rounded)
+    return dataclasses.replace(config, zero_optimization=zc)
 
 
 def io_config_from(aio: Any) -> Any:
@@ -216,7 +239,8 @@ def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> 
         raise ConfigError(
             "zero_optimization.sub_group_size",
             f"with parameters and optimizer state on NVMe the master is stepped in page-aligned "
-            f"pieces: use a multiple of {CUT} (got {zero_config.sub_group_size})",
+            f"pieces: use a multiple of {CUT} (got {zero_config.sub_group_size}; initialize rounds it, "
+            "`aligned_sub_groups`)",
         )
     budget = zero_config.offload_pinned_bytes // 2 if both_nvme else zero_config.offload_pinned_bytes
     return OffloadedShards(
