@@ -5,6 +5,8 @@ async with dsio.AsyncIOHandle(dsio.IOConfig(queue_depth=32)) as h:
     await h.pread(tensor, "/data/t.bin")
 """
 
+from typing import TYPE_CHECKING
+
 from ._backends import BackendStatus, backend_status
 from ._stats import LATENCY_BUCKET_BOUNDS_S, HandleStatistics, IOEngineStatistics, OpStatistics
 from .config import ALIGNMENT, IOConfig
@@ -31,6 +33,9 @@ from .errors import (
 from .file import AsyncFile
 from .handle import AsyncIOHandle
 from .pool import Lease, PinnedPool, PoolStatistics
+
+if TYPE_CHECKING:  # loaded on first use (module __getattr__ below)
+    from ._bridge import LoopThread, is_exiting, run_sync, shared_loop
 
 __version__ = "0.1.0"
 
@@ -66,17 +71,28 @@ __all__ = [
     "UnsupportedStateError",
     "WrongLoopError",
     "backend_status",
+    "LoopThread",
+    "is_exiting",
+    "run_sync",
+    "shared_loop",
     "__version__",
 ]
 
 _SUBMODULES = ("checkpoint", "compat", "gpu", "metrics", "cli")
+#: The one bridge for synchronous callers (dsio._bridge), loaded on first use: its exit hooks are
+#: registered when it is imported, after concurrent.futures' (see dsio._bridge).
+_BRIDGE = ("LoopThread", "is_exiting", "run_sync", "shared_loop")
 
 
 def __getattr__(name: str):
     """``dsio.checkpoint``, ``dsio.compat``, ... load on first use (torch.distributed, CUDA and
-    prometheus-client stay out of ``import dsio``)."""
+    prometheus-client stay out of ``import dsio``); so does the sync bridge (`run_sync`, ...)."""
     if name in _SUBMODULES:
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
+    if name in _BRIDGE:
+        from . import _bridge
+
+        return getattr(_bridge, name)
     raise AttributeError(f"module 'dsio' has no attribute {name!r}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from dsio._registry import Sample, track
+from dsio.metrics import Sample, track
 
 if TYPE_CHECKING:
     from dstrain.engine import Engine, EngineStatistics

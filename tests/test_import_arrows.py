@@ -347,3 +347,13 @@ def test_the_private_read_finder_finds_one(tmp_path):
 def test_no_module_reads_another_modules_privates(top):
     bad = [hit for p in sorted((ROOT / top).rglob("*.py")) for hit in _private_reads(p)]
     assert bad == []
+
+
+def test_dstrain_imports_no_private_dsio_module():
+    # dsio's public faces (dsio, dsio.metrics, dsio.checkpoint, ...) are what dstrain builds on
+    bad = {
+        m: sorted(d for d in deps if d.startswith("dsio.") and any(p.startswith("_") for p in d.split(".")))
+        for m, deps in HOUSE_GRAPH.items()
+        if m.startswith("dstrain.")
+    }
+    assert {m: d for m, d in bad.items() if d} == {}

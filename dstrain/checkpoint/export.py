@@ -204,7 +204,7 @@ def export(
     from tqdm import tqdm
 
     import dsio.checkpoint
-    from dsio._bridge import run_sync
+    from dsio import run_sync
 
     target = _dtype(dtype)
     limit = parse_size(max_shard_size)
@@ -258,7 +258,7 @@ def save_16bit_model(
     rank 0's memory and written there as one safetensors file (``format: pt``; a tied weight once).
     Returns the file on rank 0, None on the others."""
     import dsio.checkpoint
-    from dsio._bridge import run_sync
+    from dsio import run_sync
 
     names, _ = parameter_names(module)
     out: dict[str, torch.Tensor] = {}

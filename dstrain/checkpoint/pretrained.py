@@ -136,7 +136,7 @@ def load_pretrained(
 ) -> PretrainedLoad:
     """Read the checkpoint at ``path`` into ``model`` (see the module docstring); every rank calls
     it and reads only its own shards. Returns what was loaded and what did not match."""
-    from dsio._bridge import run_sync
+    from dsio import run_sync
     from dstrain.zero.units import unit_of  # the zero room imports checkpoint.sources: no cycle at import
 
     path = os.fspath(path)

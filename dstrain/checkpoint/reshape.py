@@ -129,7 +129,7 @@ class SavedStep:
 
     def close(self) -> None:
         if self.handle is not None:
-            from dsio._bridge import run_sync
+            from dsio import run_sync
 
             run_sync(self.handle.aclose())
             self.handle = None
@@ -180,7 +180,7 @@ def open_step(step_dir: Path, ranks: list[int] | None = None, *, allow_pickle: b
             states[r] = torch.load(p, map_location="cpu", mmap=True, weights_only=not allow_pickle)
     else:
         import dsio.checkpoint
-        from dsio._bridge import run_sync
+        from dsio import run_sync
         from dsio.handle import AsyncIOHandle
 
         async def open_all() -> tuple[Any, dict[int, Any]]:

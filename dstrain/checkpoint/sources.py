@@ -150,7 +150,7 @@ def materialize(value: Any) -> Any:
     """A copy of a nested state with every `LazyTensor` read into a tensor (on dsio's loop)."""
     if not has_lazy(value):
         return value
-    from dsio._bridge import run_sync
+    from dsio import run_sync
     from dsio.checkpoint import DEFAULT_IO
     from dsio.handle import AsyncIOHandle
 
@@ -174,7 +174,7 @@ def materialize(value: Any) -> Any:
 def read_lazy(src: LazyTensor, offset: int, out: torch.Tensor) -> None:
     """Fill ``out`` (a contiguous CPU tensor) with bytes ``[offset, offset + out's bytes)`` of ``src``
     (blocking; the read runs on dsio's loop, with the source's own handle where it has one)."""
-    from dsio._bridge import run_sync
+    from dsio import run_sync
 
     raw = out.view(torch.uint8).reshape(-1)
     if raw.numel() == 0:
@@ -199,7 +199,7 @@ def read_lazy(src: LazyTensor, offset: int, out: torch.Tensor) -> None:
 def verify_lazy(value: Any) -> None:
     """Check the checksum of every stored tensor in a nested state (reading what its consumer did
     not read in order); raises ``dsio.checkpoint.ChecksumError`` on a mismatch."""
-    from dsio._bridge import run_sync
+    from dsio import run_sync
     from dsio.checkpoint import StoredTensor
 
     stored = [v for v in _walk(value) if isinstance(v, StoredTensor)]

@@ -155,7 +155,7 @@ class DsioStore:
 
     One ``Checkpointer`` per directory, kept until `close` (it holds the directory's writer lock and the
     pinned staging region between saves). Its coroutines run on dsio's shared loop thread
-    (``dsio._bridge``). Raises ``BackendUnavailableError`` at construction where dsio's native core is
+    (``dsio.run_sync``). Raises ``BackendUnavailableError`` at construction where dsio's native core is
     not built.
     """
 
@@ -164,7 +164,7 @@ class DsioStore:
     def __init__(self, *, allow_pickle: bool = False, keep_last: int | None = None) -> None:
         import dsio
         import dsio.checkpoint
-        from dsio._bridge import run_sync
+        from dsio import run_sync
 
         if not any(s.available for s in dsio.backend_status()):  # raises where _C is not built
             raise dsio.BackendUnavailableError("no dsio I/O backend works on this machine")

@@ -1,12 +1,12 @@
 """``dstrain_offload_*`` metrics: an offloading stepper registered as a source of dsio's one metrics
-mechanism (`dsio._registry.track`); read from `statistics()` snapshots at scrape time only."""
+mechanism (`dsio.metrics.track`); read from `statistics()` snapshots at scrape time only."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
 
-from dsio._registry import Sample, track, untrack
+from dsio.metrics import Sample, track, untrack
 from dstrain.offload.optimizer.statistics import OffloadOptimizerStatistics
 
 __all__ = ["register_offload", "samples", "unregister_offload"]

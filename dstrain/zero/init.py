@@ -131,7 +131,7 @@ class _SwapFile:
 
     @staticmethod
     def _remove(path: str, handle: Any) -> None:
-        from dsio._bridge import is_exiting, run_sync
+        from dsio import is_exiting, run_sync
 
         if not is_exiting():
             with contextlib.suppress(Exception):  # a loop closed at exit: nothing left to flush
@@ -140,7 +140,7 @@ class _SwapFile:
             os.unlink(path)
 
     def _run(self, coro: Any) -> Any:
-        from dsio._bridge import run_sync
+        from dsio import run_sync
 
         return run_sync(coro)
 

@@ -36,6 +36,10 @@ PUBLIC = {
     "UnsupportedStateError",
     "WrongLoopError",
     "backend_status",
+    "LoopThread",
+    "is_exiting",
+    "run_sync",
+    "shared_loop",
     "__version__",
 }
 

@@ -1,7 +1,7 @@
 """`Swapper`: named slots of a swap file <-> buffers of a bounded pinned pool, through ONE dsio handle.
 
 Everything that touches the handle or the pool runs on dsio's shared loop thread
-(`dsio._bridge.shared_loop`); the training thread only submits work and waits on
+(`dsio.shared_loop`); the training thread only submits work and waits on
 ``concurrent.futures.Future`` results. A buffer lent by `fetch` belongs to the caller until it
 hands it back with `store` (written, then returned to the pool) or `discard` (returned unwritten).
 
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from dsio._bridge import LoopThread, shared_loop
+from dsio import LoopThread, shared_loop
 from dsio.config import IOConfig
 from dstrain.offload.swap.slots import SlotTable, SlotTableStatistics, SwapPin
 
