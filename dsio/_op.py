@@ -15,8 +15,8 @@ from . import pool as _pool
 from ._backends import open_engine
 from ._dispatch import READ, Dispatcher
 from ._stats import HandleStatistics, IOEngineStatistics
-from ._transfer import FileRef, TransferCounters, check_readable, read_fresh, submit_one, transfer
-from .config import ALIGNMENT, IOConfig
+from ._transfer import FileRef, TransferCounters, check_readable, direct_whole, submit_one, transfer
+from .config import IOConfig
 from .errors import ClosedError, IOFailedError
 from .pool import PinnedPool
 
@@ -80,10 +80,8 @@ class Operations:
     def fast(self, op: int, ref: FileRef, ptr: int, n: int, off: int, keep: object) -> asyncio.Future | None:
         """The common case as one O_DIRECT request with no coroutine of its own: memory, offset
         and length 4096-aligned. None when the transfer needs the general path."""
-        if not ref.direct or n == 0 or (ptr | off | n) & (ALIGNMENT - 1):
-            return None
-        if read_fresh(op, ptr, n):
-            return None  # fresh memory: staged, faulted in on the copier threads (_transfer.FRESH_STAGED)
+        if not direct_whole(ref, op, ptr, n, off):
+            return None  # unaligned, or fresh memory (staged, faulted in on the copier threads)
         if op == READ:
             check_readable(ref, n, off)
         fut = submit_one(self.disp, ref, op, ptr, n, off, keep)

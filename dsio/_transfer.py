@@ -76,6 +76,15 @@ def fresh(ptr: int, nbytes: int) -> bool:
     return True
 
 
+def direct_whole(ref: FileRef, op: int, ptr: int, nbytes: int, offset: int) -> bool:
+    """Whether the whole transfer is one O_DIRECT request: memory, offset and length 4096-aligned,
+    and not a large read into fresh memory (that is staged: ``FRESH_STAGED``). The one place that
+    decides "direct or not" for a whole request; `transfer` splits the others."""
+    if not ref.direct or nbytes == 0 or (ptr | offset | nbytes) & (ALIGNMENT - 1):
+        return False
+    return not read_fresh(op, ptr, nbytes)
+
+
 def read_fresh(op: int, ptr: int, nbytes: int) -> bool:
     """A large read into fresh page-aligned memory, to be staged (``FRESH_STAGED``)."""
     return FRESH_STAGED and op == READ and nbytes >= PREFAULT_MIN_BYTES and fresh(ptr, nbytes)
@@ -224,11 +233,8 @@ async def transfer(
     body_end = max(_align_down(end), body_start)
     body_ptr = ptr + (body_start - offset)
     fresh_dst = body_ptr % ALIGNMENT == 0 and read_fresh(op, body_ptr, body_end - body_start)
-    if body_start == offset and body_end == end and body_ptr % ALIGNMENT == 0 and not fresh_dst:
-        # The common fast path: aligned memory, offset and length: one O_DIRECT request.
-        counters.direct += nbytes
-        await submit_one(disp, ref, op, ptr, nbytes, offset, keep)
-        return
+    # (a wholly aligned request is one O_DIRECT body below; handles take it without this coroutine:
+    # `direct_whole`, asked once by dsio._op.Operations.fast)
 
     futs: list[asyncio.Future] = []
     failed: list[asyncio.Future] = []
