@@ -16,7 +16,7 @@ import logging
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from dstrain._parse import build, check_bool
 from dstrain.errors import ConfigError

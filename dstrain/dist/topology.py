@@ -24,10 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
-from dstrain.dist.groups import new_group
 from dstrain.dist.comm import Comm
+from dstrain.dist.groups import new_group
 from dstrain.errors import TopologyError
 
 __all__ = ["Coordinates", "Layout", "Topology"]

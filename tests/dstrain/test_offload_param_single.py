@@ -38,13 +38,6 @@ def test_budget_below_one_shard_buffer_is_named(tmp_path) -> None:
     assert e.value.field == "zero_optimization.offload_pinned_bytes"
 
 
-def test_unaligned_sub_group_with_master_in_file_is_named(tmp_path) -> None:
-    cfg = param_config(str(tmp_path), param="nvme", optimizer="nvme", sub_group=1000)
-    with pytest.raises(ConfigError) as e:
-        dstrain.initialize(model=make_model(), config=cfg)
-    assert e.value.field == "zero_optimization.sub_group_size"
-
-
 def test_param_metrics_on_dsio_exporter(tmp_path) -> None:
     prometheus_client = pytest.importorskip("prometheus_client")
     from dsio import metrics
