@@ -1,48 +1,6 @@
 """Prometheus metrics read from ``statistics()`` snapshots at scrape time.
 
-The I/O hot path never touches prometheus-client: live objects are kept in a weak registry
-(:mod:`dsio._registry`, which the storage engine uses without importing this module) and the
-collector asks each for its frozen ``statistics()`` snapshot when Prometheus scrapes.
-``AsyncIOHandle`` and ``Checkpointer`` track themselves; anything else with a ``statistics()``
-dataclass can be tracked with ``track(obj)``, and dstrain's engine is a *source*
-(``track(engine, describe=...)``) whose samples this one collector exports too.
-
-    dsio.metrics.serve()                          # 127.0.0.1:10464/metrics (+ LOCAL_RANK)
-    dsio.metrics.register(my_registry)            # or into a caller's own CollectorRegistry
-
-Port: :data:`DEFAULT_PORT` 10464 (``DSIO_METRICS_PORT`` overrides it); under torchrun each local
-rank serves its own port, base + ``LOCAL_RANK``. No label carries a file path or a directory:
-labels take a handful of fixed values (op, backend, errno, route, kind, rank, phase).
-
-Counters stay monotonic across object lifetimes: an object that is untracked (or closed and
-then collected) has its last snapshot folded into process-wide "retired" totals. Activity of an
-object that is garbage-collected without ``untrack`` since the previous scrape is lost; call
-:func:`untrack` from ``close()`` to make totals exact.
-
-Families (prefix ``dsio_``; units in names; counters end in ``_total``):
-
-- ``dsio_requests_total{op,backend}``, ``dsio_bytes_total{op,backend}``,
-  ``dsio_request_errors_total{op,backend,errno}``: engine requests (op: read, write, fsync).
-  ``errno`` is ``"unreported"`` until the engine keeps per-errno counts.
-- ``dsio_request_latency_seconds{op,backend}`` (histogram, buckets kept by the engine: powers of
-  two of microseconds; the engine's bucket i counts latencies < 2**i us, exported as ``le``),
-  ``dsio_request_size_bytes{op,backend}`` (histogram; only ``+Inf`` until the engine keeps size
-  buckets).
-- ``dsio_requests_in_flight{backend}``, ``dsio_calls_in_flight{backend}``, ``dsio_calls_total{op,backend}``,
-  ``dsio_call_errors_total{backend}``, ``dsio_transfer_bytes_total{route}`` (direct, staged, buffered),
-  ``dsio_kernel_pieces_total``, ``dsio_short_requests_total``, ``dsio_syscalls_total{kind}``.
-- ``dsio_pool_buffers``, ``dsio_pool_buffers_in_use``, ``dsio_pool_waiters``, ``dsio_pool_bytes``,
-  ``dsio_pool_acquisitions_total``, ``dsio_pool_waits_total``, ``dsio_pool_wait_seconds_total``.
-- ``dsio_<kind>_<field>`` for other tracked objects (``kind`` from the class name, e.g.
-  ``Checkpointer`` -> ``checkpoint``): numeric fields of the snapshot; ``*_total`` and bare event
-  counts (``saves``) as counters, levels (``in_flight``, ``last_*``, ``*_bytes``) as gauges:
-  ``dsio_checkpoint_saves_total``, ``dsio_checkpoint_blocked_seconds_total``,
-  ``dsio_checkpoint_bytes_written_total``, ``dsio_checkpoint_last_write_seconds``,
-  ``dsio_checkpoint_last_throughput_bytes_per_second`` (a field ``*_per_s`` is spelled out).
-  ``track(obj, kind=..., namespace="dstrain")`` gives ``dstrain_<kind>_<field>``.
-- dstrain's engine (``dstrain.metrics.register``): ``dstrain_steps_total{rank}``,
-  ``dstrain_phase_seconds_total{rank,phase}``, ``dstrain_comm_bytes_total{rank,op}``, ...
-- ``dsio_tracked_objects{kind}``, ``dsio_backend_available{backend}``, ``dsio_info{version}``.
+The design, in full: docs/metrics.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,6 @@
 """Routing: which expert each token goes to, where in that expert's buffer, with what weight.
 
-Three gating rules, with DeepSpeed's semantics (routing decisions identical to
-``deepspeed.moe.sharded_moe.top1gating / top2gating / topkgating`` on the same logits with sampling off):
-
-- **top-1** (Switch): each token's expert is ``argmax softmax(logits)`` (with RSample noise: ``argmax(logits +
-  Gumbel)``). Per expert, at most ``capacity`` tokens are kept: with random token selection (RTS) the ones
-  with the highest uniform random priority, without it the selection ``torch.topk`` makes over the 0/1
-  routing column (DeepSpeed's rule, which is *not* first-come-first-served). The weight is the raw softmax
-  probability of the chosen expert (not renormalised).
-- **top-2** (GShard): first expert ``argmax softmax``, second the argmax of the other logits (plus Gumbel noise
-  when ``top2_2nd_expert_sampling``). Buffer positions are first-come-first-served, every first choice ahead
-  of every second choice; routes past ``capacity`` are dropped. The two weights are renormalised to sum 1
-  over the *kept* routes (a token whose first route was dropped gives weight 1 to its second).
-- **top-k** (k > 2): the k largest softmax probabilities; per expert the ``capacity`` routes with the largest
-  probabilities are kept; weights renormalised over the kept routes.
-
-Capacity (tokens per expert buffer, per rank): ``max(ceil(tokens / experts * capacity_factor * k),
-min_capacity)``, the product computed in float32 as DeepSpeed does. With ``drop_tokens=False`` nothing is
-dropped and the capacity is the largest per-expert count (agreed across the expert group by the dispatcher).
-
-Load-balancing loss (Switch Transformer / GShard), with ``E`` experts and ``S`` tokens::
-
-    me[e] = mean_s softmax(logits)[s, e]             # mean router probability of expert e
-    ce[e] = mean_s chosen[s, e]                       # fraction of tokens routing to e (before capacity)
-    l_aux = E * sum_e me[e] * ce[e]                   # top-1: chosen = first choice
-    l_aux = E^2 * mean_e(me[e] * ce[e])               # top-2: chosen = first choice only (same value)
-    l_aux = E^2 / k * mean_e(me[e] * ce[e])           # top-k: chosen = any of the k choices
-
-It is 1 when routing is perfectly balanced and grows with imbalance; its gradient flows through ``me``.
-
-In eval mode no randomness is used at all (no Jitter, RSample, RTS or second-expert sampling), and the
-eval capacity factor applies. DeepSpeed applies RTS and second-expert sampling in eval mode too; we don't,
-so that evaluation is deterministic. ``used_token`` (padding mask) applies to every k here; DeepSpeed
-honours it for top-1 only. ``noisy_gate_policy='RSample'`` applies to top-1 only, as in DeepSpeed (a
-warning says so for k > 1). DeepSpeed asserts ``tokens >= min_capacity`` for top-1; here fewer tokens
-simply means nothing is dropped.
+The design, in full: docs/moe.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,6 @@
 """1-bit Adam: Adam whose momentum is averaged by an error-feedback 1-bit all-reduce after a warm-up.
 
-Warm-up (steps 1..freeze_step): plain Adam on gradients the engine averaged with a full all-reduce.
-After ``freeze_step`` the variance ``v`` is frozen, the engine stops reducing gradients (see
-`OneBitAdam.reduces_gradients`), and each rank folds its *local* gradient into the momentum, which
-is then averaged with `CompressedAllReduce` (1 bit per element plus one scale per chunk):
-
-    m = beta1 * m + (1 - beta1) * g_local;   m = compressed_average(m)
-    p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)
-
-First step and bias correction -- decided here, documented, and selectable:
-
-- ``bias_correction=True`` (dstrain's default): ``m_hat = m / (1 - beta1^t)``, ``v_hat = v / (1 - beta2^t_v)``
-  with ``t_v = min(t, freeze_step)`` because ``v`` stops changing at the freeze. The first step updates
-  the parameters like any Adam step.
-- ``deepspeed_compat=True``: DeepSpeed 0.16.5's behaviour, for exact comparison with it: the first call
-  to ``step()`` does nothing but count (its gradient is dropped: neither moments nor parameters
-  change), and no bias correction is applied.
-
-``fused=True`` compresses all parameters of a group as one flat buffer (one all-to-all and two
-all-gathers per group per step); ``fused=False`` compresses tensor by tensor, as DeepSpeed does (a
-different error-feedback granularity, so the two differ numerically; use it for the DeepSpeed anchor).
-
-The error-feedback buffers are optimizer state (``worker_error`` / ``server_error``, per rank): they
-are saved in ``state_dict()`` and restored bitwise. Loading a state whose step is before
-``freeze_step`` returns to warm-up.
-
-ZeRO stage 1 (``partitions`` given, one `Partition` per param group): the parameters this optimizer
-steps are this rank's slice ``[lo, hi)`` of the group's flat buffer. Partitioned: the fp32 master
-weights, the variance ``v`` and, during warm-up, the momentum. Full size on every rank after the
-freeze: the momentum (``full_exp_avg``, all-gathered from the slices once, at the first frozen step),
-because the compressed all-reduce averages whole momenta, and the worker error buffer (as big as the
-momentum; the server error is 1/world of it). The local gradient is read whole from the group's fp32
-master gradient (``Partition.flat_grad``), which ZeRO keeps whole for 1-bit routes (``Route.full_grad``)
-so the engine unscales (fp16), measures and clips it exactly as at stage 0. Every elementwise operation
-is the one stage 0 does on the same elements, so stage 1 equals stage 0 bitwise in fp32, bf16 and fp16,
-with or without clipping; ``fused=True`` only.
+The design, in full: docs/onebit.md.
 """
 
 from __future__ import annotations

@@ -1,50 +1,7 @@
 """0/1 Adam (Lu et al., arXiv:2202.06009): adaptive variance freezing and skipped communication, on
 the same error-feedback 1-bit all-reduce as 1-bit Adam (torch.distributed: gloo and NCCL, CPU and CUDA).
 
-Two phases, with DeepSpeed 0.16.5's parameter names and defaults:
-
-*Variance phase* (until step ``var_freeze_step``). Step ``t`` updates the variance only when
-``t % var_interval == 0``; the interval starts at 1 and doubles after every ``var_update_scaler``
-variance updates. On those steps the engine all-reduces the gradients (`reduces_gradients` tells it
-one step ahead) and both moments take the averaged gradient. On the other steps the engine sends
-nothing: each rank's *local* gradient is averaged with the 1-bit compressed all-reduce and only the
-momentum takes it. Either way the parameters take an Adam step.
-
-*Frozen phase* (after ``var_freeze_step``). The variance is fixed, the engine never reduces gradients,
-and ranks talk only every ``local_step_interval`` steps: in between, each rank takes local Adam steps
-with its own gradients and sums them in a momentum accumulator ``u``. At a synchronization step the
-local steps are undone, ``u`` (rescaled by the Adam denominator) is averaged with the compressed
-all-reduce, the momentum is rebuilt from it (``m = -u_avg / sum(lr)``) and the averaged step is applied,
-so all replicas agree again. The interval starts at 1 and doubles, up to ``local_step_clipper``, after
-every ``local_step_scaler`` frozen steps. The error-feedback buffers are zeroed once at the freeze
-(before it they carried gradient error, after it they carry accumulator error).
-
-First step and bias correction:
-
-- dstrain's default (``bias_correction=True``): the first call is a real step; the momentum is divided
-  by ``1 - beta1^t`` and the variance by ``1 - beta2^n`` (``n`` variance updates so far, frozen with it).
-  In the frozen phase the rebuilt momentum is multiplied back by ``1 - beta1^t`` so what is stored is
-  always the uncorrected momentum.
-- ``deepspeed_compat=True``: DeepSpeed 0.16.5's behaviour, for the anchor comparison: the first call
-  only counts (its gradient is dropped, nothing moves), and no bias correction at all.
-
-``fused=True`` (default) compresses all tensors of a param group as one flat buffer; ``fused=False``
-compresses tensor by tensor, as DeepSpeed does. Differences from DeepSpeed 0.16.5, on purpose: with one
-rank the momentum still takes the gradient on non-variance steps (DeepSpeed skipped the update), and
-the error feedback, momentum accumulator and schedule counters are saved in ``state_dict()`` and
-restored bitwise (DeepSpeed's ``load_state_dict`` dropped them).
-
-ZeRO stage 1 (``partitions`` given, one `Partition` per param group; ``fused=True`` only): during the
-variance phase the optimizer steps this rank's slice ``[lo, hi)`` of each group's flat buffer, so the fp32
-master weights, ``m``, ``v`` and the (still empty) accumulator are partitioned; the compressed gradient
-average reads the group's whole local gradient (``Partition.flat_grad``) and keeps its slice. The local
-steps of the frozen phase need every rank's own whole replica (each rank moves all parameters with its
-own gradient between synchronisations), so at the first frozen step the slices of ``m``, ``v`` and (fp16
-/bf16) the fp32 master are all-gathered once into whole buffers (``full_*`` state of the group's first
-parameter) and from then on the optimizer writes the whole flat buffer itself; ZeRO gathers nothing after
-a step (`replicated`). ZeRO-1 therefore saves optimizer memory during the variance phase only. Every
-elementwise operation is stage 0's on the same elements, so stage 1 equals stage 0 bitwise; checkpoints
-carry each rank's whole replica (``full_master``) after the freeze.
+The design, in full: docs/onebit.md.
 """
 
 from __future__ import annotations

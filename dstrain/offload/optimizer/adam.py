@@ -1,34 +1,6 @@
 """`OffloadAdam`: Adam(W) whose state lives off the training tensors, stepped sub-group by sub-group.
 
-The ZeRO strategy hands over its fp32 master views (each with ``.grad`` viewing the reduced fp32
-gradient). Each view is cut into sub-groups of at most ``sub_group_numel`` elements, a multiple of
-1024 from the view's start: torch's fused CPU kernel is vectorised from a tensor's start, so cuts
-at such multiples give bit-for-bit the same arithmetic as stepping the whole view (checked by the
-parity tests against the non-offloaded optimizer).
-
-Where the state lives:
-
-- ``device="cpu"``: Adam's m and v per sub-group in host memory; nothing to swap.
-- ``device="nvme"``: m and v per sub-group in one swap file (`Swapper`). During `step`, sub-group
-  ``i`` is stepped while the next ones are read and the previous ones written; at the end of
-  `step` the reads of the next step's first sub-groups are submitted, so they run (after the
-  writes drain, which need no gradients) during the next forward and backward. The training
-  thread waits only when a read is truly late; that wait is `stall_seconds`.
-
-Stepping during backward (`dstrain.offload.optimizer.early_step`, stage 3 where legal): sub-groups whose
-gradients are final are stepped from the boundary backward (`step_ready`, never waiting for a
-read), and the step order (so the read order) becomes the order in which the last backward
-finished them, so the reads and write-backs run during backward; `step` steps the rest.
-
-The fp32 master itself is the ZeRO strategy's tensor: at fp32 it *is* the model's parameter
-storage, so swapping it would only add a second copy of bytes already in memory (except with
-parameters on NVMe too, where the master is the shard in the parameter file, `master_store`).
-
-The masters (and their gradients) may live on any device, CUDA included. The state is kept on the
-host or NVMe either way; each sub-group's m, v (and a swapped master) are moved to the gradient's
-device by a `DeviceStager`, stepped there by that device's fused Adam(W) (the kernel the
-non-offloaded optimizer uses, elementwise, so sub-group slicing keeps results bitwise equal), and
-copied back before their swap write. On a CPU run nothing moves: the same code, no copies.
+The design, in full: docs/offload.md.
 """
 
 from __future__ import annotations
