@@ -25,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Coroutine, Hashable, Iterable
 from dataclasses import dataclass, replace
@@ -36,6 +34,7 @@ import torch
 
 from dsio import LoopThread, shared_loop
 from dsio.config import IOConfig
+from dstrain.offload.swap.rundir import RunDir
 from dstrain.offload.swap.slots import SlotTable, SlotTableStatistics, SwapPin
 
 __all__ = ["ALIGN", "Lease", "SwapPin", "Swapper", "SwapperStatistics", "align_up"]
@@ -143,7 +142,9 @@ class Swapper:
 
         self.kind = kind
         self._lt = loop or shared_loop()
-        self._dir = tempfile.mkdtemp(prefix=f"dstrain-swap-{kind}-", dir=os.fspath(directory))
+        # locked while this run lives; a killed run's directory goes when the next one starts
+        self._run_dir = RunDir(directory, kind)
+        self._dir = self._run_dir.path
         self.path = os.path.join(self._dir, f"{kind}.swp")
         cfg = io_config or IOConfig()
         self._io_config = replace(cfg, pool_bytes=STAGING_BYTES, staging_buffer_bytes=STAGING_BYTES)
@@ -432,7 +433,7 @@ class Swapper:
             await self._handle.aclose()
             self._handle = None
         self._pool.close(force=True)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._run_dir.remove()
 
     # -- introspection and lifetime -----------------------------------------------------------
 
