@@ -190,6 +190,8 @@ class OffloadAdam(torch.optim.Optimizer):
             self._top_up()
         if self._early is not None and not self._hold_early:
             self._early.arm()
+            if self.swapped.reads is not None:
+                self.swapped.reads.fetch_final(set())  # the first masters, read during backward
 
     @property
     def steps_in_backward(self) -> bool:

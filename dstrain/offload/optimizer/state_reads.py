@@ -35,10 +35,7 @@ class StateReads:
         self.grads = grads
         self.in_pass = (0, 0)
         """(master, gradient) ranges `fetch_final` may hold at once during backward."""
-        # [sub-group, state future, master future, grad future, when its master/grad reads were
-        # asked for during backward (None: not then)]
-        self.ahead: deque[list[Any]] = deque()
-        self._asked = 0
+        self.ahead: deque[list[Any]] = deque()  # [sub-group, state future, master future, grad future]
         self.next = 0  # position in the order of the next read to submit
         self.hits = self.misses = 0
         self.stall = 0.0
@@ -51,7 +48,7 @@ class StateReads:
             sg = order[self.next]
             self.next += 1
             if sg.index not in stepped:
-                self.ahead.append([sg, self.swapper.fetch(sg.index), None, None, None])
+                self.ahead.append([sg, self.swapper.fetch(sg.index), None, None])
         if self.grads is not None and in_step:  # gradients are final only once the step runs
             for entry in self.ahead:
                 if entry[3] is None:
@@ -65,40 +62,31 @@ class StateReads:
                     entry[2] = self.master.fetch_master(sg.group, sg.master_start, sg.numel)
 
     def fetch_final(self, ready: set[int]) -> None:
-        """During backward: read the master and gradient ranges of queued sub-groups of ``ready``
-        (their gradients are final), in queue order, within the ``in_pass`` limits. An entry gets
-        both of its reads at once or neither, so that taking entries in the order they were asked
-        for (`fetched_in_pass`) takes them in the order each pool hands out buffers."""
+        """During backward: read ahead the master ranges of queued sub-groups (in queue order: the
+        master changes only when its sub-group steps) and the gradient ranges of those of ``ready``
+        (their gradients are final), within the ``in_pass`` limits. Those limits leave each pool a
+        buffer the pass never holds for long, so the step can take these entries in queue order
+        (`fetched_in_pass`) whatever order the gradient reads were asked in."""
         masters = sum(1 for e in self.ahead if e[2] is not None)
         grads = sum(1 for e in self.ahead if e[3] is not None)
         max_m, max_g = self.in_pass
         for entry in self.ahead:
             sg = entry[0]
-            if sg.index not in ready or entry[4] is not None:
-                continue
-            want_m = self.master is not None and entry[2] is None
-            want_g = self.grads is not None and entry[3] is None
-            if masters + want_m > max_m or grads + want_g > max_g:
-                break
-            if want_m:
+            if self.master is not None and entry[2] is None and masters < max_m:
                 entry[2] = self.master.fetch_master(sg.group, sg.master_start, sg.numel, in_pass=True)
                 masters += 1
-            if want_g:
+            if self.grads is not None and entry[3] is None and grads < max_g and sg.index in ready:
                 entry[3] = self.grads.fetch(sg.group, sg.master_start, sg.numel)
                 grads += 1
-            entry[4] = self._asked
-            self._asked += 1
 
     def fetched_in_pass(self) -> list[SubGroup]:
-        """Queued sub-groups holding master / gradient buffers read during backward, in the order
-        they were asked for (the step takes these first: the pools hand buffers out in that order,
-        and the other sub-groups' reads may wait for these buffers)."""
-        asked = sorted((e for e in self.ahead if e[4] is not None), key=lambda e: e[4])
-        return [e[0] for e in asked]
+        """Queued sub-groups holding master / gradient buffers read during backward, in queue order
+        (the step takes these first: the other sub-groups' reads may wait for their buffers)."""
+        return [e[0] for e in self.ahead if e[2] is not None or e[3] is not None]
 
     def read_in(self, ready: set[int]) -> SubGroup | None:
         """A queued sub-group of ``ready`` whose reads are all done (taking it will not wait)."""
-        for sg, fut, mfut, gfut, _ in self.ahead:
+        for sg, fut, mfut, gfut in self.ahead:
             if sg.index not in ready or not fut.done():
                 continue
             if self.master is not None and (mfut is None or not mfut.done()):
@@ -114,7 +102,7 @@ class StateReads:
         at = next((i for i, entry in enumerate(self.ahead) if entry[0] is sg), None)
         if at is None:
             raise RuntimeError("offload read-ahead out of order")  # a bug, never user input
-        _, fut, mfut, gfut, _ = self.ahead[at]
+        _, fut, mfut, gfut = self.ahead[at]
         del self.ahead[at]
         if gfut is not None:
             self.grads.took(gfut)
@@ -136,7 +124,7 @@ class StateReads:
         """Hand every buffer read ahead back unused and restart at the order's head."""
         self.next = 0
         while self.ahead:
-            _, fut, mfut, gfut, _ = self.ahead.popleft()
+            _, fut, mfut, gfut = self.ahead.popleft()
             self.swapper.discard(fut.result())
             if mfut is not None:
                 self.master.discard_master(mfut.result()[0])

@@ -112,13 +112,13 @@ class SwappedMaster:
         for its buffers there, so whatever the optimizer holds in it must be buffers the read-ahead
         never counts on: at fp32 (the master is the shard) half of them hold master ranges; at
         bf16/fp16 one takes the cast shard writes (`ShardStream`) and the master ranges come from
-        the master file's own pool."""
+        the master file's own pool, all of its buffers but one (`StateReads.fetch_final`)."""
         buffers = self._swapper.buffers
         if buffers < 2:
             return 0
         if self.file is not None:
             self._lend(1)
-            return self.file.buffers
+            return self.file.buffers - 1  # one the pass never holds (the step takes its reads in order)
         self._lend(buffers // 2)
         return buffers // 2
 
