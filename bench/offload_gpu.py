@@ -148,7 +148,7 @@ def _swap_counters(sources: tuple[Any, ...]) -> dict[str, float]:
     return offload_counters(*sources) or {}
 
 
-def _hwm_mib() -> float:
+def host_peak_mib() -> float:
     """This process's peak resident memory (VmHWM), MiB."""
     with open("/proc/self/status") as f:
         for line in f:
@@ -265,7 +265,7 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
     if args.device == "cuda":
         out["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         out["gpu_bytes_per_param"] = torch.cuda.max_memory_allocated(device) / params
-    out["host_peak_mib"] = _hwm_mib()
+    out["host_peak_mib"] = host_peak_mib()
     if world > 1:
         dist.destroy_process_group()
     return out

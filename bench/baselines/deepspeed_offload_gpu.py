@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.offload_gpu import host_peak_mib  # noqa: E402  (dstrain's run reads its peak the same way)
+
 
 def _io() -> dict[str, int]:
     out = {}
@@ -35,14 +37,6 @@ def _io() -> dict[str, int]:
             k, v = line.split(":")
             out[k] = int(v)
     return out
-
-
-def _hwm_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def main() -> int:
@@ -140,7 +134,7 @@ def _run(a: argparse.Namespace) -> dict:
         "tokens_per_s": len(timed) * a.batch * a.seq / wall if timed and wall else None,
         "gpu_peak_gib": peak / 2**30,
         "gpu_bytes_per_param": peak / params,
-        "host_peak_mib": _hwm_mib(),
+        "host_peak_mib": host_peak_mib(),
         "disk_read_bytes": rd,
         "disk_written_bytes": wr,
         "swap_read_gbps": rd / wall / 1e9 if wall else None,
