@@ -109,10 +109,9 @@ def check_dir(directory: str, need: int) -> str:
 def buffer(nbytes: int, gpu: bool) -> Any:
     import torch
 
-    from ._native import native
+    from ._memory import locked_tensor
 
-    mem = native().AlignedBuffer(nbytes, True)
-    t = torch.frombuffer(mem, dtype=torch.uint8)
+    t, _mem = locked_tensor(nbytes)  # the tensor keeps the buffer alive
     t.view(torch.int64)[: nbytes // 8].copy_(torch.arange(nbytes // 8, dtype=torch.int64))
     return t.cuda() if gpu else t
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from ._backends import warn_once
 from ._dispatch import FSYNC, READ, Dispatcher
 from ._gather import wait_all
-from ._native import C as _C  # loaded on first use, not at import
+from ._memory import memcpy  # the core loads on first use, not at import
 from .config import ALIGNMENT
 from .errors import ClosedError, ShortIOError
 from .pool import Lease, PinnedPool
@@ -345,7 +345,7 @@ async def _staged(
         elif op == READ:
             submit(fd, lease.ptr, size, off + pos, _loop_copier(lease, ptr + pos, size))
         else:
-            _C.memcpy(lease.ptr, ptr + pos, size)
+            memcpy(lease.ptr, ptr + pos, size)
             submit(fd, lease.ptr, size, off + pos, _releaser(lease))
         pos += size
 
@@ -410,7 +410,7 @@ def _loop_copier(lease: Lease, dst: int, size: int) -> Callable[[int], None]:
     def fin(res: int) -> None:
         try:
             if res == size:
-                _C.memcpy(dst, lease.ptr, size)
+                memcpy(dst, lease.ptr, size)
         finally:
             lease.release()
 

@@ -44,6 +44,7 @@ import torch
 
 from ._bridge import LoopThread, is_exiting, shared_loop
 from ._gather import first_error, wait_all_futures
+from ._memory import locked_tensor
 from ._native import native
 from .config import ALIGNMENT, IOConfig
 from .errors import ChecksumError, ClosedError, ConfigError
@@ -260,8 +261,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         nbytes = int(num_elem) * torch.empty(0, dtype=dtype).element_size()
         if nbytes == 0:
             return torch.empty(0, dtype=dtype)
-        mem = native().AlignedBuffer(nbytes, True)
-        t = torch.frombuffer(mem, dtype=dtype, count=int(num_elem))
+        t, mem = locked_tensor(nbytes, dtype=dtype, count=int(num_elem))
         self._locked[t.data_ptr()] = mem
         _LOCKED.add(t.data_ptr(), nbytes, mem)
         return t

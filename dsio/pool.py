@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._backends import load_native, warn_once
+from ._backends import warn_once
+from ._memory import aligned_buffer
 from .config import ALIGNMENT
 from .errors import ClosedError, ConfigError, PoolBusyError
 
@@ -98,12 +99,11 @@ class PinnedPool:
             raise ConfigError(f"buffer_size must be a positive multiple of {ALIGNMENT}, got {buffer_size}")
         if nbytes < buffer_size:
             raise ConfigError(f"nbytes ({nbytes}) must hold at least one buffer of {buffer_size} bytes")
-        C = load_native()
         count = nbytes // buffer_size
         self.buffer_bytes = buffer_size
         # Huge pages: each 2 MiB of the region physically contiguous (the kernel's transparent
         # huge pages, when enabled).
-        self._mem = C.AlignedBuffer(count * buffer_size, lock, hugepage)
+        self._mem = aligned_buffer(count * buffer_size, lock=lock, hugepage=hugepage)
         if lock and not self._mem.locked:
             import os
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._native import C as _C  # dsio._native is the one module that loads the native core
+from .._memory import memcpy
 
 __all__ = ["Sink", "addr", "no_zip_crc32", "savable"]
 
@@ -28,7 +28,7 @@ class Sink:
             if self.pos + n > self.limit:
                 raise RuntimeError("torch.save produced more bytes than it did a moment ago")
             if n:
-                _C.memcpy(self.ptr + self.pos, addr(mv), n)
+                memcpy(self.ptr + self.pos, addr(mv), n)
         self.pos += n
         return n
 

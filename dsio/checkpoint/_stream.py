@@ -29,7 +29,7 @@ import crc32c
 import torch
 
 from .._gather import wait_all
-from .._native import C as _C
+from .._memory import aligned_buffer, memcpy
 from ._capture import Capture, TouchOrder, plan_windows
 from ._format import TensorEntry
 from ._integrity import crc_extend
@@ -100,7 +100,7 @@ async def write_streamed(
     if data_bytes == 0:
         return crcs
     n_buf = max(1, min(buffers, len(plan.order)))
-    mems = [_C.AlignedBuffer(chunk_bytes, True) for _ in range(n_buf)]
+    mems = [aligned_buffer(chunk_bytes) for _ in range(n_buf)]
     free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
     for m in mems:
         free.put_nowait(torch.frombuffer(m, dtype=torch.uint8))
@@ -121,7 +121,7 @@ async def write_streamed(
         if not plan.volatile[w] or w in lazy_windows:
             return None
         extra_left -= chunk_bytes
-        m = _C.AlignedBuffer(chunk_bytes, False)  # unlocked: O_DIRECT needs alignment only
+        m = aligned_buffer(chunk_bytes, lock=False)  # unlocked: O_DIRECT needs alignment only
         mems.append(m)
         return torch.frombuffer(m, dtype=torch.uint8)
 
@@ -175,7 +175,7 @@ async def write_streamed(
             t = eager.get(e.name)
             if t is not None:
                 if t.device.type == "cpu":
-                    _C.memcpy(base + at, t.data_ptr() + off, n)
+                    memcpy(base + at, t.data_ptr() + off, n)
                 else:  # e.g. CUDA: torch copies it over (windows cut at element boundaries)
                     size = t.element_size()
                     buf[at : at + n].view(t.dtype).copy_(t[off // size : (off + n) // size])

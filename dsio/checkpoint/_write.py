@@ -22,12 +22,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from .._gather import wait_all
-from .._native import C as _C  # loaded on first use: import dsio.checkpoint works without the core
+from .._memory import aligned_buffer, memcpy  # the core loads on first use, not at import
 from ..errors import IOFailedError
 from ..file import AsyncFile
 from ..handle import AsyncIOHandle
@@ -52,7 +52,7 @@ class Staging:
     """A reusable page-aligned, locked host region (grown when a state no longer fits)."""
 
     def __init__(self) -> None:
-        self._mem: _C.AlignedBuffer | None = None
+        self._mem: Any = None  # an aligned, locked buffer (dsio._memory)
         self._view: torch.Tensor | None = None
 
     @property
@@ -64,7 +64,7 @@ class Staging:
         if self._mem is None or self._mem.nbytes < nbytes:
             self.release()
             size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
-            self._mem = _C.AlignedBuffer(size, True)
+            self._mem = aligned_buffer(size)
             self._view = torch.frombuffer(self._mem, dtype=torch.uint8)
         assert self._view is not None
         return self._view[:nbytes]
@@ -122,7 +122,7 @@ def _preallocate(path: str, size: int) -> None:
 
 
 def _copy_and_crc(dst: int, src: int, nbytes: int) -> int:
-    _C.memcpy(dst, src, nbytes)
+    memcpy(dst, src, nbytes)
     return crc_of(dst, nbytes)
 
 
@@ -192,7 +192,7 @@ class FileWriter:
         """Copy every tensor into the region; writes of staged parts start as soon as they are ready.
 
         With ``copy_threads`` > 0 the copies run as <= 8 MiB memcpy segments on that many worker
-        threads (``_C.memcpy`` releases the GIL), in file order, while the event loop submits
+        threads (``memcpy`` releases the GIL), in file order, while the event loop submits
         each staged ~16 MiB; with 0 they run inline on the loop's thread.
         """
         t0 = time.perf_counter()
