@@ -85,7 +85,7 @@ def targets(data: dict[str, Any]) -> list[str]:
 
 
 def render(data: dict[str, Any], commit: str, warmup: int = 1) -> str:
-    any_run = next((v for k, v in data.items() if k != "probes" and "params" in v), {})
+    any_run: dict[str, Any] = next((v for k, v in data.items() if k != "probes" and "params" in v), {})
     params = any_run.get("params", 0)
     lines = [
         f"# dstrain vs DeepSpeed 0.19.8 on one H200, {datetime.date.today()} (code at {commit})",

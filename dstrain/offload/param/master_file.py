@@ -214,9 +214,10 @@ class ShardStream:
         """Bytes of the region in the page at file offset ``page``."""
         return min(ALIGN, self._end - page)
 
-    def _write(self, off: int, fill: Callable[[torch.Tensor], None], nbytes: int) -> None:
+    def _write(self, off: int, src: torch.Tensor, dtype: torch.dtype, nbytes: int) -> None:
+        """Write ``src`` cast to ``dtype`` (``nbytes`` of the region) at file offset ``off``."""
         lease = self._sw.acquire_any().result()
-        fill(lease.tensor[: align_up(nbytes)])
+        lease.tensor[: src.numel() * torch.empty((), dtype=dtype).element_size()].view(dtype).copy_(src)
         self._sw.store_range(lease, off, nbytes)
 
     def write(self, start: int, values: torch.Tensor) -> int:
@@ -244,14 +245,13 @@ class ShardStream:
             entry[1] += z - a
             if entry[1] == self._page_need(page):  # every range of this page is in
                 img = self._edges.pop(page)[0]
-                self._write(page, lambda t, img=img: t[:ALIGN].copy_(img), self._page_need(page))
+                self._write(page, img, torch.uint8, self._page_need(page))
                 writes += 1
         per = self._sw.buffer_bytes // ALIGN * ALIGN  # bytes of one buffer, whole pages
         for off in range(first, max(first, last), per):
             k = min(per, last - off)
             e0 = (off - lo) // es
-            src = values[e0 : e0 + k // es]
-            self._write(off, lambda t, src=src, k=k: t[:k].view(self._dtype).copy_(src), k)
+            self._write(off, values[e0 : e0 + k // es], self._dtype, k)
             writes += 1
         self._stored += n
         return writes
