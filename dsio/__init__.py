@@ -8,6 +8,7 @@ async with dsio.AsyncIOHandle(dsio.IOConfig(queue_depth=32)) as h:
 from typing import TYPE_CHECKING
 
 from ._backends import BackendStatus, backend_status
+from ._gather import wait_all, wait_all_futures
 from ._stats import LATENCY_BUCKET_BOUNDS_S, HandleStatistics, IOEngineStatistics, OpStatistics
 from .config import ALIGNMENT, IOConfig
 from .errors import (
@@ -75,6 +76,8 @@ __all__ = [
     "is_exiting",
     "run_sync",
     "shared_loop",
+    "wait_all",
+    "wait_all_futures",
     "__version__",
 ]
 

@@ -70,12 +70,18 @@ async def wait_all(aws: Iterable[Awaitable[T]], *, drain: bool = False) -> list[
     return [f.result() for f in futs]
 
 
-def wait_all_futures(futures: Iterable[concurrent.futures.Future[T]]) -> list[T]:
+def wait_all_futures(
+    futures: Iterable[concurrent.futures.Future[T]], timeout: float | None = None
+) -> list[T]:
     """The blocking twin for ``concurrent.futures`` (e.g. work submitted to a loop thread):
-    wait for every one, then raise the first failure in order, else return the results."""
+    wait for every one, then raise the first failure in order, else return the results.
+    ``timeout``: seconds to wait at most; ``TimeoutError`` (saying how many are still running)
+    when some are not done by then."""
     futs = list(futures)
     if futs:
-        concurrent.futures.wait(futs)
+        _, not_done = concurrent.futures.wait(futs, timeout)
+        if not_done:
+            raise TimeoutError(f"{len(not_done)} of {len(futs)} still running after {timeout} s")
     exc = first_error(futs)
     if exc is not None:
         raise exc

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 
 import torch
 
+from .._gather import wait_all
 from ..errors import ChecksumError
 from ..file import AsyncFile
 from ..handle import AsyncIOHandle
@@ -101,16 +103,6 @@ def _runs(entries: tuple[TensorEntry, ...]) -> list[list[TensorEntry]]:
     return runs
 
 
-async def _all(futs: list, *, raise_first: bool = True) -> None:
-    """Wait for every future (none is left running), then raise the first failure."""
-    if not futs:
-        return
-    await asyncio.wait(futs)
-    errors = [f.exception() for f in futs if not f.cancelled() and f.exception() is not None]
-    if errors and raise_first:
-        raise errors[0]
-
-
 async def read_file(
     handle: AsyncIOHandle,
     path: str,
@@ -166,7 +158,7 @@ async def read_file(
             parts = [
                 asyncio.ensure_future(piece(a, min(a + VERIFY_PIECE, n))) for a in range(0, n, VERIFY_PIECE)
             ]
-            await _all(parts)
+            await wait_all(parts, drain=True)
             got = 0
             for part in parts:
                 got = crc_extend(got, *part.result())
@@ -211,11 +203,11 @@ async def read_file(
                         io=handle,
                     )
         try:
-            reads = [asyncio.ensure_future(read_run(r)) for r in _runs(left)]
-            await _all(reads)
-            await _all(checks)
+            await wait_all([read_run(r) for r in _runs(left)], drain=True)
+            await wait_all(checks, drain=True)
         finally:
-            await _all(checks, raise_first=False)
+            with contextlib.suppress(Exception):  # after a failure: the checks still running end too
+                await wait_all(checks, drain=True)
             if ex is not None:
                 ex.shutdown(wait=True)
     return header, {e.name: out[e.name] for e in header.entries}

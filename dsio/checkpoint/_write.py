@@ -395,11 +395,8 @@ class FileWriter:
     async def abort(self) -> None:
         """Wait out writes still in flight, close and remove the partial file."""
         writes, self._writes = self._writes, []
-        if writes:
-            await asyncio.wait(writes)
-            for w in writes:  # retrieve, so that asyncio does not log them as unhandled
-                if not w.cancelled():
-                    w.exception()
+        with contextlib.suppress(Exception):  # their errors are retrieved: nothing logs them unhandled
+            await wait_all(writes, drain=True)
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -26,7 +26,6 @@ validated (plain file name, offsets within the file) before a byte is read.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import enum
 import io
@@ -54,6 +53,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .._bridge import run_sync
+from .._gather import wait_all
 from ..config import IOConfig
 from ..errors import CheckpointFormatError, ChecksumError
 from ..handle import AsyncIOHandle
@@ -396,12 +396,7 @@ class DsioStorageReader(StorageReader):
                     target.copy_(src)
                     planner.commit_tensor(req, target)
 
-                tasks = [asyncio.ensure_future(one(r)) for r in plan.items]
-                if tasks:
-                    await asyncio.wait(tasks)
-                    for t in tasks:
-                        if t.exception() is not None:
-                            raise t.exception()  # type: ignore[misc]
+                await wait_all([one(r) for r in plan.items], drain=True)
             finally:
                 for f, _ in files.values():
                     f.close()

@@ -40,6 +40,8 @@ PUBLIC = {
     "is_exiting",
     "run_sync",
     "shared_loop",
+    "wait_all",
+    "wait_all_futures",
     "__version__",
 }
 

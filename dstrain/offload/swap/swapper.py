@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from dsio import LoopThread, shared_loop
+from dsio import LoopThread, shared_loop, wait_all_futures
 from dsio.config import IOConfig
 from dstrain.offload.swap.rundir import RunDir
 from dstrain.offload.swap.slots import SlotTable, SlotTableStatistics, SwapPin
@@ -307,16 +307,12 @@ class Swapper:
 
     def drain(self, timeout: float | None = None) -> None:
         """Block until every transfer submitted so far has finished; raise the first failure."""
-        futs = list(self._pending)
-        done, not_done = concurrent.futures.wait(futs, timeout)
-        if not_done:
-            raise TimeoutError(
-                f"{len(not_done)} swap transfer(s) of {self.path} still running after {timeout} s"
-            )
-        for f in done:
-            exc = f.exception()
-            if exc is not None:
-                raise exc
+        try:
+            wait_all_futures(list(self._pending), timeout)
+        except TimeoutError as e:
+            if not all(f.done() for f in self._pending):  # ours, not a transfer's own error
+                raise TimeoutError(f"swap transfers of {self.path}: {e}") from None
+            raise
 
     def _submit(
         self, coro: Coroutine[Any, Any, T], slot: tuple[int, int] | None = None
