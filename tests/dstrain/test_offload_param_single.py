@@ -22,8 +22,23 @@ def _close(engine: Any, optimizer: Any) -> None:
         optimizer.close()
 
 
-def test_missing_nvme_path_is_refused_at_initialize(tmp_path) -> None:
-    cfg = param_config(str(tmp_path / "missing"), param="nvme")
+def test_missing_nvme_path_is_created_private(tmp_path) -> None:
+    # DeepSpeed creates a missing nvme_path; dstrain does too, private to the user (0700)
+    path = tmp_path / "missing"
+    engine, optimizer, _, _ = dstrain.initialize(
+        model=make_model(), config=param_config(str(path), param="nvme")
+    )
+    try:
+        assert path.is_dir()
+        assert path.stat().st_mode & 0o777 == 0o700
+    finally:
+        _close(engine, optimizer)
+
+
+def test_nvme_path_that_cannot_be_created_is_refused_at_initialize(tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")  # a path under a regular file can never be a directory
+    cfg = param_config(str(blocker / "swap"), param="nvme")
     with pytest.raises(ConfigError) as e:
         dstrain.initialize(model=make_model(), config=cfg)
     assert e.value.field == "zero_optimization.offload_param.nvme_path"
