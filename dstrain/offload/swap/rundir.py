@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "dstrain-swap-"
 LOCK = ".lock"
+_HIDDEN = ".new-"
 
 
 def _try_lock(path: str) -> int | None:
@@ -81,11 +82,15 @@ class RunDir:
     def __init__(self, directory: str | os.PathLike[str], kind: str) -> None:
         root = os.fspath(directory)
         remove_leftovers(root)
-        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{kind}-", dir=root)
+        # made under a name the sweep ignores, locked, then renamed into view: another rank's sweep
+        # never sees it unlocked (between creating the lock file and taking the lock)
+        hidden = tempfile.mkdtemp(prefix=f"{_HIDDEN}{PREFIX}{kind}-", dir=root)
         self._fd: int | None = os.open(
-            os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+            os.path.join(hidden, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
         )
         fcntl.flock(self._fd, fcntl.LOCK_EX)  # a fresh file nobody else has opened: at once
+        self.path = os.path.join(root, os.path.basename(hidden)[len(_HIDDEN) :])
+        os.rename(hidden, self.path)  # the random suffix is unique in root
 
     def remove(self) -> None:
         """Delete the directory and everything in it, then let go of the lock (idempotent)."""
