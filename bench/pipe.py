@@ -1,7 +1,7 @@
 """Pipeline parallelism: dstrain PP=2 vs DeepSpeed PipelineEngine PP=2 vs DDP, on 2 gloo ranks.
 
     .venv/bin/python bench/pipe.py [--reps 3] [--steps 6] [--dim 1024] [--layers 8] [--micro 16] [--gas 4,8]
-    .venv/bin/python bench/pipe.py --record-ds-losses tests/dstrain/pipe_ds_losses.json
+    .venv/bin/python bench/pipe.py --record-ds-losses tests/dstrain/pipe/pipe_ds_losses.json
     .venv/bin/python bench/pipe.py --quick      # seconds (make bench): tiny model, dstrain and DDP, 1 rep
 
 Each rep runs every method (interleaved: rep 1 of all, then rep 2, ...) as its own ``torchrun`` job, DeepSpeed's
@@ -14,7 +14,7 @@ runs the whole model on both ranks with half the micro-batches each (the same gl
 
 ``--record-ds-losses`` runs DeepSpeed's pipeline engine on the anchor's model (../shared/anchors/ds_pipe_cpu.py,
 with Adam weight decay pinned to 0) for 10 steps and writes its per-step losses: the fixture
-tests/dstrain/test_pipe_train.py compares dstrain against (within 1e-5).
+tests/dstrain/pipe/test_pipe_train.py compares dstrain against (within 1e-5).
 
 Worker modes (``--worker ds|dstrain|ddp``) run inside torchrun and import only what their framework needs.
 """

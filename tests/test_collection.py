@@ -58,7 +58,7 @@ def test_single_node_ids_from_both_directories_run_from_elsewhere(tmp_path: Path
     dstrain helpers, in one run started outside the checkout: both pass."""
     ids = [
         f"{TESTS}/dsio/test_roundtrip.py::test_zero_bytes_and_scalar[asyncio]",
-        f"{TESTS}/dstrain/test_onebit_zeroone.py::test_schedule_without_communication_matches_deepspeed",
+        f"{TESTS}/dstrain/onebit/test_onebit_zeroone.py::test_schedule_without_communication_matches_deepspeed",
     ]
     r = _pytest("-q", *ids, cwd=str(tmp_path))
     out = r.stdout + r.stderr

@@ -8,7 +8,7 @@ over the data-parallel group like the default reducer (the loss was pre-scaled b
 the mean). Otherwise it sends nothing and undoes the pre-scale, so each rank's optimizer sees its own
 full-scale local gradient and averages what it needs with the compressed all-reduce.
 
-What composes, for both optimizers (each tested: tests/dstrain/test_onebit_stage1.py): ZeRO stage 0
+What composes, for both optimizers (each tested: tests/dstrain/onebit/test_onebit_stage1.py): ZeRO stage 0
 (parameters, gradients and optimizer state replicated) and ZeRO stage 1 (master weights and optimizer
 state partitioned: see `dstrain.onebit.adam` and `dstrain.onebit.zeroone` for what stays whole), each
 with fp32, bf16 and fp16 (fp32 masters, dynamic loss scaling: an overflow step is skipped on every

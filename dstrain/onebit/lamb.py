@@ -19,7 +19,7 @@ and to within ``factor_threshold`` of the previous step's.
 
 As in DeepSpeed 0.16.5, the first `step` only allocates state (its step count becomes 1, the parameters
 do not move), so the warm-up takes ``freeze_step - 1`` updates. The arithmetic follows DeepSpeed's
-expressions one for one (tests/dstrain/test_onebit_lamb.py compares per-step losses with 0.16.5's
+expressions one for one (tests/dstrain/onebit/test_onebit_lamb.py compares per-step losses with 0.16.5's
 sources run on CPU: bench/onebit_anchor.py ... lamb).
 """
 

@@ -17,7 +17,7 @@ Activations live in ``num_buffers`` cyclic buffers (micro-batch ``m`` uses ``m %
 holds at most ``S - s`` micro-batches between their forward and backward.
 
 The instruction stream (names and buffer ids) equals DeepSpeed's ``TrainSchedule`` for every stage and
-micro-batch count, which `tests/dstrain/test_pipe_schedule.py` checks; unlike it, each instruction also
+micro-batch count, which `tests/dstrain/pipe/test_pipe_schedule.py` checks; unlike it, each instruction also
 names its micro-batch, which the runner uses to check that what arrives is what was expected.
 """
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -374,3 +375,67 @@ def checkpoint_resume_run(
         }
         engine.close()
     return out
+
+
+# -- bounded launches and memory probes (shared by several rooms) ----------------------------------
+
+
+def spawn_bounded(
+    fn: Callable[..., Any],
+    *args: Any,
+    world: int = 2,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    start_method: str = "spawn",
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` ranks of a ``backend`` group ("nccl": rank r on cuda:r); a run past
+    ``timeout`` seconds is killed and raises TimeoutError (a hang fails the test instead of stalling it).
+    ``start_method``: as `_dstrain_helpers.spawn` ("forkserver": gloo ranks forked from the session's
+    fork server, no torch import per rank)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = start_processes(fn, args, out_dir, world=world, backend=backend, start_method=start_method)
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise TimeoutError(f"ranks still running after {timeout:.0f} s (a hang)")
+        except mp.ProcessRaisedException:
+            pass
+        except mp.ProcessExitedException:
+            pass
+        # every rank's error first (a rank killed because its peer failed leaves no result: name the cause)
+        loaded = {}
+        for rank in range(world):
+            path = os.path.join(out_dir, f"{rank}.pt")
+            if os.path.exists(path):
+                loaded[rank] = torch.load(path, weights_only=False)
+        errors = [f"rank {r} failed:\n{d['error']}" for r, d in loaded.items() if "error" in d]
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        missing = [r for r in range(world) if r not in loaded]
+        if missing:
+            raise RuntimeError(f"ranks {missing} died without a result")
+        return [loaded[r]["ok"] for r in range(world)]
+
+
+def rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                k, v = line.split(":")
+                out[k] = int(v.split()[0]) * 1024
+    return out["VmRSS"], out["VmHWM"]
+
+
+def reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

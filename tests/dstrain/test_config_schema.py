@@ -134,7 +134,7 @@ def test_pin_memory_without_a_gpu_says_so(caplog: Any, tmp_path: Any) -> None:
     engine.close()
     if (
         not torch.cuda.is_available()
-    ):  # with CUDA the state is page-locked (tests/dstrain/test_offload_device.py)
+    ):  # with CUDA the state is page-locked (tests/dstrain/offload/test_offload_device.py)
         assert any("pin_memory" in r.getMessage() and "not pinned" in r.getMessage() for r in caplog.records)
 
 
