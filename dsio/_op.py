@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 
-from . import pool as _pool
 from ._backends import open_engine
 from ._dispatch import READ, Dispatcher
 from ._stats import HandleStatistics, IOEngineStatistics
 from ._transfer import FileRef, TransferCounters, check_readable, direct_whole, submit_one, transfer
+from ._tuning import SWITCHES
 from .config import IOConfig
 from .errors import ClosedError, IOFailedError
 from .pool import PinnedPool
@@ -49,7 +49,7 @@ class Operations:
         self.disp = Dispatcher(self.engine)
         try:
             # The staging pool on huge pages: staged reads then run at the direct path's speed.
-            self.pool = PinnedPool(cfg.pool_bytes, cfg.staging_buffer_bytes, hugepage=_pool.HUGEPAGES)
+            self.pool = PinnedPool(cfg.pool_bytes, cfg.staging_buffer_bytes, hugepage=SWITCHES.hugepages)
         except BaseException:
             self.engine.close()
             raise

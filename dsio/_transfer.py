@@ -5,7 +5,7 @@ A transfer of ``nbytes`` at file offset ``offset`` on an O_DIRECT file becomes
     head  [offset, align_up(offset))            buffered fd (unaligned file offset)
     body  [align_up(offset), align_down(end))   O_DIRECT, straight from the tensor when its memory
                                                 is 4096-aligned (and, for a large read, already
-                                                faulted in: see ``FRESH_STAGED``), else staged chunk by chunk through
+                                                faulted in: see ``SWITCHES.fresh_staged``), else staged chunk by chunk through
                                                 PinnedPool buffers, pipelined with the disk (a
                                                 staging copy, pool <-> tensor, runs in the
                                                 engine's worker threads, piece by piece, GIL-free)
@@ -26,7 +26,8 @@ from collections.abc import Callable
 from ._backends import warn_once
 from ._dispatch import FSYNC, READ, Dispatcher
 from ._gather import wait_all
-from ._memory import memcpy  # the core loads on first use, not at import
+from ._memory import memcpy
+from ._tuning import SWITCHES  # the core loads on first use, not at import
 from .config import ALIGNMENT
 from .errors import ClosedError, ShortIOError
 from .pool import Lease, PinnedPool
@@ -51,14 +52,6 @@ __all__ = [
 PREFAULT_MIN_BYTES = 4 << 20
 
 
-#: A large read whose page-aligned destination is fresh (never touched: ``torch.empty`` of a
-#: page-aligned size, a new mmap) goes through the staging pool instead of straight into it: the
-#: kernel then faults the destination in on the engine's copier threads, piece by piece behind
-#: the disk, instead of inside the O_DIRECT reads (which pin each page first). Quiet machine,
-#: 5 runs x 3 interleaved reps (bench/results/io-read-path-quiet-2026-11-30.md): staged fresh
-#: reads 1.13-1.17x DeepSpeed's locked read vs 0.91-1.05x read directly with prefaulting.
-FRESH_STAGED = True
-
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
@@ -78,7 +71,7 @@ def fresh(ptr: int, nbytes: int) -> bool:
 
 def direct_whole(ref: FileRef, op: int, ptr: int, nbytes: int, offset: int) -> bool:
     """Whether the whole transfer is one O_DIRECT request: memory, offset and length 4096-aligned,
-    and not a large read into fresh memory (that is staged: ``FRESH_STAGED``). The one place that
+    and not a large read into fresh memory (that is staged: ``SWITCHES.fresh_staged``). The one place that
     decides "direct or not" for a whole request; `transfer` splits the others."""
     if not ref.direct or nbytes == 0 or (ptr | offset | nbytes) & (ALIGNMENT - 1):
         return False
@@ -86,8 +79,8 @@ def direct_whole(ref: FileRef, op: int, ptr: int, nbytes: int, offset: int) -> b
 
 
 def read_fresh(op: int, ptr: int, nbytes: int) -> bool:
-    """A large read into fresh page-aligned memory, to be staged (``FRESH_STAGED``)."""
-    return FRESH_STAGED and op == READ and nbytes >= PREFAULT_MIN_BYTES and fresh(ptr, nbytes)
+    """A large read into fresh page-aligned memory, to be staged (``SWITCHES.fresh_staged``)."""
+    return SWITCHES.fresh_staged and op == READ and nbytes >= PREFAULT_MIN_BYTES and fresh(ptr, nbytes)
 
 
 def prefault(disp: Dispatcher, op: int, ptr: int, nbytes: int, *, direct: bool = False) -> int:
@@ -113,23 +106,6 @@ def cancel_prefault(disp: Dispatcher, token: int) -> None:
     """The read is over (done, failed or cancelled): stop populating its destination."""
     if token:
         disp.engine.prefault_cancel(token)
-
-
-#: Benchmarks' A/B switch only: True restores the earlier staging copies made on the event-loop
-#: thread (a whole chunk at a time, GIL released, loop blocked) instead of in the engine's workers.
-LOOP_THREAD_COPY = False
-
-#: A staged *read* is one engine request cycling through the pool buffers it could take
-#: (``Engine.submit_staged``): the workers read each block_size piece into a free staging slot and
-#: hand it to the engine's copier threads, which copy it out and give the slot to the next piece, so
-#: neither the event loop nor a copy stands between two submissions. Benchmarks' A/B switch: False
-#: restores one request per pool buffer.
-#:
-#: Staged *writes* always go one request per pool buffer: each worker copies a piece in just before
-#: submitting it, and the pool's other buffers are filled (copied ahead) while earlier ones are on
-#: the disk. The ring was measured slower for writes (quiet, 1 GiB ordinary tensor, new file +
-#: fsync, 4 interleaved reps: ring 0.92 GB/s vs per-buffer 1.64), so writes do not take it.
-RING_STAGING = True
 
 
 class FileRef:
@@ -274,7 +250,13 @@ async def transfer(
             if direct:
                 submit(ref.fd, body_ptr, body_len, body_start, None)
                 counters.direct += body_len
-            elif body_len and RING_STAGING and op == READ and not LOOP_THREAD_COPY and _ring_ok(disp, pool):
+            elif (
+                body_len
+                and SWITCHES.ring_staging
+                and op == READ
+                and not SWITCHES.loop_thread_copy
+                and _ring_ok(disp, pool)
+            ):
                 await _staged_ring(disp, pool, ref, op, body_ptr, body_len, body_start, keep, futs)
                 counters.staged += body_len
             elif body_len:
@@ -340,7 +322,7 @@ async def _staged(
     while pos < n and not failed:
         size = min(chunk, n - pos)
         lease = await pool.acquire()
-        if not LOOP_THREAD_COPY:
+        if not SWITCHES.loop_thread_copy:
             submit(fd, lease.ptr, size, off + pos, _releaser(lease), ptr + pos)
         elif op == READ:
             submit(fd, lease.ptr, size, off + pos, _loop_copier(lease, ptr + pos, size))
@@ -405,7 +387,7 @@ def _releaser(lease: Lease) -> Callable[[int], None]:
 
 
 def _loop_copier(lease: Lease, dst: int, size: int) -> Callable[[int], None]:
-    """LOOP_THREAD_COPY's read finalizer: the whole chunk, on the loop thread, if read in full."""
+    """``SWITCHES.loop_thread_copy``'s read finalizer: the whole chunk, on the loop thread, if read in full."""
 
     def fin(res: int) -> None:
         try:

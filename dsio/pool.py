@@ -42,18 +42,6 @@ class PoolStatistics:
     """Whether the region is advised onto transparent huge pages (see ``PinnedPool``)."""
 
 
-#: A handle's staging pool is on transparent huge pages (``dsio._op`` reads this when it builds
-#: a handle). Measured for staged reads (issue 17): with 4 KiB pages a pool's read speed depends
-#: on where its pages landed (1.2-2.0 GB/s across pools of one process, each pool steady);
-#: huge-page pools ran at the direct path's speed. Why: a request to the disk holds at most
-#: ``max_segments`` (254 here) physically contiguous pieces of memory, so a 1 MiB slot on scattered
-#: 4 KiB pages cannot merge with its neighbours into the 2-4 MiB requests the device serves best;
-#: a huge-page slot is one segment. Other pools (``PinnedPool()``) stay on 4 KiB
-#: pages unless asked: populating fresh huge pages cost 2-4x more here (a 2 GiB region 5-10 s vs
-#: 2-3 s), which large pools would pay at start-up. Benchmarks flip this for their A/B.
-HUGEPAGES = True
-
-
 class Lease:
     """One buffer of a pool. ``tensor`` is a uint8 view; ``release()`` gives it back, exactly once."""
 
@@ -86,7 +74,7 @@ def _cuda_register(ptr: int, nbytes: int) -> bool:
 class PinnedPool:
     """``nbytes`` of page-aligned host memory, mlock'ed (and registered with CUDA when torch sees
     a GPU), cut into ``nbytes // buffer_size`` buffers. With ``hugepage`` (a handle's staging
-    pool: see ``HUGEPAGES``) the region starts on a 2 MiB boundary and is advised onto transparent huge
+    pool: see ``dsio._tuning.SWITCHES.hugepages``) the region starts on a 2 MiB boundary and is advised onto transparent huge
     pages before it is touched (``statistics().hugepages`` says whether the kernel accepted).
 
     ``async with pool.buffer() as buf`` lends a uint8 tensor and waits while every buffer is out.

@@ -29,6 +29,7 @@ import dsio.pool  # noqa: E402
 from bench._common import drop_caches_verified, scratch_dir  # noqa: E402
 from bench.io_read_path import _prepare  # noqa: E402
 from dsio._native import native  # noqa: E402
+from dsio._tuning import SWITCHES  # noqa: E402
 
 KINDS = ("4k", "huge")
 
@@ -51,9 +52,9 @@ def main() -> None:
     handles: dict[str, dsio.AsyncIOHandle] = {}
     for i in range(args.handles):
         for kind in KINDS:
-            dsio.pool.HUGEPAGES = kind == "huge"
+            SWITCHES.hugepages = kind == "huge"
             handles[f"{kind}-{i}"] = dsio.AsyncIOHandle()
-    dsio.pool.HUGEPAGES = True
+    SWITCHES.hugepages = True
     locked = torch.frombuffer(native().AlignedBuffer(size, True), dtype=torch.uint8)
     locked.fill_(3)
     touched = torch.empty(size, dtype=torch.uint8)

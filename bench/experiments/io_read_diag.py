@@ -48,6 +48,7 @@ from bench._common import deepspeed_python, drop_caches_verified, scratch_dir  #
 from bench._io_runners import DS_SCRIPT  # noqa: E402
 from bench.io_read_path import DeepSpeedServer, _prepare  # noqa: E402
 from dsio._native import native  # noqa: E402
+from dsio._tuning import SWITCHES  # noqa: E402
 
 PREFAULT_DEFAULT = transfer.PREFAULT_MIN_BYTES
 CASES = (
@@ -174,10 +175,10 @@ def measure(
     # The A/B of the prefault thread: the same read with the threshold out of reach.
     transfer.PREFAULT_MIN_BYTES = 1 << 62 if case.endswith("prefault off") else PREFAULT_DEFAULT
     # The A/B of the native staging copy: "loop copy" copies pool -> tensor on the loop thread.
-    transfer.LOOP_THREAD_COPY = case.endswith("loop copy")
+    SWITCHES.loop_thread_copy = case.endswith("loop copy")
     # The A/B of ring staging: "per-buffer" is one engine request per pool buffer (the loop
     # hands each buffer back) instead of one request cycling block_size slots in the workers.
-    transfer.RING_STAGING = not case.endswith("per-buffer")
+    SWITCHES.ring_staging = not case.endswith("per-buffer")
     # The A/B of the copier thread: "worker copy" makes the reaping worker copy each piece itself.
     # The A/B of streaming stores for those copies: "memcpy" uses glibc's memcpy.
     h._engine.copy_streaming = "memcpy" not in case
@@ -330,9 +331,9 @@ def main() -> None:
     ds = DeepSpeedServer(ds_py, DS_SCRIPT, size) if ds_py else None
     loop = asyncio.new_event_loop()
     hs = [dsio.AsyncIOHandle() for _ in range(args.pools)]
-    dsio.pool.HUGEPAGES = False  # the A/B handles: staging pools on 4 KiB pages
+    SWITCHES.hugepages = False  # the A/B handles: staging pools on 4 KiB pages
     hs4k = [dsio.AsyncIOHandle() for _ in range(args.pools)] if any("4k pool" in c for c in cases) else []
-    dsio.pool.HUGEPAGES = True
+    SWITCHES.hugepages = True
     locked = torch.frombuffer(native().AlignedBuffer(size, True), dtype=torch.uint8)
     touched = torch.ones(size, dtype=torch.uint8)
     rows = []

@@ -15,6 +15,7 @@ import dsio
 import dsio.pool
 from dsio import PinnedPool
 from dsio._native import native
+from dsio._tuning import SWITCHES
 
 MIB = 1 << 20
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -85,9 +86,9 @@ def test_handle_pool_follows_the_module_switch(monkeypatch):
         async with dsio.AsyncIOHandle(dsio.IOConfig(pool_bytes=4 * MIB, staging_buffer_bytes=MIB)) as h:
             return h.statistics().pool.hugepages
 
-    monkeypatch.setattr(dsio.pool, "HUGEPAGES", False)
+    monkeypatch.setattr(SWITCHES, "hugepages", False)
     assert not asyncio.run(pool_hugepages())
-    monkeypatch.setattr(dsio.pool, "HUGEPAGES", True)
+    monkeypatch.setattr(SWITCHES, "hugepages", True)
     assert asyncio.run(pool_hugepages()) == (thp_mode() in ("always", "madvise"))
 
 

@@ -15,6 +15,7 @@ pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 
 import dsio  # noqa: E402
 from dsio import _transfer  # noqa: E402
+from dsio._tuning import SWITCHES  # noqa: E402
 
 MIB = 1 << 20
 N = 8 * MIB
@@ -78,7 +79,7 @@ def test_touched_aligned_destination_is_read_directly(data) -> None:  # type: ig
 
 
 def test_switch_off_reads_fresh_memory_directly(data, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(_transfer, "FRESH_STAGED", False)
+    monkeypatch.setattr(SWITCHES, "fresh_staged", False)
     path, src = data
     mm, dst = _fresh_tensor()
     direct, staged = _read(path, dst)

@@ -21,6 +21,7 @@ from _dsio_helpers import fill_random
 import dsio
 import dsio._transfer as transfer
 from dsio._native import native
+from dsio._tuning import SWITCHES
 
 MIB = 1 << 20
 SMALL = dict(block_size=64 << 10, queue_depth=8, pool_bytes=4 * MIB, staging_buffer_bytes=MIB)
@@ -100,11 +101,10 @@ async def test_short_file_is_short_io_error_and_prefault_stops(backend, data_dir
 async def test_prefault_populates_fresh_and_skips_touched(data_dir, monkeypatch):
     """Every byte of a queued destination is accounted for: populated (fresh pages), skipped
     (already resident) or cancelled (the read finished first); touched memory is never populated.
-    (Fresh aligned memory read directly: with ``FRESH_STAGED`` off; on, it is staged, as the touched
+    (Fresh aligned memory read directly: with ``SWITCHES.fresh_staged`` off; on, it is staged, as the touched
     tensor here: tests/dsio/test_read_fresh_staged.py.)"""
-    from dsio import _transfer
 
-    monkeypatch.setattr(_transfer, "FRESH_STAGED", False)
+    monkeypatch.setattr(SWITCHES, "fresh_staged", False)
     n = 8 * MIB
     path = os.path.join(data_dir, "p.bin")
     src = fill_random(torch.empty(n, dtype=torch.uint8))
@@ -397,8 +397,8 @@ def test_engine_copy_src_is_for_writes_only(backend, data_dir):
 
 
 async def test_loop_thread_copy_switch_is_a_faithful_baseline(data_dir, monkeypatch):
-    """LOOP_THREAD_COPY (the benchmarks' A/B baseline) copies on the loop thread, same bytes."""
-    monkeypatch.setattr(transfer, "LOOP_THREAD_COPY", True)
+    """SWITCHES.loop_thread_copy (the benchmarks' A/B baseline) copies on the loop thread, same bytes."""
+    monkeypatch.setattr(SWITCHES, "loop_thread_copy", True)
     counting = _CountingMemcpy(native().memcpy)
     monkeypatch.setattr(native(), "memcpy", counting)
     src = fill_random(torch.empty(SIZE + 1, dtype=torch.uint8), seed=4)[1:]

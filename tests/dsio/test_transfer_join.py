@@ -18,8 +18,8 @@ import torch
 from _dsio_helpers import fill_random, unaligned_tensor
 
 import dsio
-import dsio._transfer as transfer
 from dsio._dispatch import READ
+from dsio._tuning import SWITCHES
 
 MIB = 1 << 20
 # 1 MiB staging chunks, 4 in the pool: an 8 MiB transfer is 8 requests, at most 4 in flight.
@@ -31,7 +31,7 @@ OFF = 100  # unaligned: a buffered head and tail around the O_DIRECT body
 @pytest.fixture(params=["ring", "per-buffer"])
 def staging(request, monkeypatch):
     """Both staged paths: one ring request (default), or one request per pool buffer."""
-    monkeypatch.setattr(transfer, "RING_STAGING", request.param == "ring")
+    monkeypatch.setattr(SWITCHES, "ring_staging", request.param == "ring")
     return request.param
 
 

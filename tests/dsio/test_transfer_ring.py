@@ -14,7 +14,7 @@ import torch
 from _dsio_helpers import fill_random, unaligned_tensor
 
 import dsio
-import dsio._transfer as transfer
+from dsio._tuning import SWITCHES
 
 MIB = 1 << 20
 BS = 64 << 10
@@ -58,7 +58,7 @@ async def test_staged_body_is_one_engine_request(data_dir):
     async with dsio.AsyncIOHandle(cfg) as h:
         counts = {}
         for ring in (True, False):
-            transfer.RING_STAGING = ring
+            SWITCHES.ring_staging = ring
             try:
                 s0 = h._engine.statistics()["submitted"]
                 await h.pwrite(src, path)
@@ -66,7 +66,7 @@ async def test_staged_body_is_one_engine_request(data_dir):
                 await h.pread(dst, path)
                 counts[ring] = h._engine.statistics()["submitted"] - s0
             finally:
-                transfer.RING_STAGING = True
+                SWITCHES.ring_staging = True
             assert torch.equal(dst, src)
         assert counts == {True: 9, False: 16}
 
@@ -125,7 +125,7 @@ def test_submit_staged_rejects_bad_arguments():
 
 
 async def test_staged_writes_go_per_buffer_and_reads_take_the_ring(data_dir):
-    """The measured choice (see RING_STAGING): an 8 MiB staged write is one request per pool buffer
+    """The measured choice (see SWITCHES.ring_staging): an 8 MiB staged write is one request per pool buffer
     (8), the read of it one ring request."""
     path = os.path.join(data_dir, "default.bin")
     src = fill_random(unaligned_tensor(8 * MIB), seed=11)
