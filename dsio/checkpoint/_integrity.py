@@ -1,4 +1,12 @@
-"""Checksums: crc32c per tensor (data) and one over the header (structure, names, shapes).
+"""Checksums: crc32c per tensor (data), per block of a big tensor, and one over the header (structure).
+
+A tensor larger than `BLOCK_BYTES` also records the crc32c of each `BLOCK_BYTES` block of its
+bytes (counted from its first byte; the last block may be short) under `BLOCKS_KEY`, so that a
+read of a part of it (a rank resharding another rank's file reads only its slice) is checked
+before its bytes are used: the reader rounds the range out to whole blocks and checks each.
+A tensor of at most one block needs none: its whole-tensor crc32c is its one block's. The
+writer computes the blocks' sums on its copier threads (`piece_sums`) and derives the tensor's
+crc32c from them (`TensorSums`), so the bytes are checksummed once.
 
 crc32c (the ``crc32c`` package, SSE4.2/ARMv8 hardware instructions, releases the GIL) runs at
 8-12 GB/s on this machine, several times the disk, so it is computed on a worker thread while
@@ -18,6 +26,9 @@ from ..errors import CheckpointFormatError
 
 __all__ = [
     "ALGORITHM",
+    "BLOCKS_KEY",
+    "BLOCK_BYTES",
+    "BLOCK_BYTES_KEY",
     "CHECKSUMS_KEY",
     "FORMAT_KEY",
     "HEADER_CRC_KEY",
@@ -26,7 +37,10 @@ __all__ = [
     "crc_of",
     "dump_header_json",
     "header_crc",
+    "TensorSums",
+    "parse_blocks",
     "parse_checksums",
+    "piece_sums",
 ]
 
 ALGORITHM = "crc32c"
@@ -34,6 +48,10 @@ FORMAT_KEY = "dsio.format"
 STATE_KEY = "dsio.state"
 CHECKSUMS_KEY = "dsio.crc32c"
 HEADER_CRC_KEY = "dsio.header_crc32c"
+BLOCKS_KEY = "dsio.crc32c_blocks"
+BLOCK_BYTES_KEY = "dsio.crc32c_block_bytes"
+#: Bytes per checksummed block of a big tensor (a partial read is rounded out to these).
+BLOCK_BYTES = 1 << 20
 
 
 def crc_of(ptr: int, nbytes: int) -> int:
@@ -69,6 +87,84 @@ def parse_checksums(meta: dict[str, str], names: list[str], path: str) -> dict[s
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointFormatError(f"{path}: checksum table is malformed or incomplete ({e!r})") from None
     return out
+
+
+def parse_blocks(
+    meta: dict[str, str], sizes: dict[str, int], sums: dict[str, int] | None, path: str
+) -> tuple[int, dict[str, list[int]]]:
+    """(block bytes, per tensor its blocks' crc32c) where the file records them (``sizes``: each
+    tensor's bytes; ``sums``: `parse_checksums`). A tensor of at most one block gets its whole
+    crc32c as its one block's (any dsio file); a bigger one only where `BLOCKS_KEY` lists it."""
+    if sums is None:
+        return BLOCK_BYTES, {}
+    raw, size_raw = meta.get(BLOCKS_KEY), meta.get(BLOCK_BYTES_KEY)
+    try:
+        block = BLOCK_BYTES if size_raw is None else int(size_raw)
+        if block <= 0:
+            raise ValueError(block)
+        listed = {} if raw is None else json.loads(raw)
+        if not isinstance(listed, dict):
+            raise TypeError(type(listed).__name__)
+        out: dict[str, list[int]] = {}
+        for name, n in sizes.items():
+            if n <= block:
+                out[name] = [sums[name]]
+            elif name in listed:
+                hexes = listed[name]
+                count = -(-n // block)
+                if not isinstance(hexes, str) or len(hexes) != 8 * count:
+                    raise ValueError(f"{name!r} lists {len(hexes) // 8} blocks, not {count}")
+                out[name] = [int(hexes[8 * i : 8 * i + 8], 16) for i in range(count)]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointFormatError(f"{path}: block checksum table is malformed ({e!r})") from None
+    return block, out
+
+
+def piece_sums(ptr: int, offset: int, nbytes: int, block: int = BLOCK_BYTES) -> list[tuple[int, int, int]]:
+    """``(offset, crc32c, bytes)`` of ``nbytes`` at ``ptr`` -- bytes ``[offset, offset + nbytes)`` of a
+    tensor -- cut at the tensor's block bounds (run on a copier thread, right after the copy)."""
+    out = []
+    pos, end = offset, offset + nbytes
+    while pos < end:
+        k = min(end, (pos // block + 1) * block) - pos
+        out.append((pos, crc_of(ptr + pos - offset, k), k))
+        pos += k
+    return out
+
+
+class TensorSums:
+    """One tensor's crc32c and its blocks' (`BLOCK_BYTES`), from `piece_sums` given in any order."""
+
+    def __init__(self, nbytes: int, block: int = BLOCK_BYTES) -> None:
+        self.nbytes = nbytes
+        self.block = block
+        self._pieces: list[tuple[int, int, int]] = []
+
+    def add(self, pieces: list[tuple[int, int, int]]) -> None:
+        self._pieces.extend(pieces)
+
+    def finish(self) -> tuple[int, list[int]]:
+        """(the tensor's crc32c, its blocks' crc32c); RuntimeError unless the pieces tile the tensor
+        exactly (a writer's bug, never user input)."""
+        blocks: list[int] = []
+        whole, pos, cur, cur_len = 0, 0, 0, 0
+        for off, crc, n in sorted(self._pieces):
+            if off != pos or (off // self.block) != ((off + n - 1) // self.block):
+                raise RuntimeError(f"checksummed pieces do not tile the tensor at byte {pos} (got {off})")
+            cur = crc_extend(cur, crc, n)
+            cur_len += n
+            pos += n
+            if pos % self.block == 0 or pos == self.nbytes:
+                blocks.append(cur)
+                whole = crc_extend(whole, cur, cur_len)
+                cur, cur_len = 0, 0
+        if pos != self.nbytes:
+            raise RuntimeError(f"checksummed pieces cover {pos} of {self.nbytes} bytes")
+        return whole, blocks
+
+    def blocks_hex(self, blocks: list[int]) -> str | None:
+        """The `BLOCKS_KEY` entry of this tensor (None for one of at most one block)."""
+        return None if self.nbytes <= self.block else "".join(hex32(b) for b in blocks)
 
 
 _POLY = 0x82F63B78  # crc32c (Castagnoli), reflected

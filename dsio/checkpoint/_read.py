@@ -22,7 +22,7 @@ from ..errors import ChecksumError
 from ..file import AsyncFile
 from ..handle import AsyncIOHandle
 from ._format import MAX_HEADER_BYTES, Header, TensorEntry, parse_header, parse_header_length
-from ._integrity import crc_extend, crc_of, parse_checksums
+from ._integrity import crc_extend, crc_of, parse_blocks, parse_checksums
 from ._stored import StoredFile, StoredTensor
 
 __all__ = ["placed", "read_file", "read_header"]
@@ -128,6 +128,9 @@ async def read_file(
         header = await read_header(f, path, size)
         ds = header.data_start
         sums = parse_checksums(header.metadata, [e.name for e in header.entries], path) if verify else None
+        block_bytes, blocks = parse_blocks(
+            header.metadata, {e.name: e.nbytes for e in header.entries}, sums, path
+        )
         out: dict[str, torch.Tensor | StoredTensor] = {}
         checks: list[asyncio.Future[None]] = []
         ex = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dsio-ckpt-crc") if sums else None
@@ -201,6 +204,8 @@ async def read_file(
                         name=e.name,
                         crc32c=None if sums is None else sums[e.name],
                         io=handle,
+                        blocks=blocks.get(e.name),
+                        block_bytes=block_bytes,
                     )
         try:
             await wait_all([read_run(r) for r in _runs(left)], drain=True)

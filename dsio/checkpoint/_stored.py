@@ -5,10 +5,19 @@ bytes: a `FileRegions` over the tensor's bytes in the (already opened, checked) 
 consumer reads it window by window (an offloaded optimizer straight into its swap buffers), so a
 state bigger than memory loads without ever being all in RAM.
 
-Checksums: reads that continue where the last one ended extend a running crc32c; when the last
-byte has been read the recorded crc32c is compared and a mismatch raises ``ChecksumError`` (from the
-read that completed the tensor). `StoredTensor.verify` reads whatever was not read in order and
-checks it too, so a consumer that calls it after its reads never uses unverified bytes silently.
+Checksums. A tensor whose file records its blocks' crc32c (dsio writes them for every tensor over
+one block, 1 MiB; a smaller one's whole crc32c is its one block's) is checked before any byte of
+it is handed out: a read is rounded out to whole blocks, each checked (``ChecksumError``), then
+copied into place -- so a rank that reads only a slice of another rank's tensor still detects a
+flipped bit in it. The blocks a read covers entirely are read straight into the caller's memory;
+a partial block at either end is read whole into a small buffer (the last one kept, so reads
+that continue where the last one ended do not read it twice).
+
+A file without block checksums (written before dsio recorded them) is checked as before: reads
+that continue where the last one ended extend a running crc32c and the last byte's read compares
+it (``ChecksumError``); `StoredTensor.verify` reads whatever was not read in order and checks it,
+so a consumer that calls it after its reads never uses unverified bytes silently -- but there, a
+partial read's bytes are used before they can be checked.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import crc32c
 import torch
 
 from ..errors import ChecksumError
+from ._integrity import BLOCK_BYTES, crc_of
 from ._lazy import FileRegions
 
 if TYPE_CHECKING:
@@ -68,11 +78,18 @@ class StoredTensor(FileRegions):
         name: str,
         crc32c: int | None,
         io: AsyncIOHandle,
+        blocks: Sequence[int] | None = None,
+        block_bytes: int = BLOCK_BYTES,
     ) -> None:
         self.file = file
         self.name = name
         self.io = io
         self.expected = crc32c
+        self.blocks = None if blocks is None else list(blocks)
+        """Each ``block_bytes`` block's crc32c (None: the file records none for this tensor)."""
+        self.block_bytes = block_bytes
+        self._edge: tuple[int, torch.Tensor] | None = None  # the last partial block read, checked
+        self._checked: set[int] = set()  # blocks checked so far
         self._next = 0  # bytes read in order so far
         self._crc = 0
         super().__init__([(file.proc_path, file_offset, _nbytes(dtype, shape))], dtype, shape)
@@ -80,6 +97,9 @@ class StoredTensor(FileRegions):
     async def read_into(self, io: AsyncIOHandle, offset: int, out: torch.Tensor) -> None:
         if self.file.closed:
             raise ValueError(f"tensor {self.name!r} of {self.file.path}: its file was closed")
+        if self.blocks is not None:
+            await self._read_blocks(io, offset, out)
+            return
         await super().read_into(io, offset, out)
         n = out.numel()
         if self.expected is None or offset != self._next or n == 0:
@@ -92,14 +112,67 @@ class StoredTensor(FileRegions):
                 f"recorded {self.expected:08x} (corrupted file)"
             )
 
+    async def _read_blocks(self, io: AsyncIOHandle, offset: int, out: torch.Tensor) -> None:
+        """Bytes ``[offset, offset + out.numel())`` out of whole blocks, each checked first."""
+        n, size = out.numel(), self.block_bytes
+        end = offset + n
+        if offset < 0 or end > self.nbytes:
+            raise ValueError(f"bytes [{offset}, {end}) are outside a {self.nbytes}-byte tensor")
+        if n == 0:
+            return
+        first, last = offset // size, (end - 1) // size
+        inner_lo = first if offset % size == 0 else first + 1  # blocks wholly inside the range
+        inner_hi = last + 1 if end % size == 0 or end == self.nbytes else last
+        if inner_hi > inner_lo:
+            a, b = inner_lo * size, min(inner_hi * size, self.nbytes)
+            dest = out[a - offset : b - offset]
+            await FileRegions.read_into(self, io, a, dest)
+            for k in range(inner_lo, inner_hi):
+                lo = k * size - a
+                self._check(k, dest[lo : min(lo + size, dest.numel())])
+        for k in sorted({first, last} - set(range(inner_lo, inner_hi))):
+            block = await self._block(io, k)
+            lo, hi = max(offset, k * size), min(end, k * size + block.numel())
+            out[lo - offset : hi - offset].copy_(block[lo - k * size : hi - k * size])
+
+    async def _block(self, io: AsyncIOHandle, k: int) -> torch.Tensor:
+        """Block ``k`` whole, checked (the last one read is kept)."""
+        if self._edge is not None and self._edge[0] == k:
+            return self._edge[1]
+        start = k * self.block_bytes
+        block = torch.empty(min(self.block_bytes, self.nbytes - start), dtype=torch.uint8)
+        await FileRegions.read_into(self, io, start, block)
+        self._check(k, block)
+        self._edge = (k, block)
+        return block
+
+    def _check(self, k: int, raw: torch.Tensor) -> None:
+        assert self.blocks is not None
+        got = crc_of(raw.data_ptr(), raw.numel())
+        if got != self.blocks[k]:
+            start = k * self.block_bytes
+            raise ChecksumError(
+                f"tensor {self.name!r} in {self.file.path}: bytes [{start}, {start + raw.numel()}) have "
+                f"crc32c {got:08x}, not the recorded {self.blocks[k]:08x} (corrupted file)"
+            )
+        self._checked.add(k)
+
     @property
     def verified(self) -> bool:
-        """Every byte was read in order and matched the recorded checksum (or none was recorded)."""
+        """Every byte matched the recorded checksums (every block checked, or every byte read in
+        order), or none was recorded."""
+        if self.blocks is not None:
+            return len(self._checked) == len(self.blocks)
         return self.expected is None or self._next == self.nbytes
 
     async def verify(self, io: AsyncIOHandle | None = None) -> None:
         """Read the bytes not yet read in order (a window at a time) and check the checksum."""
         if self.verified:
+            return
+        if self.blocks is not None:  # each block not checked yet, one at a time
+            for k in range(len(self.blocks)):
+                if k not in self._checked:
+                    await self._block(io or self.io, k)
             return
         buf = torch.empty(min(VERIFY_CHUNK, self.nbytes), dtype=torch.uint8)
         while self._next < self.nbytes:

@@ -4,8 +4,9 @@
 
 Each window is filled in file order (lazy tensors read their bytes into it, in-memory tensors are
 copied into it), checksummed, and written with one O_DIRECT request; at most ``buffers`` windows
-exist, so the memory a save uses is ``buffers x chunk_bytes`` whatever the state's size. The
-checksums of a tensor spanning windows are continued window by window (crc32c is incremental).
+exist, so the memory a save uses is ``buffers x chunk_bytes`` whatever the state's size. Each
+window's pieces are checksummed block by block (`piece_sums`); a tensor's crc32c and its blocks'
+are joined from them once every window is in (`TensorSums`), in whatever order they were filled.
 
 One exception, for async saves whose owner goes on training: a window holding only bytes of
 in-memory tensors that training can change (a master held in RAM beside swapped Adam state) may get
@@ -21,18 +22,16 @@ from __future__ import annotations
 import asyncio
 import bisect
 import concurrent.futures
-import ctypes
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import crc32c
 import torch
 
 from .._gather import wait_all
 from .._memory import aligned_buffer, memcpy
 from ._capture import Capture, TouchOrder, plan_windows
 from ._format import TensorEntry
-from ._integrity import crc_extend
+from ._integrity import TensorSums, piece_sums
 from ._lazy import LazyTensor
 
 if TYPE_CHECKING:
@@ -50,13 +49,6 @@ STREAM_CHUNK_BYTES = 8 << 20
 STREAM_BUFFERS = 3
 
 
-def _crc_more(ptr: int, nbytes: int, value: int) -> int:
-    if nbytes == 0:
-        return value
-    view = memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
-    return int(crc32c.crc32c(view, value))
-
-
 async def write_streamed(
     io: AsyncIOHandle,
     f: AsyncFile,
@@ -72,13 +64,15 @@ async def write_streamed(
     capture: Capture | None = None,
     capture_bytes: int = CAPTURE_ALL,
     counters: dict[str, int] | None = None,
-) -> dict[str, int]:
-    """Write ``[data_start, file_size)`` of ``f`` from ``sources``; return each entry's crc32c.
+    sums: Mapping[str, TensorSums] | None = None,
+) -> dict[str, TensorSums]:
+    """Write ``[data_start, file_size)`` of ``f`` from ``sources``; return each entry's checksums
+    (``sums``, filled, where given).
 
     Windows are filled in file order, or, with a ``touch_order``, in the order its touch sets need
-    them (`dsio.checkpoint._capture`; a tensor's pieces filled out of order are checksummed alone
-    and joined with `crc_extend`); ``capture`` (one future per touch set) is resolved as the
-    windows holding each set's bytes are filled. Lazy reads of a few windows run concurrently;
+    them (`dsio.checkpoint._capture`; each piece is checksummed alone, the pieces joined at the
+    end); ``capture`` (one future per touch set) is resolved as the windows holding each set's
+    bytes are filled. Lazy reads of a few windows run concurrently;
     copies and checksums run in window order on ``executor`` (one thread, kept between saves: no
     thread is started or joined on the event loop). Returns once every window is written (not
     fsynced). On failure, waits for the work in flight and raises the first error.
@@ -90,7 +84,7 @@ async def write_streamed(
     """
     if chunk_bytes <= 0 or chunk_bytes % 4096:
         raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
-    crcs = {e.name: 0 for e in entries}
+    crcs = dict(sums) if sums is not None else {e.name: TensorSums(e.nbytes) for e in entries}
     data_bytes = max(0, file_size - data_start)
     plan = plan_windows(entries, sources, chunk_bytes, data_bytes, touch_order)
     if capture is not None:
@@ -152,23 +146,6 @@ async def write_streamed(
                 out.append((e, lo - e.begin, hi - lo))
         return out
 
-    # checksums: each tensor's in-order prefix continues incrementally; a piece filled ahead of
-    # its turn (windows follow the touch order) is checksummed alone and joined when its turn comes
-    done_to = {e.name: 0 for e in entries}
-    ahead: dict[str, dict[int, tuple[int, int]]] = {e.name: {} for e in entries}
-
-    def checksum(name: str, off: int, n: int, ptr: int) -> None:
-        if off != done_to[name]:
-            ahead[name][off] = (_crc_more(ptr, n, 0), n)
-            return
-        crcs[name] = _crc_more(ptr, n, crcs[name])
-        done_to[name] += n
-        waiting = ahead[name]
-        while done_to[name] in waiting:
-            c, k = waiting.pop(done_to[name])
-            crcs[name] = crc_extend(crcs[name], c, k)
-            done_to[name] += k
-
     def fill(buf: torch.Tensor, pieces: list[tuple[TensorEntry, int, int]]) -> None:
         base, at = buf.data_ptr(), 0
         for e, off, n in pieces:
@@ -179,7 +156,7 @@ async def write_streamed(
                 else:  # e.g. CUDA: torch copies it over (windows cut at element boundaries)
                     size = t.element_size()
                     buf[at : at + n].view(t.dtype).copy_(t[off // size : (off + n) // size])
-            checksum(e.name, off, n, base + at)
+            crcs[e.name].add(piece_sums(base + at, off, n))
             at += n
 
     async def window(
@@ -236,9 +213,8 @@ async def write_streamed(
         counters["window_bytes"] = len(mems) * chunk_bytes
         counters["extra_windows"] = len(mems) - n_buf
     await wait_all(tasks)  # the first error, in window order
-    short = [e.name for e in entries if done_to[e.name] != e.nbytes or ahead[e.name]]
-    if short:  # a bug, never user input: every byte of every tensor is checksummed exactly once
-        raise RuntimeError(f"streamed checksums incomplete for {short[:3]}")
+    for e in entries:  # a bug, never user input: every byte of every tensor is checksummed exactly once
+        crcs[e.name].finish()
     return crcs
 
 

@@ -6,7 +6,8 @@ then move it to disk with a few large O_DIRECT writes.
 ``FileWriter.stage()`` copies the tensors in (this is the only part that reads the caller's
 tensors) and submits each ~16 MiB of staged bytes as soon as it is ready, so the copy overlaps
 the disk; each copier thread checksums the segment it just copied (crc32c, hardware path, GIL
-released) and the pieces are joined with `crc_extend`. ``finish()`` writes the header (its length
+released), block by block (`dsio.checkpoint._integrity.piece_sums`: each tensor's crc32c and,
+for a big one, its 1 MiB blocks', which let a reader check a slice). ``finish()`` writes the header (its length
 was fixed before the checksums were known: they are fixed-width hex), fsyncs and closes.
 """
 
@@ -34,7 +35,16 @@ from ..handle import AsyncIOHandle
 from . import _stream
 from ._capture import Capture, TouchOrder
 from ._format import TensorEntry, encode_header, layout
-from ._integrity import ALGORITHM, CHECKSUMS_KEY, crc_extend, crc_of, hex32
+from ._integrity import (
+    ALGORITHM,
+    BLOCK_BYTES,
+    BLOCK_BYTES_KEY,
+    BLOCKS_KEY,
+    CHECKSUMS_KEY,
+    TensorSums,
+    hex32,
+    piece_sums,
+)
 from ._lazy import LazyTensor
 from ._stream import STREAM_BUFFERS, write_streamed
 
@@ -121,14 +131,18 @@ def _preallocate(path: str, size: int) -> None:
         os.close(fd)
 
 
-def _copy_and_crc(dst: int, src: int, nbytes: int) -> int:
+Pieces = list[tuple[int, int, int]]
+"""`piece_sums`: (offset in the tensor, crc32c, bytes) cut at the tensor's checksum blocks."""
+
+
+def _copy_and_crc(dst: int, src: int, nbytes: int, offset: int = 0) -> Pieces:
     memcpy(dst, src, nbytes)
-    return crc_of(dst, nbytes)
+    return piece_sums(dst, offset, nbytes)
 
 
-def _gather_and_crc(view: torch.Tensor, src: torch.Tensor, dst: int, nbytes: int) -> int:
+def _gather_and_crc(view: torch.Tensor, src: torch.Tensor, dst: int, nbytes: int) -> Pieces:
     view.copy_(src)
-    return crc_of(dst, nbytes)
+    return piece_sums(dst, 0, nbytes)
 
 
 class FileWriter:
@@ -160,12 +174,13 @@ class FileWriter:
         self.staging = staging
         self.preallocate = preallocate
         self.entries: list[TensorEntry] = layout((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
+        self._sums = {e.name: TensorSums(e.nbytes) for e in self.entries}
+        """Each tensor's checksums, filled by the copies (pieces in any order)."""
         placeholder = {e.name: "0" * 8 for e in self.entries}
-        self._meta_for = lambda sums: {
-            **self.metadata,
-            CHECKSUMS_KEY: json.dumps(sums, separators=(",", ":")),
+        blocks = {
+            e.name: "0" * 8 * -(-e.nbytes // BLOCK_BYTES) for e in self.entries if e.nbytes > BLOCK_BYTES
         }
-        self.data_start = len(encode_header(self.entries, self._meta_for(placeholder)))
+        self.data_start = len(encode_header(self.entries, self._meta_for(placeholder, blocks)))
         self.file_size = self.data_start + (self.entries[-1].end if self.entries else 0)
         self._region: torch.Tensor | None = None
         self._file: AsyncFile | None = None
@@ -177,7 +192,29 @@ class FileWriter:
         """The state holds lazy sources: written through fixed windows, never staged whole."""
         self.buffer_bytes = 0
         """Host memory the streamed write used for its windows (0 for a staged write)."""
-        self._crcs: dict[str, int] | None = None
+        self._summed = False
+
+    def _meta_for(self, sums: dict[str, str], blocks: dict[str, str]) -> dict[str, str]:
+        """The metadata with the checksum tables (fixed width: placeholders give the same length)."""
+        meta = {**self.metadata, CHECKSUMS_KEY: json.dumps(sums, separators=(",", ":"))}
+        if blocks:
+            meta[BLOCKS_KEY] = json.dumps(blocks, separators=(",", ":"))
+            meta[BLOCK_BYTES_KEY] = str(BLOCK_BYTES)
+        return meta
+
+    def _header(self) -> bytes:
+        """The final header, from the checksums the copies computed."""
+        assert self._summed, "the header before the data was checksummed"
+        sums, blocks = {}, {}
+        for e in self.entries:
+            whole, per_block = self._sums[e.name].finish()
+            sums[e.name] = hex32(whole)
+            listed = self._sums[e.name].blocks_hex(per_block)
+            if listed is not None:
+                blocks[e.name] = listed
+        header = encode_header(self.entries, self._meta_for(sums, blocks))
+        assert len(header) == self.data_start, "header length changed with its checksums"
+        return header
 
     @property
     def checksum_algorithm(self) -> str:
@@ -208,13 +245,12 @@ class FileWriter:
         ds = self.data_start
         self._flushed = ds  # the header goes last, once the checksums are known
         segments = self._segments(region)
-        crcs = {e.name: 0 for e in self.entries}
+        sums = self._sums
         if self.copy_threads > 0:
             futs = [_pool("dsio-ckpt-stage", self.copy_threads).submit(fn) for fn, *_ in segments]
             try:
-                for fut, (_, staged, e, n) in zip(futs, segments, strict=True):
-                    piece = await asyncio.wrap_future(fut)
-                    crcs[e.name] = crc_extend(crcs[e.name], piece, n)  # segments come in file order
+                for fut, (_, staged, e) in zip(futs, segments, strict=True):
+                    sums[e.name].add(await asyncio.wrap_future(fut))
                     self._staged_up_to(staged)
             finally:
                 for fut in futs:
@@ -222,11 +258,11 @@ class FileWriter:
                 # On failure or cancellation no copy may still write into the region once we return.
                 concurrent.futures.wait(futs)
         else:
-            for fn, staged, e, n in segments:
-                crcs[e.name] = crc_extend(crcs[e.name], fn(), n)
+            for fn, staged, e in segments:
+                sums[e.name].add(fn())
                 if self._staged_up_to(staged):
                     await asyncio.sleep(0)  # let the write task reach the engine
-        self._crcs = crcs
+        self._summed = True
         self.tensors = {}  # the caller's tensors are free from here on
         self.stage_seconds = time.perf_counter() - t0
 
@@ -238,7 +274,7 @@ class FileWriter:
         self.buffer_bytes = windows * chunk if self.file_size > self.data_start else 0
         counters: dict[str, int] = {}
         try:
-            self._crcs = await write_streamed(
+            await write_streamed(
                 self.handle,
                 self._file,
                 self.entries,
@@ -250,17 +286,17 @@ class FileWriter:
                 touch_order=self.touch_order,
                 capture=self.capture,
                 counters=counters,
+                sums=self._sums,
             )
+            self._summed = True
         finally:
             self.buffer_bytes = counters.get("window_bytes", self.buffer_bytes)
         self.tensors = {}  # the caller's tensors and sources are free from here on
 
     async def _finish_streamed(self, fsync: bool) -> int:
-        assert self._file is not None and self._crcs is not None
+        assert self._file is not None
         t0 = time.perf_counter()
-        sums = {e.name: hex32(self._crcs[e.name]) for e in self.entries}
-        header = encode_header(self.entries, self._meta_for(sums))
-        assert len(header) == self.data_start, "header length changed with its checksums"
+        header = self._header()
         self._writes.append(
             asyncio.ensure_future(
                 self._file.pwrite(torch.frombuffer(bytearray(header), dtype=torch.uint8), 0)
@@ -283,13 +319,13 @@ class FileWriter:
         self._flushed = cut
         return True
 
-    def _segments(self, region: torch.Tensor) -> list[tuple[Callable[[], int], int, TensorEntry, int]]:
-        """(copy, file offset staged once it ran, entry, bytes) in file order; each copy returns the
-        crc32c of the bytes it staged, computed on the copier thread right after the copy (while
-        they are in its cache), so ``finish()`` needs no second pass over the region."""
+    def _segments(self, region: torch.Tensor) -> list[tuple[Callable[[], Pieces], int, TensorEntry]]:
+        """(copy, file offset staged once it ran, entry) in file order; each copy returns the
+        checksums of the bytes it staged (`piece_sums`), computed on the copier thread right after
+        the copy (while they are in its cache), so ``finish()`` needs no second pass over the region."""
         ds = self.data_start
         base = region.data_ptr()
-        out: list[tuple[Callable[[], int], int, TensorEntry, int]] = []
+        out: list[tuple[Callable[[], Pieces], int, TensorEntry]] = []
         for e in self.entries:
             if not e.nbytes:
                 continue
@@ -302,15 +338,12 @@ class FileWriter:
                 for off in range(0, e.nbytes, SEGMENT_BYTES):
                     n = min(SEGMENT_BYTES, e.nbytes - off)
                     dst = base + ds + e.begin + off
-                    out.append(
-                        (functools.partial(_copy_and_crc, dst, sp + off, n), ds + e.begin + off + n, e, n)
-                    )
+                    copy = functools.partial(_copy_and_crc, dst, sp + off, n, off)
+                    out.append((copy, ds + e.begin + off + n, e))
             else:  # strided or on a GPU: let torch gather it
                 view = region[ds + e.begin : ds + e.end].view(e.dtype).view(e.shape)
                 dst = base + ds + e.begin
-                out.append(
-                    (functools.partial(_gather_and_crc, view, src, dst, e.nbytes), ds + e.end, e, e.nbytes)
-                )
+                out.append((functools.partial(_gather_and_crc, view, src, dst, e.nbytes), ds + e.end, e))
         return out
 
     async def stream(self, *, fsync: bool = True) -> int:
@@ -341,13 +374,14 @@ class FileWriter:
                 self._writes.append(asyncio.ensure_future(f.pwrite(t, ds + e.begin)))
         await asyncio.sleep(0)  # let the writes reach the engine before the checksums start
 
-        def checksums() -> dict[str, str]:
-            return {e.name: hex32(crc_of(srcs[e.name].data_ptr(), e.nbytes)) for e in self.entries}
+        def checksums() -> None:
+            for e in self.entries:
+                self._sums[e.name].add(piece_sums(srcs[e.name].data_ptr(), 0, e.nbytes))
+            self._summed = True
 
         try:
-            sums = await _off_loop(checksums)
-            header = encode_header(self.entries, self._meta_for(sums))
-            assert len(header) == ds, "header length changed with its checksums"
+            await _off_loop(checksums)
+            header = self._header()
             self._writes.append(
                 asyncio.ensure_future(f.pwrite(torch.frombuffer(bytearray(header), dtype=torch.uint8), 0))
             )
@@ -370,11 +404,7 @@ class FileWriter:
         self._submit(self._flushed, self.file_size)
         self._flushed = self.file_size
         region = self._region
-        entries = self.entries
-        assert self._crcs is not None, "finish() before stage()"
-        sums = {e.name: hex32(self._crcs[e.name]) for e in entries}  # computed while staging
-        header = encode_header(entries, self._meta_for(sums))
-        assert len(header) == self.data_start, "header length changed with its checksums"
+        header = self._header()  # checksums computed while staging
         region[: self.data_start].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         self._submit(0, self.data_start)
         await self._drain()

@@ -113,18 +113,24 @@ def restore(
     """Hand each part its entry (parts in ``skip``, or absent on either side, are left alone).
 
     An entry loaded with tensors left in the file (`STREAMED`) goes to the part's
-    ``load_checkpoint_state`` where it has one (it streams them), else it is read into memory first."""
+    ``load_checkpoint_state`` where it has one (it streams them), else it is read into memory first --
+    every such entry before any part is restored."""
     if state.get("format") != FORMAT:
         raise DstrainError(f"{where}: unknown checkpoint format {state.get('format')!r} (expected {FORMAT})")
     missing = [k for k, p in parts.items() if p is not None and k not in skip and k not in state]
     if missing:
         raise DstrainError(f"{where}: checkpoint lacks the entries {missing}")
-    for key, part in parts.items():
-        if part is None or key in skip or state[key] is None:
-            continue
-        entry = state[key]
-        if isinstance(part, StreamsState) and has_lazy(entry):
-            part.load_checkpoint_state(entry)  # reads the stored tensors piece by piece where they belong
-            verify_lazy(entry)
+    todo = [(k, p) for k, p in parts.items() if p is not None and k not in skip and state[k] is not None]
+    # Every entry that is read into memory is read (each byte checked against the file's checksums)
+    # before any part is given its own: a corrupted file fails the load with nothing applied. A part
+    # that streams its entry checks each piece (block by block) before it uses it.
+    streamed = {k for k, p in todo if isinstance(p, StreamsState) and has_lazy(state[k])}
+    read = {k: materialize(state[k]) for k, _ in todo if k not in streamed}
+    for key, part in todo:
+        if key in streamed:
+            assert isinstance(part, StreamsState)
+            # reads the stored tensors piece by piece where they belong
+            part.load_checkpoint_state(state[key])
+            verify_lazy(state[key])
         else:
-            part.load_state_dict(materialize(entry))
+            part.load_state_dict(read.pop(key))

@@ -27,9 +27,9 @@ def slow_copier(monkeypatch):
     """Segments of 256 KiB, each copy 3 ms late; writes submitted every 512 KiB staged."""
     real = _write._copy_and_crc
 
-    def slow(dst: int, src: int, nbytes: int) -> int:
+    def slow(*args: int) -> list[tuple[int, int, int]]:
         time.sleep(0.003)
-        return real(dst, src, nbytes)
+        return real(*args)
 
     monkeypatch.setattr(_write, "_copy_and_crc", slow)
     monkeypatch.setattr(_write, "SEGMENT_BYTES", 256 << 10)

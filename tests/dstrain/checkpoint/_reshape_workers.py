@@ -194,3 +194,29 @@ def node_local_run(root: str, node_local: bool, phase: str) -> dict[str, Any]:
     finally:
         engine.close()
     return out
+
+
+def damaged_load(ckpt: str, stage: int) -> dict[str, Any]:
+    """A fresh engine at ``stage`` loads the damaged ``ckpt``: the error's type, and whether anything of
+    this rank's state (counters, parameters, Adam's state) changed meanwhile."""
+    import dstrain
+
+    world, _ = world_rank()
+    engine, _, _, _ = dstrain.initialize(
+        model=make_model(seed=9), config=base_config(stage, world=world, micro=GLOBAL_BATCH // world)
+    )
+    engine_losses(engine, 1)  # an Adam state of its own to keep
+    params = [p.detach().clone() for p in engine.module.parameters()]
+    opt = repr(engine.stepper.state_dict())
+    out: dict[str, Any] = {"error": None}
+    try:
+        engine.load_checkpoint(ckpt)
+    except Exception as e:  # the test checks the type
+        out["error"] = type(e).__name__
+    out["global_steps"] = engine.global_steps
+    out["params_unchanged"] = all(
+        torch.equal(a, p) for a, p in zip(params, engine.module.parameters(), strict=True)
+    )
+    out["optimizer_unchanged"] = repr(engine.stepper.state_dict()) == opt
+    engine.close()
+    return out

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import json
+import struct
 from typing import Any
 
 import pytest
 import torch
 from _dstrain_helpers import base_config, engine_losses, make_model, spawn
-from _reshape_workers import AFTER, BEFORE, GLOBAL_BATCH, resume_many, save_many
+from _reshape_workers import AFTER, BEFORE, GLOBAL_BATCH, damaged_load, resume_many, save_many
 
 import dsio
 import dstrain
@@ -130,6 +132,28 @@ def test_a_damaged_rank_file_is_detected_before_anything_is_applied(
     assert other.global_steps == 0
     assert all(torch.equal(before[k], v) for k, v in other.full_state_dict().items())
     other.close()
+
+
+def test_a_bit_flip_in_the_slice_another_rank_reads_is_detected_before_anything_is_applied(tmp_path) -> None:
+    # saved by one rank, loaded by two: the new rank 1 reads only the second half of each saved tensor
+    # (a partial read, which the whole-tensor crc32c cannot check): the blocks it reads are checked first
+    engine, _, _, _ = dstrain.initialize(model=make_model(), config=base_config(1, world=1))
+    engine_losses(engine, 2)
+    path = engine.save_checkpoint(tmp_path)
+    engine.close()
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    entries = {k: v for k, v in json.loads(data[8 : 8 + n]).items() if k != "__metadata__"}
+    masters = [k for k in entries if "master" in k]
+    assert masters, sorted(entries)
+    begin, end = entries[masters[0]]["data_offsets"]
+    data[8 + n + begin + (end - begin) * 3 // 4] ^= 0x04  # a bit of the master's second half
+    path.write_bytes(bytes(data))
+    out = spawn(damaged_load, str(tmp_path), 1, world=2, start_method="forkserver")
+    assert out[1]["error"] == "ChecksumError", out
+    for r in out:  # (the small tensors of this model are one block each: rank 0 reads that block too)
+        assert r["error"] == "ChecksumError", out
+        assert r["global_steps"] == 1 and r["params_unchanged"] and r["optimizer_unchanged"], out
 
 
 def test_one_bit_adam_state_at_another_stage_is_refused_naming_both_shapes(tmp_path) -> None:
