@@ -20,6 +20,7 @@ from dstrain.pipe.errors import (
     PartitionError,
     PipelineAbortedError,
     PipelineError,
+    PipelineLayoutError,
     ProcessGroupMissingError,
     ShapeMismatchError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "ProcessGroupMissingError",
     "PipelineConfig",
     "PipelineError",
+    "PipelineLayoutError",
     "PipelineModule",
     "PipelineRunner",
     "PipelineStatistics",

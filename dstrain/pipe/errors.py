@@ -7,7 +7,7 @@ tell theirs, and the end-of-batch status all-reduce tells the other data-paralle
 
 from __future__ import annotations
 
-from dstrain.errors import DstrainError
+from dstrain.errors import DstrainError, ReshapeError
 
 __all__ = [
     "DataExhaustedError",
@@ -17,6 +17,7 @@ __all__ = [
     "PipelineAbortedError",
     "ProcessGroupMissingError",
     "PipelineError",
+    "PipelineLayoutError",
     "ShapeMismatchError",
 ]
 
@@ -39,6 +40,12 @@ class P2PTimeoutError(PipelineError, TimeoutError):
 class PipelineAbortedError(PipelineError):
     """Another rank failed during this batch (its error is named in the message); raised on every rank that
     did not fail itself. No optimizer step was taken on any rank."""
+
+
+class PipelineLayoutError(PipelineError, ReshapeError):
+    """A checkpoint written by another pipeline layout (stage count, this rank's stage, the split or the
+    layers) is loaded: a stage's state is its layers', not resharded. The message names both layouts;
+    raised before anything of the checkpoint is applied."""
 
 
 class DataExhaustedError(PipelineError):

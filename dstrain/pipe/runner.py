@@ -32,6 +32,7 @@ from dstrain.pipe.errors import (
     LabelMismatchError,
     PipelineAbortedError,
     PipelineError,
+    PipelineLayoutError,
     ShapeMismatchError,
 )
 from dstrain.pipe.module import PipelineModule
@@ -231,13 +232,17 @@ class PipelineRunner:
         return True
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Refuse a checkpoint written by another pipeline layout (stage, stage count, split or layers)."""
+        """Refuse a checkpoint written by another pipeline layout (stage, stage count, split or layers):
+        `PipelineLayoutError`, a ``dstrain.ReshapeError``, naming both."""
         mine = self.state_dict()
         if dict(state) != mine:
             diff = [k for k in mine if state.get(k) != mine[k]]
-            raise PipelineError(
-                f"the checkpoint was written by another pipeline layout ({', '.join(diff)} differ): "
-                f"saved {[state.get(k) for k in diff]}, this run {[mine[k] for k in diff]}"
+            raise PipelineLayoutError(
+                f"the checkpoint was written by another pipeline layout ({', '.join(diff)} differ): saved "
+                f"{state.get('stages')} pipeline stages (this rank's stage {state.get('stage')}), this run "
+                f"{mine['stages']} (stage {mine['stage']}); saved {[state.get(k) for k in diff]}, this run "
+                f"{[mine[k] for k in diff]}: a pipeline stage's state is not resharded, load it with the "
+                "layout it was saved with"
             )
 
     def statistics(self) -> PipelineStatistics:

@@ -263,7 +263,25 @@ def _resume(directory: str) -> dict[str, Any]:
     resumed = [second.train_batch(it).item() for _ in range(2)]
     got = m2.state_dict()
     second.close()
-    return {"losses": (cont, resumed), "bitwise": all(torch.equal(got[k], v) for k, v in want.items())}
+    # one stage over both ranks (data parallel 2) cannot take the two stages' files: refused, naming both
+    import dstrain
+
+    module = PipelineModule(mlp_layers(), 1, F.cross_entropy, "uniform", seed_layers=True, base_seed=5)
+    third = build_engine(module, config(4, optimizer=adam))[0]
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    try:
+        third.load_checkpoint(directory)
+        restaged: Any = None
+    except dstrain.ReshapeError as e:
+        restaged = {"error": type(e).__name__, "message": str(e), "steps": third.global_steps}
+    restaged_unchanged = all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    third.close()
+    return {
+        "losses": (cont, resumed),
+        "bitwise": all(torch.equal(got[k], v) for k, v in want.items()),
+        "restaged": restaged,
+        "restaged_unchanged": restaged_unchanged,
+    }
 
 
 def _half(dtype: str) -> dict[str, Any]:
@@ -425,6 +443,16 @@ def test_checkpoint_resume_bitwise(results: list[dict[str, Any]]) -> None:
         cont, resumed = r["resume"]["losses"]
         assert cont == resumed
         assert r["resume"]["bitwise"]
+
+
+def test_a_checkpoint_of_another_stage_count_is_refused_naming_both(results: list[dict[str, Any]]) -> None:
+    """Saved by 2 stages, loaded by 1 stage over the same 2 ranks: a ReshapeError naming both stage
+    counts, before anything is applied."""
+    for rank, r in enumerate(results):
+        got = r["resume"]["restaged"]
+        assert got is not None and got["error"] == "PipelineLayoutError", (rank, got)
+        assert "saved 2 pipeline stages" in got["message"] and "this run 1 (stage 0)" in got["message"], got
+        assert got["steps"] == 0 and r["resume"]["restaged_unchanged"], got
 
 
 def test_bf16_and_fp16(results: list[dict[str, Any]]) -> None:
