@@ -26,16 +26,16 @@ from typing import Any, Protocol
 
 import torch
 
-from dstrain.checkpoint.agree import agree_step, storage_leaders
+from dstrain.checkpoint.agree import agree_step, gather_objects, storage_leaders
 from dstrain.checkpoint.gate import lend_gate, touch_order
 from dstrain.checkpoint.layout import Layout, PinnedPart, check_same_model, describe
 from dstrain.checkpoint.pending import PendingSave
-from dstrain.checkpoint.reshape import SavedStep, native_state, open_step, saved_world
+from dstrain.checkpoint.reshape import SavedStep, native_state, open_step, rank_path, saved_world
 from dstrain.checkpoint.sources import materialize
 from dstrain.checkpoint.state import STREAMED, Part, collect, restore
 from dstrain.checkpoint.store import CheckpointStore, latest_step, load_any, step_name, validate_tag
 from dstrain.dist.comm import Comm
-from dstrain.errors import CheckpointNotFoundError, DstrainError
+from dstrain.errors import CheckpointNotFoundError, DstrainError, ReshapeError
 
 __all__ = ["EngineCheckpoints", "Trained"]
 
@@ -228,7 +228,9 @@ class EngineCheckpoints:
         step_dir = directory / step_name(step)
         parts = self.parts()
         mine = self.layout(parts)
-        world, _ = saved_world(step_dir)
+        world, suffix = saved_world(step_dir)
+        if world != self.world.world_size:
+            self._check_every_file(step_dir, world, suffix)
         home_rank = self.world.rank % max(world, 1)
         saved: SavedStep | None = None
         try:
@@ -258,6 +260,28 @@ class EngineCheckpoints:
         finally:
             if saved is not None:
                 saved.close()
+
+    def _check_every_file(self, step_dir: Path, world: int, suffix: str) -> None:
+        """Resharding reads every saved rank's file: check that every rank sees them all (collective),
+        else fail every rank with one `ReshapeError` naming both world sizes and what is missing (with
+        node-local storage each host holds only its own ranks' files)."""
+        missing = [r for r in range(world) if not rank_path(step_dir, r, suffix).is_file()]
+        seen = gather_objects(self.world, [str(rank_path(step_dir, r, suffix)) for r in missing])
+        lacking = [(r, m) for r, m in enumerate(seen) if m]
+        if not lacking:
+            return
+        rank, files = lacking[0]
+        hint = (
+            " (checkpoint.use_node_local_storage: each host holds only its own ranks' files; copy every "
+            "host's step directory into one directory each rank sees, or load at the saved world size)"
+            if self.node_local
+            else ""
+        )
+        raise ReshapeError(
+            f"{step_dir} was saved at world size {world}; this engine runs world size {self.world.world_size}. "
+            f"Resharding reads every saved rank's file, and rank {rank} lacks {len(files)} of them: "
+            f"{', '.join(files[:4])}{' ...' if len(files) > 4 else ''}{hint}"
+        )
 
     def _home(
         self, directory: Path, step: int, world: int, home_rank: int

@@ -7,8 +7,11 @@ import json
 import shutil
 from pathlib import Path
 
-from _dstrain_helpers import spawn
-from _reshape_workers import node_local_run
+import pytest
+from _dstrain_helpers import base_config, engine_losses, make_model, spawn
+from _reshape_workers import GLOBAL_BATCH, node_local_run
+
+import dstrain
 
 
 def _run(root: Path, node_local: bool, phase: str) -> list[dict]:
@@ -54,3 +57,23 @@ def test_ranks_that_see_different_committed_steps_all_fail_naming_step_and_rank(
         kind, message, step, rank = r["error"]
         assert (kind, step, rank) == ("CheckpointRankError", 4, 1), r["error"]
         assert str(tmp_path / "host1") in message
+
+
+def test_at_another_world_size_refused_naming_both_until_every_rank_file_is_there(tmp_path: Path) -> None:
+    # saved by 2 ranks into their own hosts' directories; one rank loads host 0's, which lacks rank 1's file
+    saved = _run(tmp_path, True, "save")
+    host0 = tmp_path / "host0"
+    cfg = base_config(1, world=1, micro=GLOBAL_BATCH, checkpoint={"use_node_local_storage": True})
+    engine, _, _, _ = dstrain.initialize(model=make_model(seed=8), config=cfg)
+    with pytest.raises(dstrain.ReshapeError) as e:
+        engine.load_checkpoint(host0)
+    message = str(e.value)
+    assert "saved at world size 2" in message and "runs world size 1" in message, message
+    assert "rank-00001.safetensors" in message and "use_node_local_storage" in message, message
+    assert engine.global_steps == 0
+    # with host 1's file beside it, the same directory reshards into the one rank and trains on
+    shutil.copy(tmp_path / "host1" / "step-000000004" / "rank-00001.safetensors", host0 / "step-000000004")
+    _, client = engine.load_checkpoint(host0)
+    assert client == {"at": 4} and engine.global_steps == 4
+    assert engine_losses(engine, 2, start=4) == pytest.approx(saved[0]["losses"][4:], rel=1e-6)
+    engine.close()
