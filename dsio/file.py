@@ -57,9 +57,7 @@ class AsyncFile:
         ptr, n = as_bytes(tensor)
         ref = self._live()
         if tensor.is_cuda:
-            return int(
-                await self._gpu().pwrite_file(ref, tensor, check_range(offset, n, path=self.path))
-            )
+            return int(await self._gpu().pwrite_file(ref, tensor, check_range(offset, n, path=self.path)))
         h = self._ops
         h.ready()
         off = check_range(offset, n, path=self.path)

@@ -83,14 +83,19 @@ def test_params_and_optimizer_on_nvme_target_lines() -> None:
     assert "params + optimizer NVMe / dstrain CPU step: 1.10 (target <= 1.15: met)" in ratio
     assert "prefetch hits 90%" in ratio and "stepped in backward 80%" in ratio
     # 16 MB read + 16 MB written at 1 GB/s: floor 0.032 s < compute 0.40 s; stall 0.01 / 0.44
-    assert "I/O floor 0.032 s < compute" in overlap and "stall fraction 0.02" in overlap and ": met" in overlap
+    assert (
+        "I/O floor 0.032 s < compute" in overlap and "stall fraction 0.02" in overlap and ": met" in overlap
+    )
     slow = [runs[0], _run("dstrain-paramopt-nvme", 0.60, 580, **both, **{**early, "stall_s_per_step": 0.2})]
     ratio, overlap = targets(summarize(slow, PROBES), "mlp")[-2:]
     assert "1.50 (target <= 1.15: MISSED)" in ratio and "limit:" in ratio
     assert "stall fraction 0.33 (target <= 0.05: MISSED)" in overlap
     # the disk slower than compute: the step is held against 1.1x the I/O floor
     ratio, overlap = targets(summarize(slow, [{"read_gbps": 0.05, "write_gbps": 0.05}]), "mlp")[-2:]
-    assert "I/O floor 0.640 s >= compute 0.400 s" in overlap and "0.94x the floor (target <= 1.1x: met)" in overlap
+    assert (
+        "I/O floor 0.640 s >= compute 0.400 s" in overlap
+        and "0.94x the floor (target <= 1.1x: met)" in overlap
+    )
 
 
 def test_worker_env_keeps_the_callers_pythonpath() -> None:

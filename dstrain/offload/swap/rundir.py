@@ -47,7 +47,7 @@ def _try_lock(path: str) -> int | None:
 
 def remove_leftovers(directory: str) -> list[str]:
     """Remove the swap directories in ``directory`` that no live process holds; returns their paths."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except FileNotFoundError:

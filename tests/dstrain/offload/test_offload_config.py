@@ -163,7 +163,10 @@ def test_initialize_creates_a_missing_nvme_path(tmp_path) -> None:
 
     cfg = base_config(2, world=1)
     (tmp_path / "a-file").write_text("x")
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path / "a-file" / "x")}
+    cfg["zero_optimization"]["offload_optimizer"] = {
+        "device": "nvme",
+        "nvme_path": str(tmp_path / "a-file" / "x"),
+    }
     with pytest.raises(ConfigError) as e:
         dstrain.initialize(model=make_model(), config=cfg)
     assert e.value.field == "zero_optimization.offload_optimizer.nvme_path"
