@@ -29,13 +29,13 @@ READ_DELAY = 0.02  # seconds per swap-file read of the save: staging outlasts fo
 @pytest.fixture
 def slow_small_windows(monkeypatch):
     slow_swap_reads(monkeypatch, READ_DELAY)
-    crc = _stream._crc_more
+    sums = _stream.piece_sums
 
-    def slow_crc(ptr: int, nbytes: int, value: int) -> int:  # every window's copy, masters included
+    def slow_sums(ptr: int, offset: int, nbytes: int) -> list[tuple[int, int, int]]:  # every window's copy
         time.sleep(READ_DELAY / 4)
-        return crc(ptr, nbytes, value)
+        return sums(ptr, offset, nbytes)
 
-    monkeypatch.setattr(_stream, "_crc_more", slow_crc)
+    monkeypatch.setattr(_stream, "piece_sums", slow_sums)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -16,18 +16,31 @@ import torch
 from _dstrain_helpers import spawn
 from _offload_helpers import device_parity_run
 
+# ZeRO-Offload (issue 32): at stage 3 with the optimizer on the CPU and the parameters resident, the fp32
+# master and gradients live in host memory and Adam steps there, as DeepSpeed does.
+HOST_MASTER = {"s3_opt_cpu"}
+
 
 def _check(results: dict[str, Any], device: str) -> None:
     for name, r in results.items():
         stage = name.split("_")[0]
         ref = results[f"{stage}_none"]
-        assert r["master_device"].split(":")[0] == device, name
+        host_master = device == "cuda" and name in HOST_MASTER
+        assert r["master_device"].split(":")[0] == ("cpu" if host_master else device), name
         if r is ref or not r["offloaded"]:
             continue
-        assert r["losses"] == ref["losses"], name
         assert len(r["params"]) == len(ref["params"])
-        for a, b in zip(r["params"], ref["params"], strict=True):
-            assert torch.equal(a, b), name
+        if host_master:
+            # the step runs in the CPU's fused Adam, the reference in the GPU's: the same update up to
+            # the kernels' rounding (sqrt / division order), so equal within fp32 rounding over 5 steps,
+            # not bitwise
+            torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-5, atol=0)
+            for a, b in zip(r["params"], ref["params"], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        else:
+            assert r["losses"] == ref["losses"], name
+            for a, b in zip(r["params"], ref["params"], strict=True):
+                assert torch.equal(a, b), name
         if device == "cpu":
             assert r["copied"] == 0, name  # masters, grads and state share the CPU: no copy at all
         else:
