@@ -33,14 +33,16 @@ def _check(results: dict[str, Any], device: str) -> None:
         if host_master:
             # the step runs in the CPU's fused Adam, the reference in the GPU's: the same update up to
             # the kernels' rounding (sqrt / division order), so equal within fp32 rounding over 5 steps,
-            # not bitwise
+            # not bitwise; bf16 parameters may round one ulp (2**-7 relative) the other way
             torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-5, atol=0)
             for a, b in zip(r["params"], ref["params"], strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-        else:
-            assert r["losses"] == ref["losses"], name
-            for a, b in zip(r["params"], ref["params"], strict=True):
-                assert torch.equal(a, b), name
+                rtol = 2**-7 if a.dtype == torch.bfloat16 else 1e-4
+                torch.testing.assert_close(a, b, rtol=rtol, atol=1e-6)
+            assert r["copied"] == 0, name  # Adam's state is stepped where it lives, beside the host master
+            continue
+        assert r["losses"] == ref["losses"], name
+        for a, b in zip(r["params"], ref["params"], strict=True):
+            assert torch.equal(a, b), name
         if device == "cpu":
             assert r["copied"] == 0, name  # masters, grads and state share the CPU: no copy at all
         else:
