@@ -102,6 +102,11 @@ class PinnedPool:
             )
         self._base: int = self._mem.ptr
         whole = torch.frombuffer(self._mem, dtype=torch.uint8)
+        if lock and not self._mem.locked:
+            # mlock would have faulted every page in: do it by hand, so an unlockable pool is resident
+            # from the start too (no page faults on the I/O path, and its memory shows up at
+            # construction, not growing with use)
+            whole.zero_()
         self._views = list(whole.split(buffer_size))
         self._cuda = _cuda_register(self._base, count * buffer_size)
         self._free: collections.deque[int] = collections.deque(range(count))
