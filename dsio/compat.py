@@ -120,15 +120,20 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
             raise ClosedError("the aio_handle is closed")
         return self._lt.submit(coro)
 
-    def _write_coro(self, buffer: torch.Tensor, filename: str | int, file_offset: int):
-        if isinstance(filename, int):
-            return self._fd_op(True, buffer, filename, file_offset)
-        return self._h.pwrite(buffer, filename, None if file_offset == 0 else file_offset)
-
-    def _read_coro(self, buffer: torch.Tensor, filename: str | int, file_offset: int):
-        if isinstance(filename, int):
-            return self._fd_op(False, buffer, filename, file_offset)
-        return self._h.pread(buffer, filename, file_offset)
+    def _submit(
+        self, write: bool, buffer: torch.Tensor, filename: str | int | None, file_offset: int, fd: int | None
+    ) -> concurrent.futures.Future[int]:
+        """Start one write (or read) of ``buffer`` at ``file_offset`` of ``filename`` or of the caller's
+        open file ``fd`` (exactly one of them): the one body of the four sync/async operations."""
+        target = _target(filename, fd)
+        coro: Coroutine[Any, Any, int]
+        if isinstance(target, int):
+            coro = self._fd_op(write, buffer, target, file_offset)
+        elif write:
+            coro = self._h.pwrite(buffer, target, None if file_offset == 0 else file_offset)
+        else:
+            coro = self._h.pread(buffer, target, file_offset)
+        return self._start(coro)
 
     async def _fd_op(self, write: bool, buffer: torch.Tensor, fd: int, file_offset: int) -> int:
         # DeepSpeed's async_pwrite(buffer, fd): the caller's open file, written in place at
@@ -136,9 +141,6 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         # handle uses it) stays ours and the caller's stays open.
         async with self._h.open(f"/proc/self/fd/{fd}", "w" if write else "r") as f:
             return await (f.pwrite(buffer, file_offset) if write else f.pread(buffer, file_offset))
-
-    def _run(self, coro) -> int:
-        return int(self._start(coro).result())
 
     def sync_pwrite(
         self,
@@ -150,7 +152,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
     ) -> int:
         """Write and wait. Returns 1 (DeepSpeed's count of completed ops). ``filename`` or ``fd``
         (an open file of the caller's, written in place at ``file_offset``)."""
-        self._run(self._write_coro(buffer, _target(filename, fd), file_offset))
+        self._submit(True, buffer, filename, file_offset, fd).result()
         return 1
 
     def sync_pread(
@@ -162,7 +164,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         fd: int | None = None,
     ) -> int:
         """Read and wait. Returns 1. A file too short for the buffer raises ``ShortIOError``."""
-        self._run(self._read_coro(buffer, _target(filename, fd), file_offset))
+        self._submit(False, buffer, filename, file_offset, fd).result()
         return 1
 
     def async_pwrite(
@@ -175,7 +177,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
     ) -> int:
         """Start a write; ``wait()`` collects it. Returns 0. Don't modify ``buffer`` until then.
         ``filename`` or ``fd`` (DeepSpeed's ``async_pwrite(buffer, fd=...)``: the caller's open file)."""
-        self._pending.append(self._start(self._write_coro(buffer, _target(filename, fd), file_offset)))
+        self._pending.append(self._submit(True, buffer, filename, file_offset, fd))
         return 0
 
     def async_pread(
@@ -187,7 +189,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         fd: int | None = None,
     ) -> int:
         """Start a read; ``wait()`` collects it. Returns 0. ``filename`` or ``fd``."""
-        self._pending.append(self._start(self._read_coro(buffer, _target(filename, fd), file_offset)))
+        self._pending.append(self._submit(False, buffer, filename, file_offset, fd))
         return 0
 
     def pwrite(
@@ -227,13 +229,14 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         is_async = kw.pop("async", async_op)  # DeepSpeed's keyword is the reserved word `async`
         if kw:
             raise TypeError(f"unexpected keyword argument(s): {', '.join(kw)}")
-        if is_async:
-            start = self.async_pwrite if write else self.async_pread
-            return start(buffer, filename, file_offset)
-        n = (self.sync_pwrite if write else self.sync_pread)(buffer, filename, file_offset)
+        future = self._submit(write, buffer, filename, file_offset, None)
+        if is_async:  # as async_pwrite / async_pread: wait() collects it
+            self._pending.append(future)
+            return 0
+        future.result()  # as sync_pwrite / sync_pread
         if validate:
             _validate(buffer, filename, file_offset)
-        return n
+        return 1
 
     def read(self, buffer: torch.Tensor, filename: str, validate: bool = False, file_offset: int = 0) -> int:
         """DeepSpeed's synchronous ``read``: returns 0 on success (and raises on failure)."""
