@@ -123,7 +123,7 @@ class Engine {
   std::atomic<uint64_t> copies_{0}, copy_bytes_{0}, copy_ns_{0};
   // Most pieces ever waiting for the copier at once (read back-pressure on the staging ring).
   std::atomic<uint64_t> copy_backlog_max_{0};
-  // Per-piece timeline for diagnosis (bench/io_read_diag.py --timeline): off unless trace_start.
+  // Per-piece timeline for diagnosis (bench/experiments/io_read_diag.py --timeline): off unless trace_start.
   void trace_start(uint64_t capacity);
   // How many copier threads copy staged read pieces out (started on first use; default: one per
   // worker). 0 is the benchmarks' A/B baseline: the reaping worker copies each piece itself (the

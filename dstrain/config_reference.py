@@ -8,7 +8,7 @@ Every section parser contributes its rows: its dataclass fields are honoured unl
     python -m dstrain.config_reference            # print the Markdown table
     python -m dstrain.config_reference --write README.md   # rewrite README's generated block
 
-tests/dstrain/test_config_reference.py fails when README's table drifts from the schema, or when a
+tests/dstrain/test_config_schema.py fails when README's table drifts from the schema, or when a
 key DeepSpeed reads (tests/dstrain/fixtures/deepspeed_keys.json) has no row.
 """
 

@@ -1,6 +1,6 @@
 """Staged reads through a staging pool on 4 KiB pages vs on huge pages (issue 17), interleaved.
 
-    python bench/io_pool_ab.py [--size-mib 512] [--handles 3] [--reps 2] [--dests locked,touched,fresh]
+    python bench/experiments/io_pool_ab.py [--size-mib 512] [--handles 3] [--reps 2] [--dests locked,touched,fresh]
 
 A staged read's speed turned out to depend on the staging pool a handle got: one process's
 handles, reading into the same touched tensor, ran 1.2-2.0 GB/s, each pool steady across reps.

@@ -1,6 +1,6 @@
 """Where read time goes (issue 17): one cold read per case, with what the device and the kernel saw.
 
-    python bench/io_read_diag.py [--size-mib 512] [--reps 2] [--strace] [--cases "dsio fresh;DeepSpeed locked"]
+    python bench/experiments/io_read_diag.py [--size-mib 512] [--reps 2] [--strace] [--cases "dsio fresh;DeepSpeed locked"]
 
 Per case (dsio into a locked / touched / fresh / fresh page-aligned destination, DeepSpeed's
 ``aio_handle()`` into its own locked buffer) and rep, page cache dropped and checked first:

@@ -1,6 +1,6 @@
 """A/B of two (or more) builds of dsio, interleaved rep by rep: how a regression is bisected.
 
-    python bench/io_version_ab.py --site old=/path/site-old --site new=/path/site-new \
+    python bench/experiments/io_version_ab.py --site old=/path/site-old --site new=/path/site-new \
         [--size-mib 1024] [--reps 5] [--cases write,overwrite,read] [--dir DIR] [--json OUT]
 
 Each ``--site`` is a directory holding one build of the ``dsio`` package (an unpacked wheel,

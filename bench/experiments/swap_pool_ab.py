@@ -1,6 +1,6 @@
 """Swap-style direct reads into 4 KiB-page vs huge-page pinned pools, interleaved (issues 11 and 17).
 
-    python bench/swap_pool_ab.py [reps]        # ~1 min; needs root to drop the page cache
+    python bench/experiments/swap_pool_ab.py [reps]        # ~1 min; needs root to drop the page cache
 
 The offload swappers read 32 MiB slots with O_DIRECT into buffers of a `PinnedPool`, a few in
 flight. This reads a 512 MiB file that way (4 buffers of 32 MiB, 4 reads in flight) through three
