@@ -4,14 +4,13 @@ parameters and optimizer state on NVMe, each with and without ``close()``, under
 exit the engine is closed and the process group destroyed before the interpreter goes (the abort
 at exit, "terminate called without an active exception", came from gloo threads that outlived it).
 
-The 30-launch counts of issue 30 are in bench/results (exit-aborts-*.md); here each case runs once
-to stay fast.
+The scripts, the launch and its verdict are bench/experiments/exit_aborts.py's; its 30-launch counts
+(issue 30) are in bench/results (exit-aborts-*.md); here each variant runs once to stay fast.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -20,59 +19,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-README = (ROOT / "README.md").read_text()
+sys.path.insert(0, str(ROOT))
+from bench.experiments import exit_aborts  # noqa: E402  (the scripts, and how a launch is judged)
 
-ZERO3_OFFLOAD = textwrap.dedent(
-    """
-    import os
-    import sys
-
-    import torch
-    from torch import nn
-
-    import dstrain
-
-    dstrain.init_distributed()
-    torch.manual_seed(0)
-    nvme = sys.argv[1]
-    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": nvme},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
-        },
-    }
-    engine, _, _, _ = dstrain.initialize(model=model, config=config)
-    for _ in range(3):
-        loss = engine(torch.randn(4, 64)).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-    print(f"rank {engine.topology.dp.rank}: loss {loss.item():.4f}")
-    engine.close()
-    """
-)
-
-
-def _readme_block(marker: str) -> str:
-    """The README's python block containing ``marker``."""
-    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    return next(b for b in blocks if marker in b)
-
-
-SCRIPTS = {
-    "pipeline": _readme_block("PipelineModule(layers"),
-    "moe": _readme_block("MoE(hidden_size"),
-    "zero3_offload": ZERO3_OFFLOAD,
-}
-
-
-def _without_close(code: str) -> str:
-    out = re.sub(r"^engine\.close\(\)\n", "", code, flags=re.M)
-    assert out != code, "the script should call engine.close() at the end"
-    return out
+SCRIPTS = exit_aborts.scripts()
 
 
 def _torchrun(script: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -88,18 +38,41 @@ def _torchrun(script: Path, *args: str, timeout: float = 240) -> subprocess.Comp
     )
 
 
-@pytest.mark.parametrize("close", [True, False], ids=["close", "no_close"])
-@pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_script_exits_zero_with_and_without_close(tmp_path: Path, name: str, close: bool) -> None:
-    code = SCRIPTS[name] if close else _without_close(SCRIPTS[name])
-    script = tmp_path / f"{name}.py"
-    script.write_text(code)
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    r = _torchrun(script, str(nvme))
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
-    assert "terminate called" not in out and "loss" in r.stdout, out[-4000:]
+@pytest.mark.parametrize("variant", sorted(SCRIPTS))
+def test_script_exits_zero_with_and_without_close(variant: str) -> None:
+    """bench/experiments/exit_aborts.py --quick: each variant launched once."""
+    x = exit_aborts.launch(SCRIPTS[variant], variant, 0, timeout=240)
+    assert x.verdict == "ok", x.output[-4000:]
+
+
+def test_the_no_close_variants_do_not_call_close() -> None:
+    for name, code in SCRIPTS.items():
+        assert ("engine.close()" in code) == name.endswith("/close"), name
+
+
+def test_a_script_without_its_close_line_is_refused_not_run_as_is() -> None:
+    with pytest.raises(ValueError):
+        exit_aborts.without_close("import dstrain\nengine = None\n")
+    with pytest.raises(ValueError):
+        exit_aborts.readme_block("```python\nprint(1)\n```\n", exit_aborts.MOE_MARKER)
+
+
+def test_a_rank_dead_of_sigabrt_at_exit_is_counted_as_an_abort() -> None:
+    """The detector the 30-launch counts rely on sees a rank that aborts after its work is done."""
+    code = textwrap.dedent(
+        """
+        import os
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        dist.barrier()
+        print("loss 0.0", flush=True)
+        if dist.get_rank() == 1:
+            os.abort()
+        """
+    )
+    x = exit_aborts.launch(code, "abort-probe", 0, timeout=240)
+    assert x.verdict == "abort" and x.returncode != 0, (x.returncode, x.output[-4000:])
 
 
 def test_at_exit_the_engine_is_closed_and_the_process_group_destroyed(tmp_path: Path) -> None:
