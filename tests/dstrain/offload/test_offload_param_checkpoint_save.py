@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dstrain_helpers import engine_losses, make_model, reset_peak, rss
+from _dstrain_helpers import engine_losses, least_peak_growth, make_model
 from _offload_helpers import param_config, slow_swap_reads
 
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
@@ -53,19 +53,18 @@ def _saved_state(root: Path) -> Any:
     return run_sync(load())
 
 
-def _save_growth(engine: Any, ckpt: Path) -> int:
-    """Peak RSS growth of one ``save_checkpoint`` (the step after one more training step)."""
-    engine_losses(engine, 1, start=engine.global_steps)
-    # free heap memory goes back to the OS first, so a save that allocates the master must fault
-    # in new pages instead of reusing resident ones (the unprivileged fresh clone measured a 20 MB
-    # growth for a 67 MB materialized master without this)
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    if not reset_peak():
-        pytest.skip("this kernel cannot reset VmHWM (/proc/self/clear_refs)")
-    before, _ = rss()
-    engine.save_checkpoint(ckpt)
-    _, peak = rss()
-    return peak - before
+def _save_growth(engine: Any, ckpt: Path, reps: int = 2) -> int:
+    """Peak RSS growth of a ``save_checkpoint``, each after one more training step: the least of
+    ``reps`` saves (a materialized master is allocated by every save, a first touch by one)."""
+
+    def step() -> None:
+        engine_losses(engine, 1, start=engine.global_steps)
+        # free heap memory goes back to the OS first, so a save that allocates the master must fault
+        # in new pages instead of reusing resident ones (the unprivileged fresh clone measured a 20 MB
+        # growth for a 67 MB materialized master without this)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+    return least_peak_growth(lambda: engine.save_checkpoint(ckpt), reps=reps, prepare=step)
 
 
 def test_save_streams_the_offloaded_master_without_materializing_it(
@@ -83,14 +82,14 @@ def test_save_streams_the_offloaded_master_without_materializing_it(
         engine_losses(engine, 1)
         engine.save_checkpoint(tmp_path / "ck")  # the first save opens the Checkpointer and its handle
         streamed = _save_growth(engine, tmp_path / "ck")
-        expected = [engine.zero.store.read_master(g) for g in engine.zero.groups]  # step 2's master
-        # the control: collect takes the materialized state_dict
+        expected = [engine.zero.store.read_master(g) for g in engine.zero.groups]  # step 3's master
+        # the control: collect takes the materialized state_dict (one save: noise only adds to it)
         monkeypatch.setattr(Stage3Zero, "checkpoint_state", Stage3Zero.state_dict)
-        in_memory = _save_growth(engine, tmp_path / "ck-mem")
+        in_memory = _save_growth(engine, tmp_path / "ck-mem", reps=1)
     finally:
         engine.close()
-    saved = _saved_state(tmp_path / "ck")  # latest: step 2, the streamed save
-    assert saved["engine"]["global_steps"] == 2
+    saved = _saved_state(tmp_path / "ck")  # latest: step 3, the last streamed save
+    assert saved["engine"]["global_steps"] == 3
     assert all(torch.equal(a, b) for a, b in zip(saved["zero"]["master"], expected, strict=True))
     # materialized: the master tensor (67 MB) on top of the windows; streamed: the windows only
     assert in_memory > 0.9 * master_bytes, (in_memory, master_bytes)
