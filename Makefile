@@ -85,8 +85,8 @@ bench: setup prometheus
 	$(QUICK) bench/pipe.py --quick
 	$(QUICK) bench/moe.py --quick
 	$(QUICK) bench/onebit.py --reps 1 --steps 4 --layers 2 --dim 64 --vocab 1000 --output $(BENCH_QUICK)/onebit-quick
-	$(QUICK) bench/offload.py --tiny --out $(BENCH_QUICK)/offload-quick
-	$(QUICK) bench/offload_gpu.py --device cpu --tiny --out $(BENCH_QUICK)/offload-gpu-quick
+	$(QUICK) bench/offload.py --quick
+	$(QUICK) bench/offload_gpu.py --quick
 	$(QUICK) bench/activation_checkpointing.py --small --steps 2 --label quick
 	$(QUICK) bench/flops_profiler.py --label quick
 	$(QUICK) bench/summary.py

@@ -9,11 +9,16 @@ measured in the same time window as the steps it bounds.
     python bench/offload.py                                   # both shapes, every method, 3 reps
     python bench/offload.py --shapes mlp --methods dstrain-nvme,deepspeed-nvme --reps 1
     python bench/offload.py --tiny                            # seconds: tiny models, dstrain only
+    python bench/offload.py --quick     # make bench: tiny models, the methods issue 32's targets need
+
+Writes ``<out>.md``, ``.json`` and ``.png``; by default ``offload-<date>[-quick]`` under
+``$DSIO_BENCH_RESULTS``, else bench/results (bench/_common.py's ``RESULTS``).
 
 Per row: step time, peak RSS per rank, bytes swapped per step (dstrain's counters by kind and
 direction; DeepSpeed's from its processes' /proc/<pid>/io) beside the formula they should equal, the
 I/O floor (those bytes at the probe's GB/s), stall fraction and prefetch hit rate; then the issue-11
-target lines and the per-step loss agreement with DeepSpeed. Writes <out>.md, <out>.json and <out>.png.
+target lines (issue 11's, then issue 32's for parameters + optimizer state on NVMe, each met / MISSED)
+and the per-step loss agreement with DeepSpeed.
 DeepSpeed runs only where its interpreter imports deepspeed (``--ds-python``, ``$DSIO_DEEPSPEED_PYTHON``
 or ``$DSIO_DEEPSPEED_VENV/bin/python``).
 """
@@ -38,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import deepspeed_python, scratch_dir  # noqa: E402
+from bench._common import RESULTS, deepspeed_python, scratch_dir  # noqa: E402
 from bench.offload_methods import DEFAULT_METHODS, METHODS, SHAPES  # noqa: E402
 from bench.offload_report import plot, render, summarize  # noqa: E402
 
@@ -46,6 +51,10 @@ WORKER = Path(__file__).resolve().parent / "offload_worker.py"
 UNDER_LOAD = 2.5
 """1-minute load average between runs above which the report is labelled as run under load (the
 benchmark's own two ranks have just left; the rest is other jobs)."""
+
+
+QUICK_METHODS = ("dstrain-cpu", "dstrain-nvme", "dstrain-paramopt-nvme")
+"""What ``--quick`` runs: the rows the target lines of issues 11 and 32 compare (dstrain's only)."""
 
 
 class BenchError(RuntimeError):
@@ -146,14 +155,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tiny", action="store_true", help="tiny models, dstrain methods only unless --methods says"
     )
     p.add_argument(
+        "--quick",
+        action="store_true",
+        help="seconds (make bench): --tiny, both shapes, " + ", ".join(QUICK_METHODS) + ", 1 rep; "
+        "files offload-<date>-quick",
+    )
+    p.add_argument(
         "--nvme-dir", default=None, help="scratch folder on the disk under test (default $DSIO_BENCH_DIR)"
     )
     p.add_argument("--ds-python", default=None, help="DeepSpeed's interpreter (see bench/_common.py)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
     p.add_argument("--label", default="", help="appended to the report's title")
-    p.add_argument("--out", default=None, help="result file stem (default bench/results/offload-<date>)")
+    p.add_argument(
+        "--out", default=None, help="result file stem (default $DSIO_BENCH_RESULTS/offload-<date>[-quick])"
+    )
     p.add_argument("--from-json", default=None, help="re-render the report and PNG of an earlier run's .json")
     args = p.parse_args(argv)
+    if args.quick:
+        args.tiny = True
+        args.methods = args.methods or ",".join(QUICK_METHODS)
     args.shape_list = [s for s in args.shapes.split(",") if s]
     bad = [s for s in args.shape_list if s not in SHAPES]
     if bad or not args.shape_list:
@@ -174,6 +194,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps is not None and args.steps < 3:
         raise BenchError(f"--steps: at least 3 (2 warm-up + 1 timed), got {args.steps}")
     return args
+
+
+def default_stem(args: argparse.Namespace, results: str = RESULTS) -> str:
+    """``<results>/offload-<date>[-quick]``: where a run without ``--out`` writes its files."""
+    return os.path.join(results, f"offload-{datetime.date.today()}{'-quick' if args.quick else ''}")
 
 
 def write(stem: str, meta: dict[str, Any], runs: list[dict[str, Any]], probes: list[dict[str, Any]]) -> str:
@@ -250,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "pinned": args.pinned,
         "tiny": args.tiny,
+        "quick": args.quick,
         "shapes": args.shape_list,
         "methods": methods,
         "skipped": skipped,
@@ -258,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "under_load": bool(loads) and sorted(loads)[len(loads) // 2] > UNDER_LOAD,
         "argv": sys.argv[1:] if argv is None else argv,
     }
-    stem = args.out or str(ROOT / "bench" / "results" / f"offload-{datetime.date.today()}")
+    stem = args.out or default_stem(args)
     print(write(stem, meta, runs, probes))
     print(f"wrote {stem}.md, {stem}.json, {stem}.png")
     # a mode the library refuses (NotImplementedConfigError) is a row of the report, not a failed bench

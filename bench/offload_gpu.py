@@ -9,6 +9,12 @@ before and after training), into ``--out``.json and .md.
     python bench/offload_gpu.py                                  # the H200 run (1 GPU, world 1)
     torchrun --standalone --nproc_per_node 2 bench/offload_gpu.py     # 2 GPUs: world 2 on NCCL
     python bench/offload_gpu.py --device cpu --tiny              # CPU dry run of the same code path
+    python bench/offload_gpu.py --quick       # make bench: that dry run, files offload-gpu-<date>-quick
+
+Files: ``--out``, else ``$OUT/offload-gpu-<date>`` (the device machine's result folder), else under
+``$DSIO_BENCH_RESULTS`` or bench/results (bench/_common.py's ``RESULTS``). The report ends with issue
+32's target lines that one run can judge (step vs the I/O floor of the disk probes); the side-by-side
+with DeepSpeed is bench/offload_gpu_table.py's.
 
 Sizing (the defaults): 20 layers, d=2048, 16 heads, vocab 32000, seq 1024, micro batch 4: 1.07B
 parameters. Per step dstrain moves about 8 B/param of Adam m+v in, 8 B out, and the bf16 shards in for
@@ -27,16 +33,20 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from bench._common import RESULTS  # noqa: E402
 
 
 class GpuBenchError(RuntimeError):
@@ -48,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument(
         "--tiny", action="store_true", help="a 0.2M-parameter GPT, 3 steps, 16 MiB probe (dry run)"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="seconds (make bench): --device cpu --tiny, files *-quick"
     )
     p.add_argument("--nvme-path", default=None, help="swap folder on the disk under test (default /var/tmp)")
     p.add_argument(
@@ -70,9 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe-gib", type=float, default=1.0, help="size of the disk probe's file")
     p.add_argument("--time-budget-s", type=float, default=330.0, help="stop the steps after this long")
     p.add_argument(
-        "--out", default=None, help="result stem (default $OUT/offload-gpu-<date>, else bench/results)"
+        "--out", default=None, help="result stem (default $OUT/offload-gpu-<date>, else $DSIO_BENCH_RESULTS)"
     )
     args = p.parse_args(argv)
+    if args.quick:
+        args.device, args.tiny = "cpu", True
     if args.tiny:
         args.layers, args.dim, args.heads, args.vocab, args.seq, args.batch = 2, 64, 4, 512, 32, 2
         args.steps, args.warmup, args.pinned_gib, args.sub_group, args.probe_gib = 3, 1, 1 / 16, 16384, 1 / 64
@@ -335,8 +350,46 @@ def render(meta: dict[str, Any], result: dict[str, Any]) -> str:
     ]
     if result["stopped"]:
         lines += ["", f"**{result['stopped']}**"]
+    lines += ["", "Targets (issue 32):", "", *targets(meta, result)]
     lines += ["", f"Command: `{meta['command']}`"]
     return "\n".join(lines) + "\n"
+
+
+def targets(meta: dict[str, Any], result: dict[str, Any]) -> list[str]:
+    """Issue 32's lines one run can judge, met / MISSED: the median step against the I/O floor (this
+    run's swapped bytes per step at the disk probes' median GB/s; on the GPU compute is far below it),
+    with the stall fraction and prefetch hits beside it. The comparison with DeepSpeed (tokens/s,
+    GPU peak) needs its run beside this one: bench/offload_gpu_table.py."""
+    a, probes = meta["args"], list(meta["probes"].values())
+    timed = result["steps_s"][a["warmup"] :]
+    k = max(1, result["timed_steps"])
+    out = []
+    if a["offload"] == "cpu" or not result["swap_bytes"]:
+        out.append("- step vs the I/O floor: nothing is swapped to NVMe in this mode")
+    elif not timed or not probes:
+        out.append("- step vs the I/O floor: not measured (no timed step or no disk probe)")
+    else:
+        step = statistics.median(timed)
+        rd = sum(v for n, v in result["swap_bytes"].items() if n.endswith("_read_bytes")) / k
+        wr = sum(v for n, v in result["swap_bytes"].items() if n.endswith("_written_bytes")) / k
+        r_gbps = statistics.median(p["read_gbps"] for p in probes)
+        w_gbps = statistics.median(p["write_gbps"] for p in probes)
+        floor = rd / (r_gbps * 1e9) + wr / (w_gbps * 1e9)
+        ratio = step / floor if floor > 0 else float("inf")
+        stall = result["stall_s"] / k / step if step > 0 else 0.0
+        hits, misses = result["prefetch_hits"], result["prefetch_misses"]
+        out.append(
+            f"- step {step:.2f} s = {ratio:.2f}x the I/O floor {floor:.2f} s ({_bytes(rd)} read at "
+            f"{r_gbps:.2f} GB/s + {_bytes(wr)} written at {w_gbps:.2f} GB/s per step) (target <= 1.1x: "
+            f"{'met' if ratio <= 1.1 else 'MISSED'}); stall fraction {stall:.2f}, prefetch hits "
+            + (f"{hits / (hits + misses):.0%}" if hits + misses else "-")
+        )
+    out.append(
+        "- dstrain >= 1.5x DeepSpeed's tokens/s with a lower GPU peak, GPU bytes per parameter beside "
+        "DeepSpeed's: not judged by this run (DeepSpeed in the same run: bench/offload_gpu_h200.sh, "
+        "bench/offload_gpu_table.py)"
+    )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,10 +427,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def default_stem(args: argparse.Namespace, env: Mapping[str, str], results: str = RESULTS) -> str:
+    """Where a run without ``--out`` writes: ``$OUT/offload-gpu-<date>`` on the device machine, else
+    ``<results>/offload-gpu-<date>[-quick]``."""
+    name = f"offload-gpu-{datetime.date.today()}"
+    if env.get("OUT"):
+        return os.path.join(env["OUT"], name)
+    return os.path.join(results, name + ("-quick" if args.quick else ""))
+
+
 def _write(args: argparse.Namespace, meta: dict[str, Any], result: dict[str, Any]) -> None:
-    date = datetime.date.today()
-    default = os.path.join(os.environ["OUT"], f"offload-gpu-{date}") if os.environ.get("OUT") else None
-    stem = args.out or default or str(ROOT / "bench" / "results" / f"offload-gpu-{date}")
+    stem = args.out or default_stem(args, os.environ)
     Path(stem).parent.mkdir(parents=True, exist_ok=True)
     Path(stem + ".json").write_text(json.dumps({"meta": meta, "result": result}, indent=1))
     text = render(meta, result)

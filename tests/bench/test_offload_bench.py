@@ -19,8 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.offload import QUICK_METHODS, BenchError, default_stem, parse_args, worker_env  # noqa: E402
 from bench.offload import ROOT as BENCH_ROOT  # noqa: E402
-from bench.offload import BenchError, parse_args, worker_env  # noqa: E402
 from bench.offload_methods import METHODS, SHAPES, Method, expected_bytes  # noqa: E402
 from bench.offload_report import _error_line, summarize, targets  # noqa: E402
 from bench.offload_worker import ds_config, offload_counters  # noqa: E402
@@ -183,6 +183,14 @@ def test_cli_refuses_unknown_names() -> None:
         parse_args(["--steps", "2"])
     a = parse_args(["--tiny"])
     assert a.reps == 1 and not any(m.startswith("deepspeed") for m in a.method_list)
+    # --quick (make bench): tiny, 1 rep, both shapes, the rows the target lines compare
+    q = parse_args(["--quick"])
+    assert q.tiny and q.reps == 1 and q.method_list == list(QUICK_METHODS) and q.shape_list == list(SHAPES)
+    assert Path(default_stem(q, "/r")).name.endswith("-quick") and Path(default_stem(q, "/r")).parent == Path(
+        "/r"
+    )
+    assert not default_stem(a, "/r").endswith("-quick")
+    assert parse_args(["--quick", "--methods", "dstrain-nvme"]).method_list == ["dstrain-nvme"]
     assert {"dstrain-param-cpu", "dstrain-paramopt-nvme"} <= set(parse_args([]).method_list)
     with pytest.raises(ValueError):
         Method(name="x", impl="dstrain", optimizer="disk")
@@ -191,12 +199,14 @@ def test_cli_refuses_unknown_names() -> None:
 
 
 def test_tiny_run_swaps_the_formulas_bytes(tmp_path: Path) -> None:
-    stem = tmp_path / "offload-tiny"
-    env = {**os.environ, "DSIO_BENCH_DIR": str(tmp_path / "scratch")}
-    cmd = [sys.executable, str(ROOT / "bench" / "offload.py"), "--tiny", "--shapes", "mlp",
-           "--methods", "dstrain-nvme", "--out", str(stem)]  # fmt: skip
+    results = tmp_path / "results"  # make bench's DSIO_BENCH_RESULTS: files go there, not bench/results
+    env = {**os.environ, "DSIO_BENCH_DIR": str(tmp_path / "scratch"), "DSIO_BENCH_RESULTS": str(results)}
+    cmd = [sys.executable, str(ROOT / "bench" / "offload.py"), "--quick", "--shapes", "mlp",
+           "--methods", "dstrain-nvme"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (found,) = results.glob("offload-*-quick.json")
+    stem = found.with_suffix("")
     saved = json.loads(stem.with_suffix(".json").read_text())
     row = saved["summary"]["shapes"]["mlp"]["dstrain-nvme"]
     swapped = row["swap_bytes_per_step"]

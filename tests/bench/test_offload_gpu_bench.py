@@ -15,17 +15,23 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.offload_gpu import GpuBenchError, check_nvme_path, parse_args  # noqa: E402
+from bench.offload_gpu import GpuBenchError, check_nvme_path, parse_args, targets  # noqa: E402
 
 SCRIPT = str(ROOT / "bench" / "offload_gpu.py")
 
 
 def _tiny(tmp_path: Path, device: str) -> dict[str, object]:
-    stem = tmp_path / "gpu"
     swap = tmp_path / "swap"
-    cmd = [sys.executable, SCRIPT, "--device", device, "--tiny", "--nvme-path", str(swap), "--out", str(stem)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    results = tmp_path / "results"  # make bench's DSIO_BENCH_RESULTS
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"DSIO_BENCH_RESULTS": str(results)}
+    # on the CPU: --quick, what make bench runs (the tiny dry run); its files go under DSIO_BENCH_RESULTS
+    how = ["--quick"] if device == "cpu" else ["--device", device, "--tiny"]
+    cmd = [sys.executable, SCRIPT, *how, "--nvme-path", str(swap)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (found,) = results.glob("offload-gpu-*.json")
+    assert found.name.endswith("-quick.json") == (device == "cpu")
+    stem = found.with_suffix("")
     saved = json.loads(stem.with_suffix(".json").read_text())
     r = saved["result"]
     assert r["timed_steps"] == 2 and r["tokens_per_s"] > 0 and not r["stopped"]
@@ -42,6 +48,7 @@ def _tiny(tmp_path: Path, device: str) -> dict[str, object]:
     assert all(p["read_gbps"] > 0 and p["write_gbps"] > 0 for p in probes.values())
     md = stem.with_suffix(".md").read_text()
     assert "tokens/s" in md and "before training" in md
+    assert "Targets (issue 32):" in md and "x the I/O floor" in md
     assert not any(swap.iterdir())  # swap files and the probe file removed
     return r
 
@@ -103,3 +110,26 @@ def test_side_by_side_table_targets(tmp_path: Path) -> None:
     assert "dstrain 1.40x DeepSpeed's tokens/s (target >= 1.5x: MISSED)" in text
     assert "GPU peak 4.0 vs 3.0 GiB, 4.00 vs 3.00 B/param (NOT lower: MISSED)" in text
     assert "probe 0: write 2.00 GB/s, read 1.50 GB/s" in text
+
+
+def test_targets_judge_the_step_against_the_io_floor() -> None:
+    """The issue-32 line of one run on known numbers: 2 GB read at 1 GB/s + 1 GB written at 0.5 GB/s
+    per step is a 4 s floor; a 4.2 s step is 1.05x (met), a 5 s step 1.25x (MISSED)."""
+    probes = {
+        "before training": {"read_gbps": 1.0, "write_gbps": 0.5},
+        "after training": {"read_gbps": 1.0, "write_gbps": 0.5},
+    }
+    meta = {"args": {"warmup": 1, "offload": "both"}, "probes": probes}
+
+    def result(step: float) -> dict[str, object]:
+        swap = {"optimizer_read_bytes": 2e9, "param_read_bytes": 2e9, "optimizer_written_bytes": 2e9}
+        return {"steps_s": [9.0, step, step], "timed_steps": 2, "swap_bytes": swap, "stall_s": 0.4,
+                "prefetch_hits": 3, "prefetch_misses": 1}  # fmt: skip
+
+    met = targets(meta, result(4.2))[0]
+    assert "1.05x the I/O floor 4.00 s" in met and "(target <= 1.1x: met)" in met
+    assert "stall fraction 0.05, prefetch hits 75%" in met
+    assert "(target <= 1.1x: MISSED)" in targets(meta, result(5.0))[0]
+    cpu = {**meta, "args": {"warmup": 1, "offload": "cpu"}}
+    assert "nothing is swapped" in targets(cpu, {**result(4.2), "swap_bytes": {}})[0]
+    assert any("DeepSpeed" in line and "not judged" in line for line in targets(meta, result(4.2)))
