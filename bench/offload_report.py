@@ -13,6 +13,10 @@ __all__ = ["loss_agreement", "plot", "render", "summarize", "targets"]
 
 Triple = tuple[float, float, float]
 
+KINDS = {"param": "gathers", "optimizer": "optimizer", "grad": "gradients"}
+"""Prefetch counters by kind (bench/offload_worker.py) and how the report names them: the gathers'
+shard reads, the optimizer's sub-group reads (state, master and gradient ranges), gradient ranges."""
+
 
 def _med(values: list[float]) -> Triple:
     return statistics.median(values), min(values), max(values)
@@ -91,8 +95,28 @@ def summarize(runs: list[dict[str, Any]], probes: list[dict[str, Any]]) -> dict[
             hits = sum(x["hits"] for r in ok for x in r["ranks"])
             misses = sum(x["misses"] for r in ok for x in r["ranks"])
             row["prefetch_hit_rate"] = hits / (hits + misses) if hits + misses else None
+            by_kind: dict[str, float] = {}
+            for kind in KINDS:
+                h = sum(x.get(f"hits_{kind}", 0) for r in ok for x in r["ranks"])
+                n = h + sum(x.get(f"misses_{kind}", 0) for r in ok for x in r["ranks"])
+                if n:
+                    by_kind[kind] = h / n
+            row["prefetch_hit_rate_by_kind"] = by_kind
+            row["stall_s_per_step_by_kind"] = {
+                kind: statistics.median(
+                    max(x.get(f"stall_s_{kind}_per_step", 0.0) for x in r["ranks"]) for r in ok
+                )
+                for kind in KINDS
+                if f"stall_s_{kind}_per_step" in r0
+            }
+            # of the optimizer's sub-group steps (a run recorded before the counters were split by
+            # kind: of every prefetch, gathers included, which understated it)
             early = sum(x.get("stepped_in_backward", 0) for r in ok for x in r["ranks"])
-            row["stepped_in_backward"] = early / (hits + misses) if hits + misses else None
+            steps = sum(
+                x.get("hits_optimizer", 0) + x.get("misses_optimizer", 0) for r in ok for x in r["ranks"]
+            )
+            steps = steps or hits + misses
+            row["stepped_in_backward"] = early / steps if steps else None
             row["pinned_bytes"] = max(x["pinned_bytes"] for x in ok[0]["ranks"])
         if "disk_read_bytes_per_step" in r0:
             row["disk_bytes_per_step"] = {
@@ -193,12 +217,12 @@ def render(meta: dict[str, Any], summary: dict[str, Any]) -> str:
                 measured = ""
             expected = _mb(row["expected_bytes_per_step"]) if row["expected_bytes_per_step"] else ""
             floor = f"{row['io_floor_s']:.3f}" if "io_floor_s" in row else ""
-            hit = row.get("prefetch_hit_rate")
+            hit = _hits(row)
             early = row.get("stepped_in_backward")
             lines.append(
                 f"| {m} | {_fmt(row['step_s'], '.3f')} | {_fmt(row['peak_rss_mib'], '.0f')} | {measured} | "
                 f"{expected} | {floor} | {_fmt(row.get('stall_fraction'), '.2f')} | "
-                f"{'' if hit is None else f'{hit:.0%}'} | {'' if early is None else f'{early:.0%}'} |"
+                f"{hit} | {'' if early is None else f'{early:.0%}'} |"
             )
         for m, row in rows.items():
             d = row.get("disk_bytes_per_step")
@@ -281,13 +305,13 @@ def targets(summary: dict[str, Any], shape: str) -> list[str]:
             f"- the same NVMe run with every sub-group stepped after backward (step_in_backward false): "
             f"NVMe / CPU {late['step_s'][0] / dc['step_s'][0]:.2f}, stall fraction "
             f"{_fmt(late.get('stall_fraction'), '.2f')}, prefetch hits "
-            f"{_pct(late.get('prefetch_hit_rate'))}"
+            f"{_hits(late)}"
         )
         if dn:
             line += (
                 f" (stepping during backward: {dn['step_s'][0] / dc['step_s'][0]:.2f}, stall fraction "
                 f"{_fmt(dn.get('stall_fraction'), '.2f')}, prefetch hits "
-                f"{_pct(dn.get('prefetch_hit_rate'))})"
+                f"{_hits(dn)})"
             )
         out.append(line)
     if dc and sc:
@@ -308,6 +332,23 @@ def _pct(x: float | None) -> str:
     return "" if x is None else f"{x:.0%}"
 
 
+def _hits(row: dict[str, Any]) -> str:
+    """Prefetch hits by kind where more than one kind reads ahead ("gathers 41%, optimizer 100%"),
+    else the one rate."""
+    by_kind = row.get("prefetch_hit_rate_by_kind") or {}
+    if len(by_kind) > 1:
+        return ", ".join(f"{KINDS[k]} {v:.0%}" for k, v in by_kind.items())
+    return _pct(row.get("prefetch_hit_rate"))
+
+
+def _stalls(row: dict[str, Any]) -> str:
+    """The kinds that stalled, as ' (gathers 0.120 s, optimizer 0.010 s per step)'; '' if none did."""
+    by_kind = {k: v for k, v in (row.get("stall_s_per_step_by_kind") or {}).items() if v > 0}
+    if not by_kind:
+        return ""
+    return " (" + ", ".join(f"{KINDS[k]} {v:.3f} s" for k, v in by_kind.items()) + " per step)"
+
+
 def _paramopt_targets(
     po: dict[str, Any] | None, dc: dict[str, Any] | None, disk: dict[str, Any] | None
 ) -> list[str]:
@@ -318,8 +359,8 @@ def _paramopt_targets(
     step, cpu = po["step_s"][0], dc["step_s"][0]
     ratio, floor, stall = step / cpu, po.get("io_floor_s"), po.get("stall_fraction")
     overlap = (
-        f"stall fraction {_fmt(stall, '.2f')}, prefetch hits {_pct(po.get('prefetch_hit_rate'))}, "
-        f"stepped in backward {_pct(po.get('stepped_in_backward'))}"
+        f"stall fraction {_fmt(stall, '.2f')}{_stalls(po)}, prefetch hits {_hits(po)}, "
+        f"stepped in backward {_pct(po.get('stepped_in_backward'))} of the sub-groups"
     )
     line = (
         f"- dstrain params + optimizer NVMe / dstrain CPU step: {ratio:.2f} (target <= 1.15: "

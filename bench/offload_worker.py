@@ -6,7 +6,8 @@ bench/train.py, imported from there), the same DeepSpeed-style config for both l
 ``--steps`` steps on the same per-rank data and prints one ``RESULT <json>`` line on rank 0 with every
 rank's numbers: step times, peak RSS after two warm-up steps, per-step loss, the storage bytes the rank
 process moved (/proc/self/io) and, for dstrain, the offload counters (swap bytes by kind, stall,
-prefetch hits) read from its ``statistics()`` snapshots.
+prefetch hits, in total and by kind: the gathers' shard reads, the optimizer's sub-group reads) read
+from its ``statistics()`` snapshots.
 """
 
 from __future__ import annotations
@@ -112,9 +113,28 @@ def offload_counters(*sources: Any) -> dict[str, float] | None:
         out["stall_s"] += float(s.stall_seconds)
         out["hits"] += int(s.prefetch_hits)
         out["misses"] += int(s.prefetch_misses)
+        # and by kind: a gather's shard read and a sub-group's state read are different things to count
+        kind = _stepper_kind(s)
+        out[f"stall_s_{kind}"] = out.get(f"stall_s_{kind}", 0.0) + float(s.stall_seconds)
+        out[f"hits_{kind}"] = out.get(f"hits_{kind}", 0) + int(s.prefetch_hits)
+        out[f"misses_{kind}"] = out.get(f"misses_{kind}", 0) + int(s.prefetch_misses)
         if hasattr(s, "stepped_in_backward"):  # sub-groups stepped during backward (early_step)
             out["in_backward"] = out.get("in_backward", 0) + int(s.stepped_in_backward)
     return out
+
+
+def _stepper_kind(snap: Any) -> str:
+    """Which reads a snapshot's prefetch counters count: ``optimizer`` (sub-group state, with the
+    master and gradient ranges it steps), ``param`` (the gathers' shard reads), ``grad`` (gradient
+    ranges), else ``other``. Told apart by their fields, as the walk finds them."""
+    names = {f.name for f in dataclasses.fields(snap)}
+    if "stepped_in_backward" in names:
+        return "optimizer"
+    if "holds_master" in names:
+        return "param"
+    if "accumulations" in names:
+        return "grad"
+    return "other"
 
 
 def _delta(a: dict[str, float] | None, b: dict[str, float] | None, k: int) -> dict[str, float]:
@@ -125,8 +145,14 @@ def _delta(a: dict[str, float] | None, b: dict[str, float] | None, k: int) -> di
         for key in b
         if key.endswith("_bytes") and key != "pinned_bytes"
     }
+    by_kind = {key: b[key] - a.get(key, 0) for key in b if key.startswith(("hits_", "misses_"))}
+    stall_by_kind = {
+        f"{key}_per_step": (b[key] - a.get(key, 0.0)) / k for key in b if key.startswith("stall_s_")
+    }
     return {
         **{f"{key}_per_step": v for key, v in per_step.items()},
+        **by_kind,
+        **stall_by_kind,
         "stall_s_per_step": (b["stall_s"] - a["stall_s"]) / k,
         "hits": b["hits"] - a["hits"],
         "misses": b["misses"] - a["misses"],

@@ -86,6 +86,15 @@ def test_params_and_optimizer_on_nvme_target_lines() -> None:
     assert (
         "I/O floor 0.032 s < compute" in overlap and "stall fraction 0.02" in overlap and ": met" in overlap
     )
+    # counters by kind: stepped in backward is a share of the optimizer's sub-group steps (8 of 10),
+    # not of every prefetch (125 gathers + 10 sub-groups); hits and stalls shown per kind
+    kinds = {**early, "hits": 49, "misses": 86, "hits_param": 40, "misses_param": 85, "hits_optimizer": 9}
+    kinds |= {"misses_optimizer": 1, "stall_s_param_per_step": 0.008, "stall_s_optimizer_per_step": 0.002}
+    split = [runs[0], _run("dstrain-paramopt-nvme", 0.44, 580, **both, **kinds)]
+    ratio = targets(summarize(split, PROBES), "mlp")[-2]
+    assert "stepped in backward 80% of the sub-groups" in ratio
+    assert "prefetch hits gathers 32%, optimizer 90%" in ratio
+    assert "(gathers 0.008 s, optimizer 0.002 s per step)" in ratio
     slow = [runs[0], _run("dstrain-paramopt-nvme", 0.60, 580, **both, **{**early, "stall_s_per_step": 0.2})]
     ratio, overlap = targets(summarize(slow, PROBES), "mlp")[-2:]
     assert "1.50 (target <= 1.15: MISSED)" in ratio and "limit:" in ratio
@@ -145,14 +154,22 @@ def test_counters_walk_nested_snapshots_once() -> None:
         stall_seconds: float
         prefetch_hits: int
         prefetch_misses: int
+        stepped_in_backward: int
         swapper: Sw
+
+    @dataclasses.dataclass(frozen=True)
+    class Store:  # the parameter store: its prefetch counters count the gathers' shard reads
+        holds_master: bool
+        stall_seconds: float
+        prefetch_hits: int
+        prefetch_misses: int
 
     @dataclasses.dataclass(frozen=True)
     class Eng:
         zero: object
         offload: list[object]
 
-    opt = Opt(0.5, 3, 1, Sw("optimizer", "/a", 10, 20, 7))
+    opt = Opt(0.5, 3, 1, 2, Sw("optimizer", "/a", 10, 20, 7))
     par = Sw("param", "/b", 100, 50, 5)
 
     class Src:
@@ -165,9 +182,14 @@ def test_counters_walk_nested_snapshots_once() -> None:
     # the optimizer's snapshot reachable both from the optimizer and from the engine: counted once
     c = offload_counters(Src(opt), Src(Eng(zero=opt, offload=[par])))
     assert c == {
-        "stall_s": 0.5, "hits": 3, "misses": 1, "pinned_bytes": 12,
+        "stall_s": 0.5, "hits": 3, "misses": 1, "pinned_bytes": 12, "in_backward": 2,
+        "stall_s_optimizer": 0.5, "hits_optimizer": 3, "misses_optimizer": 1,
         "optimizer_read_bytes": 10, "optimizer_written_bytes": 20, "param_read_bytes": 100, "param_written_bytes": 50,
     }  # fmt: skip
+    # the gathers' counters are kept apart from the optimizer's (and summed into the totals)
+    both = offload_counters(Src(opt), Src(Store(True, 0.25, 40, 60)))
+    assert both is not None and both["hits_param"] == 40 and both["misses_param"] == 60
+    assert both["hits_optimizer"] == 3 and both["hits"] == 43 and both["stall_s_param"] == 0.25
     assert offload_counters(object(), Src(None)) is None
     # gradient swaps are their own kind, not lumped into the optimizer's
     g = offload_counters(Src(Eng(zero=opt, offload=[Sw("grad", "/c", 1000, 2000, 3)])))
