@@ -67,7 +67,9 @@ class EngineStatistics:
     comm: CommStatistics
     zero: ZeroStatistics
     last_loss: float = float("nan")
-    """Mean over the last optimizer step's micro-steps of the losses given to `Engine.backward` (this rank)."""
+    """Mean over the last optimizer step's micro-steps of the losses given to `Engine.backward` (this rank);
+    with ``scale_wrt_gas=False`` the losses given are already divided by the accumulation steps, so
+    their sum is that mean."""
     lr: tuple[float, ...] = ()
     """Learning rate of each param group."""
     tokens: int = 0
@@ -136,7 +138,8 @@ class Engine:
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._last_step_end: float | None = None
         self._last_step_seconds = 0.0
-        self._loss_sum: torch.Tensor | None = None  # summed on the device: no sync per micro-step
+        # the step's mean loss, summed on the device (no sync per micro-step)
+        self._loss_sum: torch.Tensor | None = None
         self._last_loss: torch.Tensor | None = None
         self._tokens = self._step_tokens = self._last_step_tokens = 0
         self.observers: list[StepObserver] = []
@@ -206,7 +209,11 @@ class Engine:
             precision=self.precision,
             accumulation_steps=gas,
         )
+        # this micro-step's share of the step's mean loss: a loss the caller divided already
+        # (scale_wrt_gas=False) is its share as it is
         done = loss.detach().float()
+        if scale_wrt_gas:
+            done = done / self.config.gradient_accumulation_steps
         self._loss_sum = done if self._loss_sum is None else self._loss_sum + done
         self._times["backward"] += time.perf_counter() - start
         return loss / gas
@@ -244,7 +251,7 @@ class Engine:
                 self._last_step_seconds = end - self._last_step_end
             self._last_step_end = end
             if self._loss_sum is not None:
-                self._last_loss = self._loss_sum / self.config.gradient_accumulation_steps
+                self._last_loss = self._loss_sum
             self._loss_sum = None
             self._tokens += self._step_tokens
             self._last_step_tokens, self._step_tokens = self._step_tokens, 0

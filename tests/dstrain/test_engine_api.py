@@ -33,6 +33,30 @@ def test_backward_returns_loss_over_accumulation_steps() -> None:
     engine.close()
 
 
+@pytest.mark.parametrize("gas", [2, 3])
+def test_last_loss_is_the_mean_micro_loss_with_and_without_scale_wrt_gas(gas: int) -> None:
+    """``statistics().last_loss`` is the mean of the step's micro-losses whether the engine divides
+    them (``scale_wrt_gas=True``) or the caller did (``False``, as HF's Trainer does): the divided
+    losses are not divided again."""
+    raw: list[torch.Tensor] = []
+    for scale_wrt_gas in (True, False):
+        engine = _engine(gas=gas)
+        for micro in range(gas):
+            idx, targets = global_batch(0, 4 * gas)
+            loss = engine(idx[4 * micro : 4 * micro + 4], targets[4 * micro : 4 * micro + 4])
+            if scale_wrt_gas:
+                raw.append(loss.detach())
+                engine.backward(loss)
+            else:
+                engine.backward(loss / gas, scale_wrt_gas=False)
+            engine.step()
+        assert engine.global_steps == 1
+        mean = sum(float(x) for x in raw) / gas
+        # float32 sums of `gas` terms in either order: a few ulps of the mean apart
+        assert engine.statistics().last_loss == pytest.approx(mean, rel=1e-6), scale_wrt_gas
+        engine.close()
+
+
 def test_set_gradient_accumulation_boundary_drives_the_step() -> None:
     ref = _engine(gas=2)
     for micro in range(2):
