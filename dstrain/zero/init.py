@@ -699,11 +699,22 @@ class GatheredParameters:
     """Whole values of partitioned parameters inside the block (DeepSpeed's ``GatheredParameters``).
 
     ``params``: one parameter or an iterable of them; parameters not partitioned are left alone.
-    Parameters partitioned by `Init` (before ``initialize``) are gathered into whole tensors; with
-    ``modifier_rank`` set, that rank's values (after the block) are broadcast and re-partitioned,
-    else changes are discarded. Parameters of an engine's ZeRO-3 units are gathered for reading
-    (``modifier_rank`` there is refused with `InitError`: change them before ``initialize``).
-    Every rank of the group must enter the block (it is a collective).
+    Every rank of the group must enter the block (it is a collective), with the same parameters.
+
+    - Parameters partitioned by `Init` (before ``initialize``) are gathered into whole tensors.
+    - Parameters of an engine's ZeRO-3 units (after ``initialize``) are gathered in place: they are
+      the units' own buffers, as in forward. Use the block between optimizer steps.
+
+    ``modifier_rank`` (a global rank): on exit, that rank's values are broadcast and every rank
+    keeps its partition of them; after ``initialize`` that is the shard *and* the fp32 master,
+    wherever the store keeps them (device, host memory, NVMe swap files), so the next step starts
+    from them and the optimizer's step does not overwrite them. At bf16/fp16 the master takes the
+    half-precision values (as ``initialize`` makes it from a half-precision model). Other ranks'
+    changes are discarded. Change the values in place (``p.data.normal_()``, ``p[0] = ...``) or
+    assign a tensor of the same shape to ``p.data``; optimizer state (Adam's m, v) is not touched.
+    ``modifier_rank=None``: read-only: changes on every rank are discarded on exit (a unit that
+    stays gathered, persistent ones, is gathered again from the unchanged shards).
+    An exception inside the block discards changes too.
     """
 
     def __init__(
@@ -726,12 +737,9 @@ class GatheredParameters:
         self._engine_units = list(
             dict.fromkeys(u for u in (unit_of(p) for p in self.params) if u is not None)
         )
-        if self._engine_units and self.modifier_rank is not None:
-            raise InitError(
-                "GatheredParameters",
-                "modifier_rank on parameters an engine already partitioned is not supported; "
-                "change them before dstrain.initialize",
-            )
+        for u in self._engine_units:
+            if self.modifier_rank is not None:
+                _group_rank(u.comm, self.modifier_rank)  # refused before any collective
         for u in self._init_units:
             u.restore(u.gather())
         for u in self._engine_units:
@@ -741,11 +749,20 @@ class GatheredParameters:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enabled:
             return
+        modify = self.modifier_rank is not None and exc_type is None
+        wrong: list[str] = []
         for u in self._engine_units:
+            wrong += _rebind(u, keep=modify and u.comm.rank == _group_rank(u.comm, self.modifier_rank))
+            if modify:
+                assert self.modifier_rank is not None
+                u.commit(_group_rank(u.comm, self.modifier_rank))
             u.release()
+            if not modify and u.gathered:  # stays gathered (persistent): back to the shards' values
+                u.regather()
         for u in self._init_units:
             params = u.params
-            if self.modifier_rank is not None and exc_type is None:
+            if modify:
+                assert self.modifier_rank is not None
                 with torch.no_grad():
                     flat = u.flatten()
                     u.comm.broadcast(flat, src=self.modifier_rank)
@@ -753,6 +770,43 @@ class GatheredParameters:
                 _rewrite(u, shard)
             for p in params:
                 p.data = _placeholder(p.shape, p.dtype, p.device)
+        if wrong and exc_type is None:  # after the collectives: the other ranks are not left waiting
+            raise InitError(
+                "GatheredParameters",
+                "a parameter of an engine's ZeRO-3 unit was given a tensor of another shape or dtype "
+                f"({'; '.join(wrong)}); its values were not written back (resize before dstrain.initialize)",
+            )
+
+
+def _group_rank(comm: Comm, rank: int | None) -> int:
+    """The rank in ``comm``'s group of global rank ``rank`` (InitError when it is not a member)."""
+    for i in range(comm.world_size):
+        if comm.global_rank(i) == rank:
+            return i
+    raise InitError(
+        "GatheredParameters",
+        f"modifier_rank={rank} is not a rank of the parameters' group (ranks "
+        f"{[comm.global_rank(i) for i in range(comm.world_size)]})",
+    )
+
+
+def _rebind(unit: Any, keep: bool) -> list[str]:
+    """Make ``unit``'s parameters views of its full buffer again where ``p.data`` was assigned in
+    the block; with ``keep`` (this rank's values are written back) copy the assigned values first,
+    and return a description of each assigned tensor of another shape or dtype (not copied)."""
+    wrong = []
+    with torch.no_grad():
+        for p, view in zip(unit.params, unit.layout.views(unit.full), strict=True):
+            if p.data_ptr() == view.data_ptr() and p.shape == view.shape and p.dtype == view.dtype:
+                continue  # still the unit's view (changed in place, or not at all)
+            if not keep:  # another rank's values are written back: this rank's change goes
+                pass
+            elif p.shape != view.shape or p.dtype != view.dtype:
+                wrong.append(f"{tuple(p.shape)} {p.dtype} for {tuple(view.shape)} {view.dtype}")
+            else:
+                view.copy_(p.data)
+            p.data = view
+    return wrong
 
 
 def _rewrite(unit: InitUnit, shard: torch.Tensor) -> None:

@@ -117,6 +117,17 @@ class ShardStore:
             assert group.shards is not None  # set by `place`
             group.shards.copy_(group.master.detach())
 
+    def write_shard(self, group: ShardGroup, unit: Unit, values: torch.Tensor) -> None:
+        """Replace ``unit``'s shard, and its range of ``group``'s fp32 master, with ``values``
+        (``(unit.layout.shard,)`` in the unit's dtype, upcast for the master): the whole-parameter
+        changes `dstrain.zero.GatheredParameters` writes back between steps, so the next gather
+        and the next optimizer step both start from them."""
+        start, n = group.offsets[unit.index], unit.layout.shard
+        group.master.detach()[start : start + n].copy_(values)
+        if not group.alias:  # the shards are a tensor of their own (bf16/fp16, or a host master)
+            assert group.shards is not None  # set by `place`
+            group.shards[start : start + n].copy_(values)
+
     def statistics(self) -> Any:
         return None
 
@@ -189,6 +200,7 @@ class Unit:
         self.handle: Any = None  # pending asynchronous all-gather
         self.grads_ready = 0
         self.store: ShardStore = ShardStore()
+        self.group: ShardGroup | None = None  # set by the ShardGroup the unit joins
 
     @property
     def numel(self) -> int:
@@ -254,6 +266,18 @@ class Unit:
         if self.gathered:
             self.comm.all_gather(self.full, self.store.input_for(self))
 
+    def commit(self, src: int) -> None:
+        """Make the gathered values of group rank ``src`` this unit's values on every rank (a
+        collective over ``comm``): ``src``'s full buffer is broadcast and each rank writes its part
+        of it where its store keeps the shard and the fp32 master (`ShardStore.write_shard`)."""
+        if not self.gathered:
+            raise RuntimeError("Unit.commit needs the unit gathered")
+        if self.group is None:
+            raise RuntimeError("Unit.commit before the unit joined a ShardGroup")
+        self.comm.broadcast(self.full, src)
+        with torch.no_grad():
+            self.store.write_shard(self.group, self, self.full[self.layout.lo : self.layout.hi])
+
     def release(self, force: bool = False) -> None:
         """Free the full buffer unless persistent (or pending: a gather in flight is finished first)."""
         if self.persistent and not force:
@@ -303,6 +327,7 @@ class ShardGroup:
         for u in units:
             self.offsets[u.index] = off
             u.store = store
+            u.group = self
             off += u.layout.shard
         self.alias = dtype == torch.float32
         self.shards: torch.Tensor | None = None  # the resident store's buffer (else None)

@@ -161,6 +161,18 @@ class MasterFile:
         for f in futs:
             f.result()
 
+    def write_range(self, group: int, start: int, values: torch.Tensor) -> None:
+        """Overwrite elements ``[start, start + values.numel())`` of ``group``'s master with
+        ``values`` (upcast), a buffer at a time, read-modify-write (the pages' other elements are
+        kept); ``on_store`` is not called (the caller writes the shard itself)."""
+        flat = values.reshape(-1)
+        for lo in range(0, flat.numel(), self.max_numel):
+            n = min(self.max_numel, flat.numel() - lo)
+            off, nbytes, _ = self._span(group, start + lo, n)
+            lease, view = self.fetch(group, start + lo, n).result()
+            view.copy_(flat[lo : lo + n])
+            self._live().store_range(lease, off, nbytes).result()
+
     @property
     def pinned_bytes(self) -> int:
         if self._swapper is not None:

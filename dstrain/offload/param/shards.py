@@ -428,6 +428,28 @@ class OffloadedShards(ShardStore):
         self.master.load_file(group.index, fill)  # each range also cast into the shard file
         self._swapper.drain()  # the shard writes of `ShardStream` (their errors surface here)
 
+    def write_shard(self, group: ShardGroup, unit: Unit, values: torch.Tensor) -> None:
+        """Replace ``unit``'s shard and its range of the fp32 master with ``values`` (see
+        `ShardStore.write_shard`): in the host buffer, or read-modify-written in the shard file
+        (one buffer: a unit's shard always fits one); with `holds_master` the master is the shard
+        file at fp32, and the master file as well at bf16/fp16. Shards already read ahead hold the
+        old values and go back to the pool unused."""
+        start, n = group.offsets[unit.index], unit.layout.shard
+        self._cancel_queue()
+        if not self.holds_master:
+            group.master.detach()[start : start + n].copy_(values)  # resident
+        if self.device == "cpu":
+            self._host[group.index][start : start + n].copy_(values)
+            return
+        assert self._swapper is not None
+        if self.master is not None and self.master.file is not None:
+            self.master.file.write_range(group.index, start, values)
+        off, nbytes, at = self._span(group, start, n)
+        lease = self._swapper.fetch_range(off, nbytes).result()  # the pages' other bytes kept
+        lease.view(self.dtype, at, n).copy_(values)
+        self._swapper.store_range(lease, off, nbytes).result()
+        self._shard_writes += 1
+
     # -- introspection and lifetime -------------------------------------------------------------
 
     @property
