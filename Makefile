@@ -84,7 +84,8 @@ bench: setup prometheus
 	$(QUICK) bench/train.py --quick
 	$(QUICK) bench/pipe.py --quick
 	$(QUICK) bench/moe.py --quick
-	$(QUICK) bench/onebit.py --reps 1 --steps 4 --layers 2 --dim 64 --vocab 1000 --output $(BENCH_QUICK)/onebit-quick
+	$(QUICK) bench/onebit.py --quick
+	$(QUICK) bench/bigmodel.py --quick
 	$(QUICK) bench/offload.py --quick
 	$(QUICK) bench/offload_gpu.py --quick
 	$(QUICK) bench/activation_checkpointing.py --small --steps 2 --label quick

@@ -3,6 +3,7 @@ built under ``dstrain.zero.Init``, trained on this 2-core / 24 GiB box (issue 23
 
     python bench/bigmodel.py --nvme-dir /data/swap                  # the real run (sized to the disk)
     python bench/bigmodel.py --nvme-dir /data/swap --layers 24 --dim 1024 --steps 3 --label smoke
+    python bench/bigmodel.py --quick      # seconds (make bench): 2 layers of 128, 2 steps, label "quick"
 
 Default: one rank. Why one and not two on this machine: a rank's swap I/O already runs on dsio's
 worker threads (the disk, not the process count, is the limit), and two data-parallel ranks would
@@ -26,7 +27,8 @@ before training), then ``--steps`` timed steps after one warm-up step, each with
 the probe's read GB/s plus bytes written at its write GB/s; target step <= 1.3x floor), peak RSS per rank (target <= 4 GiB),
 tokens/s, the first losses, and bytes swapped per step per parameter beside DeepSpeed's for the same
 configuration, with the formulas. A tqdm bar shows the steps and the swap GB/s.
-Writes bench/results/bigmodel-<date>[-<label>].{md,json}.
+Writes ``bigmodel-<date>[-<label>].{md,json}`` under ``$DSIO_BENCH_RESULTS``, else bench/results
+(bench/_common.py's ``RESULTS``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import machine, scratch_dir  # noqa: E402
+from bench._common import RESULTS, machine, scratch_dir  # noqa: E402
 
 GIB = 1 << 30
 #: Swap-file bytes per parameter: bf16 shard + fp32 master + Adam m, v + fp32 gradient.
@@ -55,6 +57,7 @@ SPARE = 0.10
 RAM_RATIO_TARGET = 2.3
 STEP_FLOOR_TARGET = 1.3
 RSS_TARGET = 4 * GIB
+QUICK_HELP = "seconds (make bench): 2 layers of dim 128, 2 timed steps, a 16 MiB disk probe, label 'quick'"
 
 
 def gpt_numel(layers: int, dim: int, vocab: int, seq: int) -> int:
@@ -245,7 +248,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
     ap.add_argument("--label", default="")
     ap.add_argument("--keep", action="store_true", help="keep the swap directory's files")
+    ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = ap.parse_args()
+    if args.quick:  # the same path (zero.Init, params + optimizer on NVMe, probe, steps), a toy's size
+        args.layers, args.dim, args.heads, args.vocab, args.seq = 2, 128, 4, 1000, 32
+        args.steps, args.pinned_mib, args.probe_mib = 2, 16, 16
+        args.label = args.label or "quick"
 
     import torch
     import torch.distributed as dist
@@ -379,7 +387,8 @@ def main() -> None:
     md = render(result, args)
     stamp = datetime.date.today().isoformat()
     name = f"bigmodel-{stamp}" + (f"-{args.label}" if args.label else "")
-    out = ROOT / "bench" / "results" / name
+    os.makedirs(RESULTS, exist_ok=True)
+    out = Path(RESULTS) / name
     out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     out.with_suffix(".md").write_text(md)
     print(md)

@@ -13,6 +13,10 @@ speed replaces the measured communication time by bytes / link (e.g. 10 GbE betw
 
     python bench/onebit.py --layers 2 --dim 256 --vocab 8000          # gloo on this machine (CPU)
     python bench/onebit.py --device cuda --backend nccl               # two GPUs
+    python bench/onebit.py --quick        # seconds (make bench): 2 layers of 64, 4 timed steps, 1 rep
+
+Writes ``onebit-<date>-<device>-<backend>[-quick].{md,json}`` under ``$DSIO_BENCH_RESULTS``, else
+bench/results (bench/_common.py's ``RESULTS``); ``--output STEM`` names the files instead.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import dstrain
     from bench.train import build_model
+    from dstrain.onebit import OneBitAdam, ZeroOneAdam
 
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -83,7 +88,8 @@ def worker(args: argparse.Namespace) -> None:
         "bf16": {"enabled": args.device == "cuda"},
     }
     engine, _, _, _ = dstrain.initialize(model=model, config=cfg)
-    backend = getattr(engine.optimizer, "backend", None)
+    # the compressed all-reduce of 1-bit / 0/1 Adam (Adam has none: its gradients go through engine.comm)
+    backend = engine.optimizer.backend if isinstance(engine.optimizer, OneBitAdam | ZeroOneAdam) else None
     if backend is not None:
         backend.time_collectives = True  # exact collective time on CUDA (synchronizes around them)
     g = torch.Generator().manual_seed(1 + rank)
@@ -150,7 +156,10 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     p.add_argument("--link-gbps", type=float, default=10.0, help="modelled inter-node link, Gbit/s")
-    p.add_argument("--output", default=None)
+    p.add_argument("--output", default=None, help="result stem (default: under $DSIO_BENCH_RESULTS)")
+    p.add_argument(
+        "--quick", action="store_true", help="seconds (make bench): 2 layers of 64, 4 timed steps, 1 rep"
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -158,6 +167,9 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.quick:  # every method, the same path, a toy's size
+        args.reps, args.steps, args.freeze, args.local_interval = 1, 4, 2, 4
+        args.layers, args.dim, args.heads, args.vocab, args.seq = 2, 64, 4, 1000, 32
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
     passthrough = [
@@ -215,7 +227,11 @@ def main() -> None:
         }
     stamp = datetime.datetime.now(datetime.timezone.utc)
     dev = f"{args.device}-{args.backend}"
-    base = Path(args.output) if args.output else ROOT / "bench" / "results" / f"onebit-{stamp:%Y-%m-%d}-{dev}"
+    from bench._common import RESULTS
+
+    os.makedirs(RESULTS, exist_ok=True)
+    default = Path(RESULTS) / f"onebit-{stamp:%Y-%m-%d}-{dev}{'-quick' if args.quick else ''}"
+    base = Path(args.output) if args.output else default
     data = {
         "date": stamp.isoformat(),
         "host": platform.node(),
