@@ -1,7 +1,8 @@
 """Building frozen config dataclasses from JSON dicts: unknown keys, did-you-mean, type checks.
 
-The schema of a section is its dataclass plus three optional ClassVars, read here and by
-`dstrain.config_reference` (README's config reference table):
+The schema of a section is its dataclass, a subclass of `Section`, plus its three ClassVars (empty
+unless the section says otherwise), read here and by `dstrain.config_reference` (README's config
+reference table):
 
 - ``_UNBUILT: dict[str, Unbuilt]``: DeepSpeed keys of features dstrain has not built. Accepted, with
   one INFO line "accepted, no effect: ...", when the value asks for nothing (DeepSpeed's default, or
@@ -9,7 +10,8 @@ The schema of a section is its dataclass plus three optional ClassVars, read her
   room that builds the feature removes its entry and parses the key itself (a field or a section).
 - ``_NO_EFFECT: dict[str, str]``: fields parsed and validated that change nothing in dstrain, with
   why; present in a config, each is logged once at INFO.
-- ``_SECTIONS: dict[str, type]``: the nested sections, by key (for the reference table).
+- ``_ALIASES: dict[str, str]``: JSON names accepted for a field (DeepSpeed's other spelling), to the
+  field's name.
 
 Every other field is honoured.
 """
@@ -22,14 +24,13 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from dstrain.errors import ConfigError, NotImplementedConfigError
 
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
-
 __all__ = [
+    "Section",
     "Unbuilt",
     "build",
     "check_bool",
@@ -42,8 +43,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("dstrain.config")
-
-T = TypeVar("T", bound="DataclassInstance")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,6 +89,21 @@ class Unbuilt:
             return "absent, null, or every key at DeepSpeed's default"
         values = [self.default, *self.also]
         return " or ".join(_json(v) for v in values)
+
+
+class Section:
+    """The base of every config section's dataclass: the schema's three ClassVars (module docstring),
+    empty unless the section declares its own. `build` and `dstrain.config_reference` read them."""
+
+    __slots__ = ()
+    _ALIASES: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    _UNBUILT: ClassVar[Mapping[str, Unbuilt]] = MappingProxyType({})
+    _NO_EFFECT: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    if TYPE_CHECKING:  # every section is a dataclass (dataclasses.fields reads it)
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+
+S = TypeVar("S", bound=Section)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -170,17 +184,15 @@ def reject_unknown(
     return kept
 
 
-def build(cls: type[T], data: Mapping[str, Any] | None, prefix: str, **extra: Any) -> T:
-    """Construct dataclass ``cls`` from ``data``, rejecting keys that are not fields of ``cls``.
-
-    ``cls`` may define ``_UNBUILT`` and ``_NO_EFFECT`` (see the module docstring), and ``_ALIASES``
-    mapping JSON names to field names.
-    """
+def build(cls: type[S], data: Mapping[str, Any] | None, prefix: str, **extra: Any) -> S:
+    """Construct the section dataclass ``cls`` from ``data``, rejecting keys that are not fields of
+    ``cls``: its ``_UNBUILT``, ``_NO_EFFECT`` and ``_ALIASES`` say what else is accepted (see the module
+    docstring)."""
     data = {} if data is None else data
-    aliases: dict[str, str] = getattr(cls, "_ALIASES", {})
+    aliases = cls._ALIASES
     names = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in extra]
-    data = reject_unknown(data, names + list(aliases), getattr(cls, "_UNBUILT", {}), prefix)
-    for key, why in getattr(cls, "_NO_EFFECT", {}).items():
+    data = reject_unknown(data, names + list(aliases), cls._UNBUILT, prefix)
+    for key, why in cls._NO_EFFECT.items():
         if key in data:
             note_no_effect(_field(prefix, key), data[key], why)
     kwargs = {aliases.get(k, k): v for k, v in data.items()}

@@ -16,7 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dsio.config import DEEPSPEED_AIO_DEFAULTS, IOConfig
-from dstrain._parse import Unbuilt, build, check_bool, check_float, check_int, note_no_effect, reject_unknown
+from dstrain._parse import (
+    Section,
+    Unbuilt,
+    build,
+    check_bool,
+    check_float,
+    check_int,
+    note_no_effect,
+    reject_unknown,
+)
 from dstrain.checkpointing.config import ActivationCheckpointingConfig
 from dstrain.config_auto import auto_paths, resolve_auto
 from dstrain.config_sections import (
@@ -71,7 +80,7 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DSConfig(Mapping[str, Any]):
+class DSConfig(Section, Mapping[str, Any]):
     """A whole training config. Build it with `DSConfig.load`; direct construction validates too.
 
     It is also a read-only mapping of the resolved JSON (`to_dict`), as DeepSpeed's ``engine.config``
@@ -319,7 +328,7 @@ class DSConfig(Mapping[str, Any]):
         )
 
 
-SECTIONS: dict[str, type] = {
+SECTIONS: dict[str, type[Section]] = {
     "fp16": FP16Config,
     "bf16": BF16Config,
     "zero_optimization": ZeroConfig,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsio.config import DEEPSPEED_AIO_DEFAULTS
-from dstrain._parse import Unbuilt
+from dstrain._parse import Section
 from dstrain.config import SECTIONS as CONFIG_SECTIONS
 from dstrain.config import DSConfig
 from dstrain.config_sections import OPTIMIZER_TYPES, SCHEDULER_TYPES, UNBUILT_OPTIMIZER_TYPES
@@ -30,7 +30,7 @@ from dstrain.offload.config import OffloadOptimizerConfig, OffloadParamConfig
 
 __all__ = ["SECTIONS", "Row", "markdown", "rows", "write_readme"]
 
-SECTIONS: dict[str, type] = {
+SECTIONS: dict[str, type[Section]] = {
     "": DSConfig,
     **{k: v for k, v in CONFIG_SECTIONS.items() if k not in ("optimizer", "scheduler")},
     "zero_optimization.offload_optimizer": OffloadOptimizerConfig,
@@ -64,8 +64,7 @@ def rows() -> list[Row]:
     """Every key the schema knows, sorted: honoured, accepted with no effect (why), or refused."""
     out: dict[str, Row] = {}
     for prefix, cls in SECTIONS.items():
-        no_effect: dict[str, str] = getattr(cls, "_NO_EFFECT", {})
-        aliases: dict[str, str] = getattr(cls, "_ALIASES", {})
+        no_effect, aliases = cls._NO_EFFECT, cls._ALIASES
         for f in dataclasses.fields(cls):
             if f.name == "world_size" or not f.init:
                 continue
@@ -79,8 +78,7 @@ def rows() -> list[Row]:
         for alias, target in aliases.items():
             key = _key(prefix, alias)
             out[key] = Row(key, out[_key(prefix, target)].status, f"alias of {target}")
-        unbuilt: dict[str, Unbuilt] = getattr(cls, "_UNBUILT", {})
-        for name, spec in unbuilt.items():
+        for name, spec in cls._UNBUILT.items():
             key = _key(prefix, name)
             if spec.any_value:
                 out[key] = Row(key, NO_EFFECT, spec.why)

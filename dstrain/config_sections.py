@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dstrain._parse import (
+    Section,
     Unbuilt,
     check_bool,
     check_choice,
@@ -31,7 +32,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class FP16Config:
+class FP16Config(Section):
     """``"fp16"``: half-precision compute, fp32 master weights, loss scaling."""
 
     enabled: bool = False
@@ -72,7 +73,7 @@ class FP16Config:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class BF16Config:
+class BF16Config(Section):
     """``"bf16"`` (alias ``"bfloat16"``): bfloat16 compute with fp32 master weights."""
 
     enabled: bool = False
@@ -96,7 +97,7 @@ class BF16Config:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ZeroConfig:
+class ZeroConfig(Section):
     """``"zero_optimization"``: which ZeRO stage and how it communicates."""
 
     stage: int = 0
@@ -291,7 +292,7 @@ class ZeroConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CheckpointConfig:
+class CheckpointConfig(Section):
     """``"checkpoint"``: checkpoint options."""
 
     tag_validation: str = "Warn"
@@ -424,7 +425,7 @@ def _check_params(prefix: str, params: object, known: tuple[str, ...], numeric_m
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class OptimizerConfig:
+class OptimizerConfig(Section):
     """``"optimizer"``: ``{"type": "Adam" | "AdamW" | "SGD", "params": {...}}``.
 
     As in DeepSpeed, ``Adam`` decouples weight decay (AdamW) unless ``"adam_w_mode": false``.
@@ -526,7 +527,7 @@ _SCHEDULER_PARAMS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class SchedulerConfig:
+class SchedulerConfig(Section):
     """``"scheduler"``: ``{"type": "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR" | "OneCycle" | "LRRangeTest",
     "params": {...}}`` with DeepSpeed's parameter names (`dstrain.scheduler`)."""
 

@@ -6,14 +6,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dstrain._parse import Unbuilt, build, check_bool, check_int
+from dstrain._parse import Section, Unbuilt, build, check_bool, check_int
 from dstrain.errors import ConfigError
 
 __all__ = ["ActivationCheckpointingConfig"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ActivationCheckpointingConfig:
+class ActivationCheckpointingConfig(Section):
     """``"activation_checkpointing"``: how `dstrain.checkpointing.checkpoint` keeps what it saves.
 
     A checkpointed function keeps only its inputs during forward and recomputes its inside in

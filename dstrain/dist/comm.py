@@ -13,11 +13,14 @@ import torch.distributed as dist
 
 from dstrain.dist import comms_logger
 
-__all__ = ["Comm", "CommStatistics"]
+__all__ = ["Comm", "CommStatistics", "all_gather_single", "reduce_scatter_single"]
 
-# torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep older torch working
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch.distributed's tensor-in/tensor-out collectives, the one place dstrain picks their names: torch
+# 2.13 renamed them (``all_gather_into_tensor`` -> ``all_gather_single``, ``reduce_scatter_tensor`` ->
+# ``reduce_scatter_single``) and warns (FutureWarning) on every call of the old names; 2.11 and 2.12
+# (pyproject's range) have only the old ones. A probe of the torch module, not of a dstrain part.
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,7 +144,7 @@ class Comm:
             )
             return _Then(handle, lambda: out.copy_(work[self.rank * n : (self.rank + 1) * n]))
         return self._run(
-            lambda async_op: _reduce_scatter(out, inp, group=self.group, async_op=async_op),
+            lambda async_op: reduce_scatter_single(out, inp, group=self.group, async_op=async_op),
             async_op,
             "reduce_scatter",
             _nbytes(inp),
@@ -172,7 +175,7 @@ class Comm:
 
             return self._run(broadcasts, async_op, "all_gather", _nbytes(out))
         return self._run(
-            lambda async_op: _all_gather(out, inp, group=self.group, async_op=async_op),
+            lambda async_op: all_gather_single(out, inp, group=self.group, async_op=async_op),
             async_op,
             "all_gather",
             _nbytes(out),

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstrain._parse import build, check_bool
+from dstrain._parse import Section, build, check_bool
 from dstrain.errors import ConfigError
 
 __all__ = [
@@ -56,7 +56,7 @@ _BUS_FACTOR = {
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CommsLoggerConfig:
+class CommsLoggerConfig(Section):
     """``"comms_logger"``: DeepSpeed's keys and defaults."""
 
     enabled: bool = False

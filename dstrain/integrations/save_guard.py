@@ -10,21 +10,29 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from dstrain.errors import PartitionedSaveError
 
-__all__ = ["guard_save_pretrained"]
+__all__ = ["SavesPretrained", "guard_save_pretrained"]
+
+
+@runtime_checkable
+class SavesPretrained(Protocol):
+    """A model with Hugging Face's ``save_pretrained(directory, ...)``: transformers' models, and the
+    other libraries that follow its convention (the method is the contract, not a base class)."""
+
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 def guard_save_pretrained(module: torch.nn.Module) -> bool:
-    """Wrap ``module.save_pretrained`` (a transformers model's; other modules have none) so it refuses
-    while parameters are released. Returns whether the module had one."""
-    original = getattr(module, "save_pretrained", None)  # a foreign model's method, not a dstrain part
-    if original is None or not callable(original):
+    """Wrap ``module.save_pretrained`` (a `SavesPretrained` model's; other modules have none) so it
+    refuses while parameters are released. Returns whether the module had one."""
+    if not isinstance(module, SavesPretrained) or not callable(module.save_pretrained):
         return False
+    original = module.save_pretrained
 
     @functools.wraps(original)
     def save_pretrained(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -38,5 +46,5 @@ def guard_save_pretrained(module: torch.nn.Module) -> bool:
             )
         return original(*args, **kwargs)
 
-    module.save_pretrained = types.MethodType(save_pretrained, module)  # type: ignore[assignment]
+    module.save_pretrained = types.MethodType(save_pretrained, module)  # type: ignore[method-assign]
     return True

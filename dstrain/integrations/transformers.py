@@ -210,7 +210,7 @@ class Trainer(transformers.Trainer):
         del inputs
         # HF's normalisation: divided by the accumulation steps unless num_items_in_batch (or a custom
         # loss function) already made it the mean over the whole accumulated batch
-        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5 caches it
+        scaled = self.loss_is_scaled_for_ga  # the Trainer's own answer (transformers 5), None: derive it
         if scaled is None:
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
                 self.compute_loss_func is not None
@@ -269,9 +269,8 @@ class Trainer(transformers.Trainer):
             return None
         model: Any = self.model
         model.config.save_pretrained(directory)
-        generation = getattr(model, "generation_config", None)  # generative models carry one
-        if generation is not None:
-            generation.save_pretrained(directory)
+        if isinstance(model, transformers.PreTrainedModel) and model.can_generate():  # then it carries one
+            model.generation_config.save_pretrained(directory)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(directory)
         torch.save(self.args, os.path.join(directory, "training_args.bin"))

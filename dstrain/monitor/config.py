@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dstrain._parse import build, check_bool
+from dstrain._parse import Section, build, check_bool
 from dstrain.errors import ConfigError
 
 __all__ = ["CSVConfig", "TensorBoardConfig", "WandbConfig"]
@@ -20,7 +20,7 @@ def _check_str(prefix: str, name: str, value: object, *, optional: bool = False)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TensorBoardConfig:
+class TensorBoardConfig(Section):
     """``"tensorboard"``: scalars through ``torch.utils.tensorboard`` (the ``tensorboard`` package)."""
 
     enabled: bool = False
@@ -39,7 +39,7 @@ class TensorBoardConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CSVConfig:
+class CSVConfig(Section):
     """``"csv_monitor"``: one CSV file per event (``step,<name>`` rows), written by dstrain."""
 
     enabled: bool = False
@@ -58,7 +58,7 @@ class CSVConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class WandbConfig:
+class WandbConfig(Section):
     """``"wandb"``: the same events to Weights & Biases (needs the ``wandb`` package)."""
 
     enabled: bool = False

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dstrain._parse import Unbuilt, build, check_bool, check_choice, check_float, check_int
+from dstrain._parse import Section, Unbuilt, build, check_bool, check_choice, check_float, check_int
 from dstrain.errors import ConfigError, NotImplementedConfigError
 
 __all__ = [
@@ -43,7 +43,7 @@ DEVICES = ("none", "cpu", "nvme")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class OffloadOptimizerConfig:
+class OffloadOptimizerConfig(Section):
     """``zero_optimization.offload_optimizer``: where the fp32 master weights and Adam state live."""
 
     device: str = "none"
@@ -99,7 +99,7 @@ class OffloadOptimizerConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class OffloadParamConfig:
+class OffloadParamConfig(Section):
     """``zero_optimization.offload_param`` (stage 3): where parameter shards live between uses."""
 
     device: str = "none"

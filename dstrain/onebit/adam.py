@@ -12,12 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dstrain.dist.comm import all_gather_single
 from dstrain.onebit.compressed import CompressedAllReduce
 
 __all__ = ["OneBitAdam", "Partition"]
-
-# torch >= 2.10 renamed the tensor-in/tensor-out all-gather; keep older torch working
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +178,7 @@ class OneBitAdam(torch.optim.Optimizer):
             if local.numel() != part.hi - part.lo:
                 raise ValueError(f"parameters of {local.numel()} elements for a range of {part.hi - part.lo}")
             full = torch.empty(part.flat_grad.numel(), dtype=torch.float32, device=local.device)
-            _all_gather(full, local, group=self.backend.group)
+            all_gather_single(full, local, group=self.backend.group)
             gs["full_exp_avg"] = full
         beta1 = group["betas"][0]
         full.mul_(beta1).add_(part.flat_grad.float(), alpha=1 - beta1)

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dstrain.dist.comm import all_gather_single
+
 if TYPE_CHECKING:
     from dstrain.dist.comm import Comm
 
@@ -44,9 +46,6 @@ __all__ = [
     "simulate",
     "unpack_signs",
 ]
-
-# torch >= 2.10 renamed the tensor-in/tensor-out all-gather; keep older torch working
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
 
@@ -166,7 +165,7 @@ class CompressedAllReduce:
         scales = torch.empty(w, 1, dtype=torch.float32, device=b.device)
         if w > 1:
             self._collective(dist.all_to_all_single, recv, packed)
-            self._collective(_all_gather, scales, s_w.reshape(1, 1))
+            self._collective(all_gather_single, scales, s_w.reshape(1, 1))
         else:
             recv.copy_(packed)
             scales.copy_(s_w.reshape(1, 1))
@@ -180,8 +179,8 @@ class CompressedAllReduce:
         all_signs = torch.empty(w, chunk // 8, dtype=torch.uint8, device=b.device)
         all_scales = torch.empty(w, 1, dtype=torch.float32, device=b.device)
         if w > 1:
-            self._collective(_all_gather, all_signs, packed_s.reshape(1, -1))
-            self._collective(_all_gather, all_scales, s_s.reshape(1, 1))
+            self._collective(all_gather_single, all_signs, packed_s.reshape(1, -1))
+            self._collective(all_gather_single, all_scales, s_s.reshape(1, 1))
         else:
             all_signs.copy_(packed_s.reshape(1, -1))
             all_scales.copy_(s_s.reshape(1, 1))

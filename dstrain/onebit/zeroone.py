@@ -13,13 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dstrain.dist.comm import all_gather_single
 from dstrain.onebit.adam import Partition
 from dstrain.onebit.compressed import CompressedAllReduce
 
 __all__ = ["ZeroOneAdam"]
 
-# torch >= 2.10 renamed the tensor-in/tensor-out all-gather; keep older torch working
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_accumulator")
 
 _SCHEDULE = (
@@ -355,7 +354,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
             raise ValueError(f"parameters of {local.numel()} elements for a range of {part.hi - part.lo}")
         full = torch.empty(part.flat_grad.numel(), dtype=torch.float32, device=local.device)
         if self.backend.world > 1:
-            _all_gather(full, local, group=self.backend.group)
+            all_gather_single(full, local, group=self.backend.group)
         else:
             full.copy_(local)
         return full

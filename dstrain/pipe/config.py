@@ -6,14 +6,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dstrain._parse import build, check_bool, check_float, check_int
+from dstrain._parse import Section, build, check_bool, check_float, check_int
 from dstrain.errors import ConfigError
 
 __all__ = ["PipelineConfig"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PipelineConfig:
+class PipelineConfig(Section):
     """``"pipeline"``: settings of pipeline-parallel training (the model must be a `PipelineModule`)."""
 
     stages: int | str = "auto"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -141,14 +142,18 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     return parts[::-1]
 
 
+#: The callables that carry a name of their own (functions, builtins, bound and unbound methods).
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.MethodDescriptorType)
+
+
 def _layer_name(layer: Layer) -> str:
+    """The name ``partition_method="type:..."`` matches: a spec's or module's class, a function's own
+    name (``torch.relu``, ``torch.Tensor.relu``, a lambda's ``<lambda>``), any other callable's class (``functools.partial``)."""
     if isinstance(layer, LayerSpec):
         return layer.typename.__name__
-    return (
-        type(layer).__name__
-        if isinstance(layer, nn.Module)
-        else getattr(layer, "__name__", type(layer).__name__)
-    )
+    if isinstance(layer, _FUNCTIONS):
+        return layer.__name__
+    return type(layer).__name__
 
 
 def _count_params(layer: Layer) -> int:

@@ -6,14 +6,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dstrain._parse import Unbuilt, build, check_bool, check_float, check_int
+from dstrain._parse import Section, Unbuilt, build, check_bool, check_float, check_int
 from dstrain.errors import ConfigError
 
 __all__ = ["FlopsProfilerConfig"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class FlopsProfilerConfig:
+class FlopsProfilerConfig(Section):
     """``"flops_profiler"``: count one training step's FLOPs, print the per-module profile, keep MFU."""
 
     enabled: bool = False

@@ -166,6 +166,7 @@ def main() -> None:
         state = loaded.state_dict()
         result["from_pretrained_equal"] = all(torch.equal(state[k], v) for k, v in full.items())
         result["from_pretrained_keys"] = sorted(set(full) ^ set(state))
+        result["saved_files"] = sorted(os.listdir(final))
     (OUT / f"rank-{rank}.json").write_text(json.dumps(result))
 
 

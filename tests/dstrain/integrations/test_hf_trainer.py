@@ -66,3 +66,5 @@ def test_save_model_loads_with_from_pretrained(results: list[dict]) -> None:
     r = results[0]
     assert r["from_pretrained_equal"] is True
     assert r["from_pretrained_keys"] == []
+    # a generative model's generation config is saved beside its config (Llama can_generate)
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= set(r["saved_files"])

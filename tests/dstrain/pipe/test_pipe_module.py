@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -106,6 +108,24 @@ def _layers() -> list[object]:
         LayerSpec(Block, 8, 8),
         TiedLayerSpec("emb", Emb, 16, 8, forward_fn=head),
     ]
+
+
+def test_partition_by_type_names_a_function_by_its_own_name() -> None:
+    # a plain function, a builtin and a method descriptor are matched by their own names; any other
+    # callable (functools.partial) by its class, as DeepSpeed's type: partitioning sees them
+    layers = [
+        LayerSpec(Block, 4, 4),
+        torch.relu,
+        (lambda x: x * 2),
+        torch.Tensor.tanh,
+        functools.partial(torch.clamp, min=0.0),
+        LayerSpec(Block, 4, 4),
+    ]
+    for found in ("type:^relu$", "type:lambda", "type:^tanh$", "type:^partial$"):
+        partition_layers(layers, 1, found)  # a layer matches: no PartitionError
+    for missing in ("type:builtin_function", "type:method_descriptor", "type:^function$", "type:clamp"):
+        with pytest.raises(PartitionError):
+            partition_layers(layers, 1, missing)
 
 
 def test_only_local_layers_are_built() -> None:
