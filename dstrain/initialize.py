@@ -29,13 +29,7 @@ from dstrain.dist.topology import Layout, Topology
 from dstrain.engine import Engine
 from dstrain.errors import ConfigError
 from dstrain.integrations.save_guard import guard_save_pretrained
-from dstrain.moe.compose import (
-    ExpertLayoutPart,
-    bind_expert_groups,
-    expert_parallel_size,
-    expert_routes,
-    split_expert_groups,
-)
+from dstrain.moe import compose as moe
 from dstrain.monitor import compose as monitors
 from dstrain.offload import compose as offload
 from dstrain.onebit import compose as onebit
@@ -90,7 +84,7 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
 def build_topology(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLike[str]) -> Topology:
     """The process groups. Pipeline stages (``pp``) and expert parallelism (``ep``) come from the model
     (a pipeline module's stages, its MoE layers' ``ep_size``) when those rooms are in; else 1 and 1."""
-    return Topology.from_world(pp=pipeline.pipeline_stages(model), ep=expert_parallel_size(model))
+    return Topology.from_world(pp=pipeline.pipeline_stages(model), ep=moe.expert_parallel_size(model))
 
 
 def _param_groups(module: torch.nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
@@ -123,7 +117,7 @@ def build_routes(
     """
     if onebit.applies(config):
         return onebit.build_routes(groups, topology)  # refuses pipeline and expert parallelism
-    return expert_routes(groups, default_routes(groups, topology.dp), topology)
+    return moe.expert_routes(groups, default_routes(groups, topology.dp), topology)  # expert groups only
 
 
 def _place_and_broadcast(
@@ -321,7 +315,7 @@ def initialize(
 
     # batch sizes count data-parallel ranks; the config comes before the groups (their timeout)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    layout = Layout(world=world, pp=pipeline.pipeline_stages(model), ep=expert_parallel_size(model))
+    layout = Layout(world=world, pp=pipeline.pipeline_stages(model), ep=moe.expert_parallel_size(model))
     raw = read_config_file(config) if isinstance(config, str | os.PathLike) else config
     raw = resolve_auto(raw, model=model, optimizer=optimizer)  # "auto": bucket sizes from hidden size, ...
     cfg = DSConfig.load(raw, world_size=layout.dp)
@@ -331,7 +325,9 @@ def initialize(
         cfg
     )  # params + optimizer on NVMe: page-aligned sub-groups (dstrain/offload)
     topology = build_topology(model, config)
-    bind_expert_groups(model, topology)  # MoE layers exchange tokens over topology.ep (dstrain/moe)
+    experts = moe.applies(cfg, model)  # expert parameters: MoE layers (dstrain/moe)
+    if experts:
+        moe.bind_expert_groups(model, topology)  # they exchange tokens over topology.ep
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     precision = Precision(cfg.precision, cfg.fp16)
@@ -343,13 +339,16 @@ def initialize(
 
     if isinstance(optimizer, torch.optim.Optimizer):  # its groups, each with its own options (as DeepSpeed)
         model_parameters = client_param_groups(optimizer)
-    groups = split_expert_groups(_param_groups(model, model_parameters))  # experts: groups of their own
+    groups = _param_groups(model, model_parameters)
+    if experts:
+        groups = moe.split_expert_groups(groups)  # experts: groups of their own
     routes = build_routes(groups, topology, cfg)
     if cfg.zero_optimization.stage != 3:  # a model built under zero.Init: whole again below stage 3
         zero_init.materialize(model)
     _place_and_broadcast(model, groups, routes, topology)
     # a pipeline's tied weights: groups made (and weights made equal) before ZeRO copies them
-    tied = pipeline.tied_groups(model, topology)
+    piped = pipeline.applies(cfg, model)  # a PipelineModule (dstrain/pipe)
+    tied = pipeline.tied_groups(model, topology) if piped else {}
     zero_init.prepare(model, precision.dtype)  # zero.Init's placeholders: cast without materializing
     model.to(precision.dtype)
     zero = build_zero(model, groups, routes, cfg, topology, precision.dtype)
@@ -360,7 +359,7 @@ def initialize(
     schedule = build_schedule(stepper, cfg, lr_scheduler, optimizer)
     loader = _build_loader(training_data, cfg, topology, collate_fn)
     # a pipeline model: the norm over every stage, and train_batch / eval_batch's 1F1B runner (dstrain/pipe)
-    pipe = pipeline.build(model, zero, topology, tied, cfg)
+    pipe = pipeline.build(model, zero, topology, tied, cfg) if piped else None
 
     engine = Engine(
         module=model,
@@ -371,17 +370,20 @@ def initialize(
         stepper=stepper,
         lr_scheduler=schedule,
         store=checkpoint_store or _default_store(cfg),
-        parts={"moe": ExpertLayoutPart(model)},  # which experts this rank's state holds (dstrain/moe)
+        # which experts this rank's state holds (dstrain/moe): for every model, a dense one's [] refuses
+        # an MoE checkpoint
+        parts={"moe": moe.ExpertLayoutPart(model)},
         grad_sets=pipe.grad_sets if pipe is not None else None,
         runner=pipe.runner if pipe is not None else None,
     )
     if checkpointer is not None:
         engine.observers.append(checkpointer)  # closed with the engine (its NVMe swap file)
-    monitor = monitors.build(cfg, topology.world.rank)  # tensorboard / csv_monitor / wandb (dstrain/monitor)
-    if monitor is not None:
-        engine.observers.append(monitor)
-    profiler = flops_profiler.build(cfg, model, topology.world.rank)  # flops_profiler (dstrain/profiling)
-    if profiler is not None:
-        engine.observers.insert(0, profiler)  # before the monitors: they read the MFU it sets
+    if monitors.applies(cfg, model):  # tensorboard / csv_monitor / wandb (dstrain/monitor)
+        monitor = monitors.build(cfg, topology.world.rank)
+        if monitor is not None:  # rank 0 writes
+            engine.observers.append(monitor)
+    if flops_profiler.applies(cfg, model):  # flops_profiler (dstrain/profiling)
+        # before the monitors: they read the MFU it sets
+        engine.observers.insert(0, flops_profiler.build(cfg, model, topology.world.rank))
     lifetime.track(engine)  # closed at exit if the script does not, before the process groups go
     return engine, engine.optimizer, loader, schedule

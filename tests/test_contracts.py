@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: (file, attribute) -> why probing is right there. What stays is a look at an object dstrain does not
@@ -89,3 +91,71 @@ def test_every_config_section_declares_its_schema():
 
     assert SECTIONS and all(issubclass(cls, Section) for cls in SECTIONS.values())
 
+
+# -- the rooms' plug: every room composed in initialize has one shape ---------------------------------
+
+ROOMS = sorted(p.parent.name for p in (ROOT / "dstrain").glob("*/compose.py"))
+
+
+def test_every_room_says_when_it_applies():
+    import importlib
+    import inspect
+
+    assert {"moe", "pipe", "offload", "onebit", "checkpointing", "monitor", "profiling"} <= set(ROOMS)
+    for room in ROOMS:
+        compose = importlib.import_module(f"dstrain.{room}.compose")
+        assert "applies" in compose.__all__, room
+        assert list(inspect.signature(compose.applies).parameters)[:2] == ["config", "model"], room
+
+
+def test_initialize_asks_every_room():
+    # initialize imports each room's compose module (never names out of it) and asks its applies()
+    tree = ast.parse((ROOT / "dstrain" / "initialize.py").read_text())
+    imported: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dstrain."):
+            assert not node.module.endswith(".compose"), (
+                f"import the room: from {node.module[:-8]} import compose"
+            )
+            imported |= {
+                a.asname or a.name: node.module.split(".")[1] for a in node.names if a.name == "compose"
+            }
+    asked = {
+        node.func.value.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "applies"
+        and isinstance(node.func.value, ast.Name)
+    }
+    assert sorted(imported.values()) == ROOMS
+    assert set(imported) <= asked, sorted(set(imported) - asked)
+
+
+def test_the_rooms_apply_to_their_models_and_sections():
+    import torch
+
+    from dstrain.config import DSConfig
+    from dstrain.moe import MoE
+    from dstrain.moe import compose as moe
+    from dstrain.monitor import compose as monitors
+    from dstrain.pipe import PipelineModule
+    from dstrain.pipe import compose as pipeline
+    from dstrain.profiling import compose as profiling
+
+    plain = DSConfig.load({"train_micro_batch_size_per_gpu": 1})
+    dense = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert not moe.applies(plain, dense) and not pipeline.applies(plain, dense)
+    assert moe.applies(plain, torch.nn.Sequential(MoE(4, torch.nn.Linear(4, 4), num_experts=2)))
+    assert pipeline.applies(plain, PipelineModule([torch.nn.Linear(4, 4)], num_stages=1, stage_id=0))
+    with pytest.raises(TypeError):
+        pipeline.build(dense, None, None, {}, plain)  # type: ignore[arg-type]
+    assert not monitors.applies(plain) and not profiling.applies(plain)
+    on = DSConfig.load(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "csv_monitor": {"enabled": True},
+            "flops_profiler": {"enabled": True},
+        }
+    )
+    assert monitors.applies(on) and profiling.applies(on)

@@ -1,5 +1,9 @@
 """How the MoE room plugs into `dstrain.initialize` and the engine's checkpoints.
 
+- `applies`: the model holds expert parameters (its MoE layers', or any marked DeepSpeed's way); then
+  initialize binds the layers' groups and splits the param groups (the topology's ``ep`` comes from
+  `expert_parallel_size`, 1 without MoE layers, and the expert-layout part is recorded for every model:
+  a dense model's empty layout is what refuses an MoE checkpoint).
 - `expert_parallel_size`: the topology's ``ep`` from the model's MoE layers (one size for all of them).
 - `bind_expert_groups`: give every MoE layer the topology's expert-parallel group.
 - `split_expert_groups`: expert parameters in param groups of their own (``"moe": True``), whether or not
@@ -15,7 +19,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -23,8 +27,12 @@ from dstrain.moe.errors import ExpertLayoutError, MoEConfigError
 from dstrain.moe.experts import is_moe_param
 from dstrain.moe.layer import moe_layers
 
+if TYPE_CHECKING:
+    from dstrain.config import DSConfig
+
 __all__ = [
     "ExpertLayoutPart",
+    "applies",
     "bind_expert_groups",
     "check_expert_layout",
     "expert_layout",
@@ -32,6 +40,12 @@ __all__ = [
     "expert_routes",
     "split_expert_groups",
 ]
+
+
+def applies(config: DSConfig | None, model: nn.Module) -> bool:
+    """The model holds expert parameters (`is_moe_param`): an MoE layer's, or any parameter tagged the
+    way DeepSpeed tags them. The config has no MoE section: the layers carry their settings."""
+    return any(is_moe_param(p) for p in model.parameters())
 
 
 def expert_parallel_size(model: nn.Module) -> int:

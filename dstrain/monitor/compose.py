@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dstrain.monitor.monitor import Monitor
 from dstrain.monitor.writers import CSVWriter, TensorBoardWriter, WandbWriter, Writer, require_wandb
@@ -10,12 +10,18 @@ from dstrain.monitor.writers import CSVWriter, TensorBoardWriter, WandbWriter, W
 if TYPE_CHECKING:
     from dstrain.config import DSConfig
 
-__all__ = ["build"]
+__all__ = ["applies", "build"]
+
+
+def applies(config: DSConfig, model: Any = None) -> bool:
+    """A monitor section (``tensorboard``, ``csv_monitor``, ``wandb``) is enabled."""
+    return any(s is not None and s.enabled for s in (config.tensorboard, config.csv_monitor, config.wandb))
 
 
 def build(config: DSConfig, rank: int) -> Monitor | None:
-    """The monitor of the enabled sections (None when none is, or off rank 0, as in DeepSpeed). A writer
-    whose package is missing raises `ConfigError` naming its ``enabled`` key on every rank."""
+    """The monitor of the enabled sections, where `applies`: on rank 0 (None on the other ranks, as in
+    DeepSpeed). A writer whose package is missing raises `ConfigError` naming its ``enabled`` key on
+    every rank."""
     writers: list[Writer] = []
     tb, csv_, wb = config.tensorboard, config.csv_monitor, config.wandb
     if wb is not None and wb.enabled:

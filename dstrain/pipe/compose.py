@@ -1,9 +1,9 @@
 """The pipeline room's few lines in `dstrain.initialize`: stages for the topology, tied groups, the runner.
 
-pp = pipeline_stages(model, config)            # build_topology
-tied = tied_groups(model, topology)            # before ZeRO flattens parameters (collective)
-pipe = build(model, zero, topology, tied, config)   # Engine(..., grad_sets=pipe.grad_sets, runner=pipe.runner)
-Each gives the trivial answer (1, {}, None) for a model that is not a `PipelineModule`.
+pp = pipeline_stages(model, config)            # build_topology (1 for a model that is not a pipeline)
+if applies(config, model):                     # the model is a `PipelineModule`
+    tied = tied_groups(model, topology)        # before ZeRO flattens parameters (collective)
+    pipe = build(model, zero, topology, tied, config)   # Engine(..., grad_sets=pipe.grad_sets, runner=pipe.runner)
 """
 
 from __future__ import annotations
@@ -27,9 +27,14 @@ from dstrain.pipe.module import PipelineModule
 from dstrain.pipe.runner import PipelineRunner
 from dstrain.pipe.transport import Transport
 
-__all__ = ["Pipeline", "build", "pipeline_stages", "tied_groups"]
+__all__ = ["Pipeline", "applies", "build", "pipeline_stages", "tied_groups"]
 
 _CHANNELS = itertools.count()
+
+
+def applies(config: DSConfig | None, model: torch.nn.Module) -> bool:
+    """The model is a `PipelineModule` (its stages, tied groups and runner are this room's)."""
+    return isinstance(model, PipelineModule)
 
 
 def pipeline_stages(model: torch.nn.Module, config: PipelineConfig | None = None) -> int:
@@ -97,15 +102,18 @@ def build(
     config: DSConfig,
     *,
     channel_id: int | None = None,
-) -> Pipeline | None:
+) -> Pipeline:
     """The pipeline's parts for the `Engine` (built over the local stage): gradient sets summed over
-    the stages, and the runner executing ``train_batch``/``eval_batch``; None unless `applies`.
+    the stages, and the runner executing ``train_batch``/``eval_batch``. Where `applies` (a
+    `PipelineModule`; any other model raises ``TypeError``).
 
     ``channel_id`` keeps the messages of several pipelines in one process group apart; by default each
     pipeline built in this process takes the next id (every rank builds its pipelines in the same order).
     """
     if not isinstance(model, PipelineModule):
-        return None
+        raise TypeError(
+            f"the pipeline room builds a PipelineModule, not {type(model).__name__} (see applies)"
+        )
     pipeline = config.pipeline
     pipeline_stages(model, pipeline)
     if model.num_stages > 1 and config.zero_optimization.stage == 3:

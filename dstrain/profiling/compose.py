@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from dstrain.config import DSConfig
     from dstrain.engine import Engine
 
-__all__ = ["StepProfiler", "build"]
+__all__ = ["StepProfiler", "applies", "build"]
 
 log = logging.getLogger("dstrain.profiling")
 
@@ -66,7 +66,14 @@ class StepProfiler:
         self.profiler.stop_profile()
 
 
-def build(config: DSConfig, model: nn.Module, rank: int) -> StepProfiler | None:
-    """The step profiler of an enabled ``flops_profiler`` section (None otherwise)."""
+def applies(config: DSConfig, model: Any = None) -> bool:
+    """The ``flops_profiler`` section is enabled."""
+    return config.flops_profiler is not None and config.flops_profiler.enabled
+
+
+def build(config: DSConfig, model: nn.Module, rank: int) -> StepProfiler:
+    """The step profiler of the enabled ``flops_profiler`` section (where `applies`)."""
     c = config.flops_profiler
-    return StepProfiler(c, model, rank) if c is not None and c.enabled else None
+    if c is None or not c.enabled:
+        raise ValueError("flops_profiler is not enabled (see applies)")
+    return StepProfiler(c, model, rank)
