@@ -28,6 +28,7 @@ from dstrain.dist.groups import collective_timeout, set_timeout
 from dstrain.dist.topology import Layout, Topology
 from dstrain.engine import Engine
 from dstrain.errors import ConfigError
+from dstrain.integrations.generation import default_synced_gpus
 from dstrain.integrations.save_guard import guard_save_pretrained
 from dstrain.moe import compose as moe
 from dstrain.monitor import compose as monitors
@@ -354,6 +355,8 @@ def initialize(
     zero = build_zero(model, groups, routes, cfg, topology, precision.dtype)
     if zero.stage == 3:  # a transformers model's save_pretrained would write empty placeholders
         guard_save_pretrained(model)
+        if zero.partitioned:  # and its generate must keep every rank's forwards (gathers) in step
+            default_synced_gpus(model)
 
     stepper = build_stepper(zero, cfg, optimizer)
     schedule = build_schedule(stepper, cfg, lr_scheduler, optimizer)
