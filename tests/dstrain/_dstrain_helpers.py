@@ -3,12 +3,13 @@ an engine loop, and a helper that runs a function on a real multi-process gloo g
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -113,6 +114,15 @@ def engine_losses(
             total /= world
         losses.append(total.item())
     return losses
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str) -> Iterator[str]:
+    """A new directory for swap files and checkpoints, removed when the block ends (raising or not):
+    under ``$DSTRAIN_NVME_DIR`` where set (to put the tests' swap files on another disk), else in the
+    temp directory. For a rank worker or a module fixture, which have no ``tmp_path``."""
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=os.environ.get("DSTRAIN_NVME_DIR")) as root:
+        yield root
 
 
 def free_port() -> int:

@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _dstrain_helpers import Tiny, base_config, engine_losses, spawn
+from _dstrain_helpers import Tiny, base_config, engine_losses, scratch_dir, spawn
 from safetensors.torch import save_file
 
 import dsio
@@ -66,10 +65,14 @@ def _config(offload: str, root: str, world: int) -> dict[str, Any]:
 
 
 def _load_case(kind: str, offload: str, src: str) -> dict[str, Any]:
+    with scratch_dir("pretrained-") as root:
+        return _load_case_in(kind, offload, src, root)
+
+
+def _load_case_in(kind: str, offload: str, src: str, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    root = tempfile.mkdtemp(prefix="pretrained-")
     cfg = _config(offload, root, world)
     want = _pretrained()
     if kind == "sharded":

@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dstrain_helpers import spawn
+from _dstrain_helpers import scratch_dir, spawn
 
 STEPS = 3
 WIDTH = 512
@@ -262,9 +262,9 @@ def test_run_larger_than_twice_the_memory_limit_matches_unconstrained(monkeypatc
     # the big allocations must go back to the kernel when freed (glibc would keep them in its heap)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 17))
     try:
-        root = tempfile.mkdtemp(prefix="offload-cgroup-", dir=os.environ.get("DSTRAIN_NVME_DIR"))
-        # both runs in the same two processes (one start-up): the limited one first, fresh
-        runs = spawn(_limited_then_free, root, group.procs, group.home, world=2)
+        with scratch_dir("offload-cgroup-") as root:
+            # both runs in the same two processes (one start-up): the limited one first, fresh
+            runs = spawn(_limited_then_free, root, group.procs, group.home, world=2)
         peak = group.peak()
     finally:
         group.remove()

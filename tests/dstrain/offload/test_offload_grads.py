@@ -11,13 +11,12 @@ memory: test_offload_param's ``both_nvme`` case.)
 
 from __future__ import annotations
 
-import os
-import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from _dstrain_helpers import spawn
+from _dstrain_helpers import scratch_dir, spawn
 
 WIDTH, DEPTH, STEPS, MICRO = 256, 10, 3, 2
 BUDGET = 1 << 20  # below the 4 B x 329k elements of gradient shards per rank
@@ -171,9 +170,9 @@ def _scenarios(root: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[str, Any]]:
-    root = tempfile.mkdtemp(prefix="offload-grads-", dir=os.environ.get("DSTRAIN_NVME_DIR"))
-    return spawn(_scenarios, root, world=2, start_method="forkserver")
+def runs() -> Iterator[list[dict[str, Any]]]:
+    with scratch_dir("offload-grads-") as root:
+        yield spawn(_scenarios, root, world=2, start_method="forkserver")
 
 
 @pytest.mark.parametrize("name", ["grads_nvme", "grads_nvme_gas2", "grads_nvme_bf16"])

@@ -9,12 +9,12 @@ of that run streams each rank's master partition from its file and resumes bitwi
 from __future__ import annotations
 
 import os
-import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from _dstrain_helpers import spawn
+from _dstrain_helpers import scratch_dir, spawn
 from _offload_helpers import param_config, param_parity_run
 
 STEPS = 10
@@ -38,9 +38,9 @@ def _scenarios(root: str) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[str, Any]]:
-    root = tempfile.mkdtemp(prefix="offload-param-", dir=os.environ.get("DSTRAIN_NVME_DIR"))
-    return spawn(_build_and_run, root, world=2, start_method="forkserver")
+def runs() -> Iterator[list[dict[str, Any]]]:
+    with scratch_dir("offload-param-") as root:
+        yield spawn(_build_and_run, root, world=2, start_method="forkserver")
 
 
 def _build_and_run(root: str) -> dict[str, Any]:

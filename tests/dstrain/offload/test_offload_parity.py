@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from _dstrain_helpers import engine_losses, make_model, spawn
+from _dstrain_helpers import engine_losses, make_model, scratch_dir, spawn
 from _offload_helpers import final_params, offload_config, parity_run
 
 STEPS = 10
@@ -49,10 +48,10 @@ def _scenarios(root: str) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[str, Any]]:
-    root = tempfile.mkdtemp(prefix="offload-parity-", dir=os.environ.get("DSTRAIN_NVME_DIR"))
-    # world size is resolved inside each rank; the config dicts are built there too
-    return spawn(_build_and_run, root, world=2)
+def runs() -> Iterator[list[dict[str, Any]]]:
+    with scratch_dir("offload-parity-") as root:
+        # world size is resolved inside each rank; the config dicts are built there too
+        yield spawn(_build_and_run, root, world=2)
 
 
 def _build_and_run(root: str) -> dict[str, Any]:

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _dstrain_helpers import SEQ, VOCAB, Tiny, base_config, engine_losses, make_model, spawn
+from _dstrain_helpers import SEQ, VOCAB, Tiny, base_config, engine_losses, make_model, scratch_dir, spawn
 from _mount import mounted
 from torch import nn
 
@@ -52,10 +51,14 @@ def _build(cls: Any, cfg: dict[str, Any] | None, **init: Any) -> tuple[nn.Module
 
 def _parity(offload: str) -> dict[str, Any]:
     """Normal build vs Init build on this rank: values, RNG, shard sizes, losses."""
+    with scratch_dir("zinit-") as root:
+        return _parity_in(offload, root)
+
+
+def _parity_in(offload: str, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    root = tempfile.mkdtemp(prefix="zinit-", dir=os.environ.get("DSTRAIN_TEST_NVME"))
     cfg = _config(offload, root, world)
     whole, _, rng_whole = _build(Tiny, None)
     ref_values = {n: p.detach().clone() for n, p in whole.named_parameters()}

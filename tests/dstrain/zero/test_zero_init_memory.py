@@ -19,12 +19,11 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
-import tempfile
 from typing import Any
 
 import pytest
 import torch
-from _dstrain_helpers import reset_peak, rss, spawn
+from _dstrain_helpers import reset_peak, rss, scratch_dir, spawn
 from safetensors.torch import save_file
 
 WIDTH = 512
@@ -83,6 +82,11 @@ def _train(engine: Any, world: int, rank: int) -> None:
 
 def _peak(depth: int, init: bool, pretrained: str) -> dict[str, Any]:
     """Peak RSS above the warmed-up baseline on this rank."""
+    with scratch_dir("init-mem-") as root:
+        return _peak_in(depth, init, pretrained, root)
+
+
+def _peak_in(depth: int, init: bool, pretrained: str, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import dstrain
@@ -94,7 +98,6 @@ def _peak(depth: int, init: bool, pretrained: str) -> dict[str, Any]:
     # 165 MiB "held" after building 42M params under Init, 2 MiB with a fixed threshold). A model's
     # real modules are bigger than 32 MiB and mmapped anyway; the test's are small to stay cheap.
     ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 17)
-    root = tempfile.mkdtemp(prefix="init-mem-", dir=os.environ.get("DSTRAIN_NVME_DIR"))
     cfg = _config(root, world)
     # warm-up: every code path once on a 2-layer model (imports, gloo, dsio's core and loop, Adam)
     with dstrain.zero.Init(config_dict_or_path=cfg):
