@@ -34,8 +34,9 @@ class Shape:
     """dstrain's ``offload_pinned_bytes`` per rank for this shape."""
     paramopt_pinned: int | None = None
     """dstrain's ``offload_pinned_bytes`` with parameters and optimizer state on NVMe, where it must
-    be larger (None: ``pinned``): stepping during backward needs two shard swap buffers of the largest
-    unit (the gathers' read-ahead keeps one while the step's master ranges use the other)."""
+    be larger (None: ``pinned``): the budget is also what decides whether the fp32 gradient shards
+    stay in memory (4 B/param per rank; above it they go to NVMe too), and the shard pool takes half
+    of it."""
     hidden: int = 2048
     layers: int = 12
     dim: int = 768
@@ -130,7 +131,8 @@ SHAPES: dict[str, Shape] = {
         sub_group=4_194_304,
         steps=5,
         pinned=128 << 20,
-        # the tied embedding's fp32 shard is 49 MB per rank: two of them, m+v buffers and the gradients'
+        # the fp32 gradient shards (219 MB per rank) stay in memory; the shard pool (half of it) holds
+        # the tied embedding's 49 MB shard in pieces beside the layers' read-ahead
         paramopt_pinned=256 << 20,
     ),
 }

@@ -111,7 +111,9 @@ class OffloadParamConfig(Section):
     buffer_count: int = 5
     """Hint: shard buffers in the swap pool. The pinned budget decides the real count."""
     buffer_size: int = 100_000_000
-    """Hint: elements per shard buffer; grown to the largest unit's shard when too small (logged)."""
+    """Hint: elements per shard buffer; grown to the largest unit's shard when too small (logged).
+    When the budget then holds fewer than ``buffer_count`` buffers, they are cut to a typical unit's
+    shard instead and larger shards are read in pieces (more of them read ahead; logged)."""
     max_in_cpu: int = 1_000_000_000
     """Accepted for compatibility. DeepSpeed keeps models under this many elements in CPU memory
     even when ``device`` is ``"nvme"``; dstrain always puts them on NVMe, as asked."""

@@ -7,6 +7,9 @@ records the order of its shard reads during a pass (from `begin_pass` to the ste
 Each read-ahead is consumed by exactly one gather, so a shard is read once per gather. When the pass
 leaves the trace, read-ahead stops and the pass is recorded again; a shard already read ahead is
 still used when its unit comes (shards change only at the step).
+
+A shard may take several pool buffers (``cost``: its pieces, when the pool's buffers are smaller than
+the largest shard); the read-ahead keeps as many shards queued as their buffers fit ``capacity``.
 """
 
 from __future__ import annotations
@@ -22,23 +25,30 @@ from dstrain.zero.units import Unit
 __all__ = ["TraceReadAhead"]
 
 
+Read = concurrent.futures.Future[list[Lease]]
+"""A shard's read: its pieces' buffers, in file order."""
+
+
 class TraceReadAhead:
-    """Read-ahead of one store's shards: ``read(unit)`` submits a read, ``discard(lease)`` hands a
-    buffer back unused, ``unit_of(index)`` finds a unit, ``capacity()`` is the pool's buffer count."""
+    """Read-ahead of one store's shards: ``read(unit)`` submits a read, ``discard(leases)`` hands its
+    buffers back unused, ``unit_of(index)`` finds a unit, ``capacity()`` is the pool's buffer count
+    the read-ahead may hold, ``cost(unit)`` the buffers a read of ``unit`` takes."""
 
     def __init__(
         self,
-        read: Callable[[Unit], concurrent.futures.Future[Lease]],
-        discard: Callable[[Lease], Any],
+        read: Callable[[Unit], Read],
+        discard: Callable[[list[Lease]], Any],
         unit_of: Callable[[int], Unit | None],
         capacity: Callable[[], int],
+        cost: Callable[[Unit], int] = lambda unit: 1,
     ) -> None:
         self._read = read
         self._discard = discard
         self._unit_of = unit_of
         self._capacity = capacity
-        # (position in `_trace`, unit index, read) in consumption order
-        self._queue: deque[tuple[int, int, concurrent.futures.Future[Lease]]] = deque()
+        self._cost = cost
+        # (position in `_trace`, unit index, read, its buffers) in consumption order
+        self._queue: deque[tuple[int, int, Read, int]] = deque()
         self._trace: list[int] | None = None  # unit indices of the last whole pass's shard reads
         self._recording: list[int] = []  # this pass's shard reads so far
         self._cursor = 0  # position in `_trace` of the next read a gather will ask for
@@ -51,10 +61,15 @@ class TraceReadAhead:
         """Reads submitted ahead and not consumed yet."""
         return len(self._queue)
 
+    @property
+    def held(self) -> int:
+        """Pool buffers the queued reads take."""
+        return sum(e[3] for e in self._queue)
+
     def cancel(self) -> None:
         """Hand back read-ahead buffers unused (the order changed, or someone else needs the pool)."""
         while self._queue:
-            _, _, fut = self._queue.popleft()
+            _, _, fut, _ = self._queue.popleft()
             self._discard(fut.result())
 
     def end_pass(self) -> None:
@@ -86,20 +101,25 @@ class TraceReadAhead:
         return pos
 
     def top_up(self) -> None:
-        """Keep reads submitted for the next trace positions, one buffer each."""
+        """Keep reads submitted for the next trace positions, as many as their buffers fit."""
         if not self._following or self._trace is None:
             return
         pos = self._queue[-1][0] + 1 if self._queue else self._cursor
-        while len(self._queue) < self._capacity():
+        held, room = self.held, self._capacity()
+        while True:
             pos = self._skip(pos)
             if pos >= len(self._trace):
                 break
             unit = self._unit_of(self._trace[pos])
             assert unit is not None
-            self._queue.append((pos, unit.index, self._read(unit)))
+            cost = self._cost(unit)
+            if held + cost > room:
+                break
+            self._queue.append((pos, unit.index, self._read(unit), cost))
+            held += cost
             pos += 1
 
-    def take(self, unit: Unit) -> concurrent.futures.Future[Lease]:
+    def take(self, unit: Unit) -> Read:
         """The read of ``unit``'s shard for the gather now asking for it: the read-ahead at this
         trace position, else one already queued for the unit, else a new read (in a buffer freed by
         giving up the furthest read-ahead). Records the read in this pass's order."""
@@ -123,6 +143,7 @@ class TraceReadAhead:
         if hit is not None:
             self._queue.remove(hit)
             return hit[2]
-        while len(self._queue) >= self._capacity():
+        cost = self._cost(unit)
+        while self._queue and self.held + cost > self._capacity():
             self._discard(self._queue.pop()[2].result())
         return self._read(unit)

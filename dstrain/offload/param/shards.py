@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,6 +54,10 @@ __all__ = ["OffloadedShards", "ParamStoreStatistics"]
 log = logging.getLogger(__name__)
 
 _BUDGET = "zero_optimization.offload_pinned_bytes"
+
+_MIN_PIECE = 1 << 20
+"""Smallest pool buffer when a shard is read in pieces (`OffloadedShards._pieces_pool`): a request of
+dsio's default block size, so a large shard is a few large reads, not thousands of small ones."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +139,7 @@ class OffloadedShards(ShardStore):
             self._discard,
             self._unit_of,
             lambda: self._swapper.buffers - self._lent if self._swapper else 0,
+            lambda unit: len(self._pieces(unit)),
         )
         self._lent = 0  # shard-pool buffers the read-ahead leaves to the optimizer (`_lend`)
         self._unit_group: dict[int, ShardGroup] = {}
@@ -247,6 +253,7 @@ class OffloadedShards(ShardStore):
             )
         count = max(1, min(self._count_hint, room // size))
         if count < self._count_hint:
+            size, count = self._pieces_pool(units, room, size, count)
             log.info(
                 "offload_param: %d swap buffers of %d bytes fit %s=%d", count, size, _BUDGET, self._budget
             )
@@ -266,6 +273,28 @@ class OffloadedShards(ShardStore):
                 release_reads=self._release_reads,
                 lend=self._lend,
             )
+
+    def _pieces_pool(self, units: Sequence[Unit], room: int, size: int, count: int) -> tuple[int, int]:
+        """(buffer bytes, count) when ``room`` holds fewer than the hinted buffers of the largest
+        shard (``size``, ``count`` of them): buffers of a typical shard (the median of those read
+        every pass, persistent units being read once; at least `_MIN_PIECE`), a larger shard read in several
+        (`_pieces`), if that gives the read-ahead more bytes and it can still hold the largest
+        shard's pieces with what the optimizer may borrow during backward taken out
+        (`SwappedMaster.lend_master_buffers`: half the buffers at fp32, one at bf16/fp16); else
+        ``(size, count)``. A 110M GPT's tied embedding (49 MB per rank) beside 4.7 MB layers left
+        two whole-shard buffers, one of them lent: the gathers read one shard ahead."""
+
+        def reads(n: int) -> int:
+            if not self.holds_master or n < 2:
+                return n
+            return n - (n // 2 if self.dtype == torch.float32 else 1)
+
+        shards = sorted(u.layout.shard for u in units if not u.persistent) or [1]
+        piece = max(align_up(shards[len(shards) // 2] * self._esize) + 2 * ALIGN, _MIN_PIECE)
+        more = room // piece
+        if piece >= size or reads(more) < -(-size // piece) or reads(more) * piece <= reads(count) * size:
+            return size, count
+        return piece, more
 
     def _master_stored(self, group: int, start: int, values: torch.Tensor) -> None:
         assert self.master is not None
@@ -331,15 +360,28 @@ class OffloadedShards(ShardStore):
 
         self._write_group(group, fill, wait)
 
-    def _read_unit(self, unit: Unit) -> concurrent.futures.Future[Lease]:
-        assert self._swapper is not None
+    def _pieces(self, unit: Unit) -> list[tuple[int, int, int, int]]:
+        """The pool buffers a read of ``unit``'s shard takes: ``(file offset, bytes, first element,
+        elements)`` of each, in file order (one unless the shard spans more than a buffer)."""
         group = self._unit_group[unit.index]
-        off, nbytes, _ = self._span(group, group.offsets[unit.index], unit.layout.shard)
-        return self._swapper.fetch_range(off, nbytes)
+        off, nbytes, at = self._span(group, group.offsets[unit.index], unit.layout.shard)
+        lo, hi = off + at, off + at + unit.layout.shard * self._esize  # the shard's bytes
+        out = []
+        for p in range(off, off + nbytes, self.buffer_bytes):
+            n = min(self.buffer_bytes, off + nbytes - p)
+            a, z = max(lo, p), min(hi, p + n)
+            out.append((p, n, (a - lo) // self._esize, (z - a) // self._esize))
+        return out
 
-    def _discard(self, lease: Lease) -> None:
+    def _read_unit(self, unit: Unit) -> concurrent.futures.Future[list[Lease]]:
         assert self._swapper is not None
-        self._swapper.discard(lease)
+        sw = self._swapper
+        return _all([sw.fetch_range(p, n) for p, n, _, _ in self._pieces(unit)], sw.discard)
+
+    def _discard(self, leases: list[Lease]) -> None:
+        assert self._swapper is not None
+        for lease in leases:
+            self._swapper.discard(lease)
 
     def _cancel_queue(self) -> None:
         """Hand back read-ahead buffers unused (the optimizer or a group write needs the pool)."""
@@ -376,11 +418,12 @@ class OffloadedShards(ShardStore):
             t0 = time.perf_counter()
             concurrent.futures.wait([fut])
             self._stall += time.perf_counter() - t0
-        lease = fut.result()
-        _, _, at = self._span(group, off, unit.layout.shard)
-        own.copy_(lease.view(self.dtype, at, unit.layout.shard))
-        self._swapper.discard(lease)  # unchanged: back to the pool without a write
-        self._ahead.top_up()  # its buffer is free again: read the next shard of the trace into it
+        leases = fut.result()
+        for lease, (p, _, e0, n) in zip(leases, self._pieces(unit), strict=True):
+            at = self._base[group.index] + (off + e0) * self._esize - p  # its first byte in the buffer
+            own[e0 : e0 + n].copy_(lease.view(self.dtype, at, n))
+        self._discard(leases)  # unchanged: back to the pool without a write
+        self._ahead.top_up()  # its buffers are free again: read the next shards of the trace into them
         return own
 
     def shard_numel(self, unit: Unit) -> int:
@@ -431,7 +474,7 @@ class OffloadedShards(ShardStore):
     def write_shard(self, group: ShardGroup, unit: Unit, values: torch.Tensor) -> None:
         """Replace ``unit``'s shard and its range of the fp32 master with ``values`` (see
         `ShardStore.write_shard`): in the host buffer, or read-modify-written in the shard file
-        (one buffer: a unit's shard always fits one); with `holds_master` the master is the shard
+        (a buffer at a time: the shard's pieces); with `holds_master` the master is the shard
         file at fp32, and the master file as well at bf16/fp16. Shards already read ahead hold the
         old values and go back to the pool unused."""
         start, n = group.offsets[unit.index], unit.layout.shard
@@ -444,11 +487,12 @@ class OffloadedShards(ShardStore):
         assert self._swapper is not None
         if self.master is not None and self.master.file is not None:
             self.master.file.write_range(group.index, start, values)
-        off, nbytes, at = self._span(group, start, n)
-        lease = self._swapper.fetch_range(off, nbytes).result()  # the pages' other bytes kept
-        lease.view(self.dtype, at, n).copy_(values)
-        self._swapper.store_range(lease, off, nbytes).result()
-        self._shard_writes += 1
+        for p, nbytes, e0, k in self._pieces(unit):  # one buffer each (`_pieces_pool`)
+            lease = self._swapper.fetch_range(p, nbytes).result()  # the pages' other bytes kept
+            at = self._base[group.index] + (start + e0) * self._esize - p
+            lease.view(self.dtype, at, k).copy_(values[e0 : e0 + k])
+            self._swapper.store_range(lease, p, nbytes).result()
+            self._shard_writes += 1
 
     # -- introspection and lifetime -------------------------------------------------------------
 
@@ -505,3 +549,31 @@ class OffloadedShards(ShardStore):
             if self._mfile is not None:
                 self._mfile.close()
         self._host.clear()
+
+
+def _all(
+    reads: list[concurrent.futures.Future[Lease]], discard: Callable[[Lease], Any]
+) -> concurrent.futures.Future[list[Lease]]:
+    """One future of every piece's lease, in file order, done when they all are; if a piece failed,
+    its error, and the pieces read go back to the pool (``discard``)."""
+    out: concurrent.futures.Future[list[Lease]] = concurrent.futures.Future()
+    left = [len(reads)]
+    lock = threading.Lock()
+
+    def done(_: concurrent.futures.Future[Lease]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [e for e in (f.exception() for f in reads) if e is not None]
+        if errors:
+            for f in reads:
+                if f.exception() is None:
+                    discard(f.result())
+            out.set_exception(errors[0])
+        else:
+            out.set_result([f.result() for f in reads])
+
+    for f in reads:
+        f.add_done_callback(done)
+    return out
