@@ -15,6 +15,7 @@ __all__ = [
     "NotImplementedConfigError",
     "PartitionedSaveError",
     "PretrainedMismatchError",
+    "RecomputeError",
     "ReshapeError",
     "TopologyError",
     "UnsupportedOptimizerError",
@@ -157,6 +158,13 @@ class ReshapeError(DstrainError, ValueError):
     """A checkpoint cannot be loaded into this engine's shape: a part whose state is per rank (1-bit /
     0-1 Adam's error feedback) at another world size or stage, or experts (MoE) laid out over another
     world size. The message names the saved shape and this engine's."""
+
+
+class RecomputeError(DstrainError, RuntimeError):
+    """An activation checkpoint's recompute (`dstrain.checkpointing.checkpoint`, in backward) did not
+    save what its forward saved (another count, shape or dtype: the function did other work the second
+    time), or ran a second time after its inputs were used (a second backward through a graph not kept
+    with ``retain_graph=True``)."""
 
 
 class CheckpointRankError(DstrainError):

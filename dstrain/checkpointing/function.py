@@ -1,10 +1,19 @@
 """`checkpoint(fn, *args)`: run ``fn`` without keeping its inside for backward, recompute it there.
 
-DeepSpeed's (Megatron's) reentrant scheme: forward runs ``fn`` under ``no_grad`` and keeps only its
-inputs, in the configured `Store`; backward takes the inputs back, replays the RNG state forward saw
-(dropout draws the same mask), reruns ``fn`` with gradients and back-propagates through it. The
-recompute does the same arithmetic as a forward without checkpointing, so losses and gradients are
-equal bit for bit.
+The non-reentrant scheme (torch.utils.checkpoint's ``use_reentrant=False``), with the inputs kept by
+the configured `Store`: forward runs ``fn`` with gradients, so autograd builds its graph as usual, but
+every tensor the graph would save for backward is replaced by a `_Holder` (a saved-tensors hook) and
+dropped. The first time backward needs one of them, the inputs come back from the store, the RNG and
+autocast state forward saw are replayed (dropout draws the same mask) and ``fn`` runs again, keeping
+what each holder stands for; it stops as soon as the last of them is recomputed (the last layer's
+output is not recomputed when nothing saved depends on it). Backward then runs through the graph
+built in forward. The recompute does the same arithmetic as a forward without checkpointing, so
+losses and gradients are equal bit for bit.
+
+Against DeepSpeed's (Megatron's) reentrant scheme (a ``torch.autograd.Function`` that reruns ``fn``
+and calls backward inside its backward), this is what ``torch.utils.checkpoint`` does by default: the
+early stop saves the last layer's forward, there is no nested backward, and a checkpointed function
+may take inputs that do not require gradients.
 
 One `ActivationCheckpointer` is active per process (DeepSpeed's module-level API): `configure` sets it
 (`dstrain.initialize` does, from the config's ``activation_checkpointing`` section), `reset` closes it.
@@ -12,10 +21,13 @@ One `ActivationCheckpointer` is active per process (DeepSpeed's module-level API
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +36,7 @@ import torch
 from dstrain.checkpointing import rng
 from dstrain.checkpointing.config import ActivationCheckpointingConfig
 from dstrain.checkpointing.stores import DeviceStore, HostStore, NvmeStore, Saved, Store
-from dstrain.errors import ConfigError, NotImplementedConfigError
+from dstrain.errors import ConfigError, NotImplementedConfigError, RecomputeError
 
 __all__ = [
     "ActivationCheckpointer",
@@ -82,7 +94,6 @@ class ActivationCheckpointer:
         else:
             self.store = DeviceStore()
         self._sync = (config.synchronize_checkpoint_boundary or config.profile) and torch.cuda.is_available()
-        self._dummy = torch.empty((), requires_grad=True)  # makes the output require grad (see checkpoint)
         self.checkpoints = 0
         self.recomputes = 0
         self.forward_seconds = 0.0
@@ -95,9 +106,22 @@ class ActivationCheckpointer:
 
     def checkpoint(self, function: Callable[..., Any], *args: Any) -> Any:
         """``function(*args)``, its inside recomputed in backward (see the module docstring)."""
-        if not torch.is_grad_enabled():  # nothing will run backward: nothing to keep
+        if not torch.is_grad_enabled() or _inside.active:
+            # nothing will run backward: nothing to keep; or nested in a checkpoint, whose hooks
+            # already drop (and whose recompute recomputes) what this call would save
             return function(*args)
-        return _CheckpointFunction.apply(function, self, self._dummy, *args)
+        frame = _Frame(self, function, rng.capture(), _autocast_state())
+        self.boundary()
+        start = time.perf_counter()
+        with _hooks(frame.pack, _unpack):
+            outputs = function(*args)
+        self.boundary()
+        if self.config.profile:
+            self.forward_seconds += time.perf_counter() - start
+        self.checkpoints += 1
+        if frame.holders:  # else nothing to recompute: the inputs need not wait for backward
+            frame.saved = self.store.save(args)
+        return outputs
 
     def drain(self) -> None:
         """Wait for the NVMe writes still in flight (a no-op for the other placements)."""
@@ -136,54 +160,137 @@ class ActivationCheckpointer:
         self.store.close()
 
 
-def _tensors_out(outputs: Any) -> tuple[Any, ...]:
-    return outputs if isinstance(outputs, tuple) else (outputs,)
+class _Inside(threading.local):
+    active = False
+    """A checkpoint's forward or recompute is running on this thread (its hooks are installed)."""
 
 
-class _CheckpointFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, run: Callable[..., Any], ckpt: ActivationCheckpointer, dummy: torch.Tensor, *args: Any
-    ):
-        ctx.run, ctx.ckpt = run, ckpt
-        ctx.rng = rng.capture()
-        ckpt.boundary()
-        start = time.perf_counter()
-        with torch.no_grad():
-            outputs = run(*args)
-        ckpt.boundary()
-        if ckpt.config.profile:
-            ckpt.forward_seconds += time.perf_counter() - start
-        ckpt.checkpoints += 1
-        ctx.saved = ckpt.store.save(args)
-        ctx.mark_non_differentiable(
-            *[o for o in _tensors_out(outputs) if isinstance(o, torch.Tensor) and not o.is_floating_point()]
-        )
-        return outputs
+_inside = _Inside()
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        ckpt: ActivationCheckpointer = ctx.ckpt
-        saved: Saved = ctx.saved
+
+@contextlib.contextmanager
+def _hooks(pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> Iterator[None]:
+    outer, _inside.active = _inside.active, True
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        _inside.active = outer
+
+
+class _StopRecompute(Exception):
+    """Raised by the recompute's pack hook once every tensor forward saved is recomputed."""
+
+
+class _Holder:
+    """What autograd keeps in place of one tensor a checkpointed forward saved."""
+
+    __slots__ = ("__weakref__", "frame", "index")
+
+    def __init__(self, frame: _Frame, index: int) -> None:
+        self.frame = frame
+        self.index = index
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_state() -> tuple[tuple[tuple[str, bool, torch.dtype], ...], bool]:
+    """Autocast as forward runs under it (the recompute, in backward, runs under the same)."""
+    devices = tuple(
+        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+        for d in _AUTOCAST_DEVICES
+        if d == "cpu" or torch.cuda.is_available()
+    )
+    return devices, torch.is_autocast_cache_enabled()
+
+
+class _Frame:
+    """One checkpointed call, from its forward to its recompute. The holders autograd keeps are its
+    only owners: a graph freed without backward frees the frame, and with it the saved inputs."""
+
+    def __init__(
+        self,
+        ckpt: ActivationCheckpointer,
+        run: Callable[..., Any],
+        rng_state: rng.RNGState,
+        autocast: tuple[tuple[tuple[str, bool, torch.dtype], ...], bool],
+    ) -> None:
+        self.ckpt = ckpt
+        self.run = run
+        self.rng = rng_state
+        self.autocast = autocast
+        self.saved: Saved | None = None
+        self.holders: list[weakref.ref[_Holder]] = []
+        self.metas: list[tuple[torch.Size, torch.dtype]] = []
+        # holder -> its recomputed tensor, freed with the holder (after the node that saved it ran)
+        self.recomputed: weakref.WeakKeyDictionary[_Holder, torch.Tensor] = weakref.WeakKeyDictionary()
+
+    def pack(self, t: torch.Tensor) -> _Holder:
+        holder = _Holder(self, len(self.holders))
+        self.holders.append(weakref.ref(holder))
+        self.metas.append((t.shape, t.dtype))
+        return holder
+
+    def recompute(self) -> None:
+        ckpt, saved = self.ckpt, self.saved
+        if saved is None:
+            raise RecomputeError(
+                "a checkpointed function's inputs were already used by its recompute (a second "
+                "backward through a graph that was not kept with retain_graph=True?)"
+            )
         inputs = ckpt.store.load(saved)
-        ctx.saved = None
+        self.saved = None
+        count = len(self.holders)
+        index = 0
+
+        def pack(t: torch.Tensor) -> None:
+            nonlocal index
+            if index < count:
+                holder = self.holders[index]()
+                if holder is not None:  # else its node already ran backward: nothing needs it
+                    if (t.shape, t.dtype) != self.metas[index]:
+                        raise RecomputeError(
+                            f"the recompute saved a {t.dtype} {tuple(t.shape)} tensor where forward "
+                            f"saved a {self.metas[index][1]} {tuple(self.metas[index][0])} one (tensor "
+                            f"{index} of {count}): the checkpointed function must do the same work twice"
+                        )
+                    self.recomputed[holder] = t.detach()
+            index += 1
+            if index >= count:
+                raise _StopRecompute
+
         ckpt.boundary()
         start = time.perf_counter()
-        with rng.replay(ctx.rng), torch.enable_grad():
-            outputs = _tensors_out(ctx.run(*inputs))
-            pairs = [
-                (o, g)
-                for o, g in zip(outputs, grads, strict=False)
-                if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
-            ]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        devices, cache = self.autocast
+        with contextlib.ExitStack() as stack:
+            for device, enabled, dtype in devices:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache))
+            stack.enter_context(rng.replay(self.rng))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(_hooks(pack, _refuse_unpack))
+            stack.enter_context(contextlib.suppress(_StopRecompute))
+            self.run(*inputs)
         ckpt.boundary()
         if ckpt.config.profile:
             ckpt.recompute_seconds += time.perf_counter() - start
         ckpt.recomputes += 1
-        grads_in = tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs)
-        return (None, None, None, *grads_in)
+        if index < count:
+            raise RecomputeError(
+                f"the recompute saved {index} tensors where forward saved {count}: the checkpointed "
+                "function must do the same work twice"
+            )
+
+
+def _unpack(holder: _Holder) -> torch.Tensor:
+    frame = holder.frame
+    if holder not in frame.recomputed:
+        frame.recompute()
+    return frame.recomputed[holder]
+
+
+def _refuse_unpack(packed: Any) -> torch.Tensor:
+    raise RecomputeError("backward through a checkpoint's recompute (the recompute's graph is never kept)")
 
 
 _ACTIVE: ActivationCheckpointer | None = None

@@ -12,7 +12,7 @@ from torch import nn
 
 import dstrain
 import dstrain.checkpointing as ckpt
-from dstrain.errors import ConfigError, NotImplementedConfigError
+from dstrain.errors import ConfigError, NotImplementedConfigError, RecomputeError
 
 DIM, DEPTH, BATCH = 64, 6, 8
 
@@ -335,3 +335,59 @@ def test_public_surface_is_deepspeeds_names() -> None:
         "reset",
         "statistics",
     }
+
+
+def test_recompute_stops_at_the_last_saved_tensor() -> None:
+    """What follows the last tensor autograd saves (here the count and a sum, which saves nothing) is not
+    recomputed: the early stop of the non-reentrant scheme (torch.utils.checkpoint's default)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    calls = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        h = lin(t)  # saves t and the weight: the last tensors saved
+        calls.append(1)
+        return h.sum()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    ckpt.checkpoint(fn, x).backward()
+    assert len(calls) == 1 and ckpt.statistics().recomputes == 1
+    ref_x, ref_w = torch.autograd.grad(lin(x).sum(), (x, lin.weight))
+    assert torch.equal(x.grad, ref_x) and torch.equal(lin.weight.grad, ref_w)
+
+
+def test_recompute_under_the_forwards_autocast() -> None:
+    """Backward runs outside forward's autocast; the recompute replays it (else it would save fp32 where
+    forward saved bf16, and the gradients would differ)."""
+    grads = []
+    for use in (False, True):
+        model = _net(use)
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(*_batch(0))
+        loss.backward()
+        grads.append(_grads(model))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_inputs_without_grad_nested_checkpoints_and_a_changed_recompute() -> None:
+    torch.manual_seed(0)
+    block = Block(DIM)
+    x = torch.randn(BATCH, DIM)  # requires no grad: the parameters still get theirs
+    torch.manual_seed(1)
+    block(x).pow(2).sum().backward()
+    ref = _grads(block)
+    block.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    ckpt.checkpoint(lambda t: ckpt.checkpoint(block, t).pow(2).sum(), x).backward()  # nested: one frame
+    assert all(torch.equal(a, b) for a, b in zip(ref, _grads(block), strict=True))
+    assert ckpt.statistics().recomputes == 1
+
+    rows = iter([BATCH, BATCH // 2])  # the second call (the recompute) saves another shape
+
+    def changing(t: torch.Tensor) -> torch.Tensor:
+        return (t[: next(rows)] * block.fc1.weight[:1]).sum()
+
+    out = ckpt.checkpoint(changing, x)
+    with pytest.raises(RecomputeError):
+        out.backward()
