@@ -703,7 +703,8 @@ class GatheredParameters:
 
     - Parameters partitioned by `Init` (before ``initialize``) are gathered into whole tensors.
     - Parameters of an engine's ZeRO-3 units (after ``initialize``) are gathered in place: they are
-      the units' own buffers, as in forward. Use the block between optimizer steps.
+      the units' own buffers, as in forward. Use the block between optimizer steps, and after
+      ``engine.wait_checkpoint()`` when an asynchronous save may still be reading the weights.
 
     ``modifier_rank`` (a global rank): on exit, that rank's values are broadcast and every rank
     keeps its partition of them; after ``initialize`` that is the shard *and* the fp32 master,
