@@ -196,6 +196,37 @@ def _zeros_operators() -> list[list[int]]:
 
 
 _OPS: list[list[int]] | None = None
+#: Byte tables of the zero-advance operator of the lengths joined over and over (a big tensor's
+#: 1 MiB blocks): 4 lookups per join instead of a GF(2) matrix-vector product in Python.
+_TABLES: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
+
+
+def _advance(reg: int, length: int) -> int:
+    """The crc32c register ``reg`` advanced over ``length`` zero bytes (matrix products)."""
+    global _OPS
+    if _OPS is None:
+        _OPS = _zeros_operators()
+    k, n = 0, length
+    while n and reg:
+        if n & 1:
+            reg = _gf2_times(_OPS[k], reg)
+        n >>= 1
+        k += 1
+    return reg
+
+
+def _tables(length: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """`_advance` over ``length`` bytes as 4 tables of 256 (one per byte of the register): the
+    operator is linear, so a register's image is the XOR of its bytes' images."""
+    cols = [_advance(1 << i, length) for i in range(32)]
+    out = []
+    for j in range(4):
+        t = [0] * 256
+        for v in range(1, 256):
+            low = v & -v
+            t[v] = t[v ^ low] ^ cols[8 * j + low.bit_length() - 1]
+        out.append(t)
+    return out[0], out[1], out[2], out[3]
 
 
 def crc_extend(crc: int, piece_crc: int, piece_len: int) -> int:
@@ -203,17 +234,19 @@ def crc_extend(crc: int, piece_crc: int, piece_len: int) -> int:
 
     crc32c(B, a) = Z(a) ^ crc32c(B, 0), where Z advances the register over len(B) zero bytes: a
     linear map, applied as the product of the precomputed matrices for the set bits of len(B)
-    (zlib's crc32_combine). Microseconds whatever the length, so pieces checksummed on different
-    threads, or out of file order, are joined for free."""
-    global _OPS
+    (zlib's crc32_combine), or, for `BLOCK_BYTES` (joined once per block of every big tensor on the
+    save's critical path: 60 ms per 1.4 GB in matrix products), as 4 table lookups. So pieces
+    checksummed on different threads, or out of file order, are joined for (nearly) free."""
+    reg = crc & 0xFFFFFFFF
     if piece_len == 0:
         return crc
-    if _OPS is None:
-        _OPS = _zeros_operators()
-    reg, k, n = crc & 0xFFFFFFFF, 0, piece_len
-    while n:
-        if n & 1:
-            reg = _gf2_times(_OPS[k], reg)
-        n >>= 1
-        k += 1
-    return reg ^ piece_crc
+    if reg == 0:  # the register of an empty prefix: nothing to advance
+        return piece_crc
+    tables = _TABLES.get(piece_len)
+    if tables is None and piece_len == BLOCK_BYTES:
+        tables = _TABLES[piece_len] = _tables(piece_len)
+    if tables is not None:
+        t0, t1, t2, t3 = tables
+        reg = t0[reg & 0xFF] ^ t1[(reg >> 8) & 0xFF] ^ t2[(reg >> 16) & 0xFF] ^ t3[reg >> 24]
+        return reg ^ piece_crc
+    return _advance(reg, piece_len) ^ piece_crc

