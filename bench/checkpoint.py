@@ -22,6 +22,7 @@ import json
 import operator
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -189,6 +190,10 @@ class Bench:
         self.flat, _ = flatten(state)  # what safetensors.save_file gets: the same tensors, flat
         self.nbytes = nbytes_of(self.flat)
         self.times: dict[str, list[float]] = defaultdict(list)
+        self.cpu: dict[str, list[float]] = defaultdict(list)
+        """Per method and rep: CPU seconds (user + system, every thread of this process)."""
+        self.phases: dict[str, list[float]] = defaultdict(list)
+        """The durable save's phases per rep (Checkpointer.statistics())."""
         self.handle = dsio.AsyncIOHandle(C.DEFAULT_IO)
         rm(self.p("ckpt"))  # steps of an earlier (killed) run: every run starts from an empty directory
         self.ckpt = C.Checkpointer(self.p("ckpt"))
@@ -370,6 +375,38 @@ LOADS: list[tuple[str, str]] = [
 ]
 
 
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def core_rates(nbytes: int = 256 << 20, reps: int = 3) -> dict[str, float]:
+    """What one core does per second (best of ``reps``), the resources a save and a load need beside
+    the disk: crc32c (the checksums), memcpy into locked memory (the staging copy), and the first
+    touch of fresh memory (page faults + zeroing: what a load into new tensors, and the raw read
+    into fresh memory, pay)."""
+    from dsio._memory import aligned_buffer, memcpy
+
+    mem = aligned_buffer(nbytes)
+    dst = torch.frombuffer(mem, dtype=torch.uint8)
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    best = {"crc32c": float("inf"), "memcpy": float("inf"), "fresh memory first touch": float("inf")}
+    for _ in range(reps):
+        t = time.perf_counter()
+        crc_of(src.data_ptr(), nbytes)
+        best["crc32c"] = min(best["crc32c"], time.perf_counter() - t)
+        t = time.perf_counter()
+        memcpy(dst.data_ptr(), src.data_ptr(), nbytes)
+        best["memcpy"] = min(best["memcpy"], time.perf_counter() - t)
+        t = time.perf_counter()
+        fresh = torch.empty(nbytes, dtype=torch.uint8)
+        fresh[::4096] = 1  # one write per page: each page faulted in and zeroed by the kernel
+        best["fresh memory first touch"] = min(best["fresh memory first touch"], time.perf_counter() - t)
+        del fresh
+    del dst, mem
+    return {k: nbytes / v / GB for k, v in best.items()}
+
+
 def crc_rate(flat: dict[str, torch.Tensor]) -> float:
     t = time.perf_counter()
     n = 0
@@ -445,7 +482,7 @@ def other_ratios(T: dict[str, list[float]]) -> dict[str, float]:
 
 
 def to_json(
-    b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse.Namespace
+    b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse.Namespace, cores: dict[str, float]
 ) -> dict[str, Any]:
     """The run as data (the schema scripts/readme_numbers.py reads): every rep, medians, targets."""
     T, n = b.times, b.nbytes
@@ -480,6 +517,10 @@ def to_json(
         "reps": reps,
         "page_cache_dropped": loads_cold(),
         "crc32c_gbps": crc / GB,
+        "core_gbps": cores,
+        "cpu_seconds": dict(b.cpu),
+        "save_phases_seconds": dict(b.phases),
+        "limits": limits(b, cores),
         "rows": rows,
         "seconds": dict(T),
         "targets": targets(T),
@@ -487,7 +528,35 @@ def to_json(
     }
 
 
-def report(b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse.Namespace) -> str:
+def limits(b: Bench, cores: dict[str, float]) -> dict[str, float]:
+    """The rates each resource allows, GB/s, next to the disk's (the raw rows): staging needs a
+    memcpy and a crc32c of every byte on ``copy_threads`` cores, a verified load a crc32c of every
+    byte on 2 threads, and both a load and the raw read fault in fresh memory."""
+    T, n = b.times, b.nbytes
+    per_core_stage = 1 / (1 / cores["memcpy"] + 1 / cores["crc32c"])
+    threads = min(b.ckpt.copy_threads, os.cpu_count() or 1)
+    out = {
+        "disk write (raw new-file write), GB/s": n / med(T["dsio raw write (new file, ceiling)"]) / GB
+        if T.get("dsio raw write (new file, ceiling)")
+        else float("nan"),
+        "disk read (raw read), GB/s": n / med(T["dsio raw read (ceiling)"]) / GB
+        if T.get("dsio raw read (ceiling)")
+        else float("nan"),
+        "staging (memcpy + crc32c) on one core, GB/s": per_core_stage,
+        f"staging on the {threads} copier threads, GB/s": per_core_stage * threads,
+        "crc32c on one core, GB/s": cores["crc32c"],
+        "load checksums (crc32c) on 2 threads, GB/s": cores["crc32c"] * min(2, os.cpu_count() or 1),
+        "fresh memory first touch on one core, GB/s": cores["fresh memory first touch"],
+    }
+    for name in (DURABLE, "dsio raw write (new file, ceiling)", LOAD, "dsio raw read (ceiling)"):
+        if b.cpu.get(name):
+            out[f"CPU seconds per GB: {name}"] = med(b.cpu[name]) / (n / GB)
+    return out
+
+
+def report(
+    b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse.Namespace, cores: dict[str, float]
+) -> str:
     T, n = b.times, b.nbytes
     lines = [
         f"# dsio.checkpoint benchmark, {mach['date']}",
@@ -516,7 +585,9 @@ def report(b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse
         "with its next forward and backward). DCP loads go into the preallocated state (DCP loads in place). "
         "The raw write writes the Checkpointer's staging region (the file's bytes).",
         "",
-        f"crc32c (`crc32c` package) over the state: {crc / GB:.1f} GB/s on one core.",
+        f"crc32c (`crc32c` package) over the state: {crc / GB:.1f} GB/s on one core; on 256 MiB, best of 3: "
+        + ", ".join(f"{k} {v:.1f} GB/s" for k, v in cores.items())
+        + " (one core each).",
         "",
         "## Saves",
         "",
@@ -560,6 +631,24 @@ def report(b: Bench, mach: dict[str, str], reps: int, crc: float, args: argparse
         f"vs DCP save {o['durable save vs DCP save']:.2f}x; dsio load vs torch.load {o['load vs torch.load']:.2f}x, "
         f"vs DCP load {o['load vs DCP load']:.2f}x.",
         "",
+        "## Where the time goes",
+        "",
+        "CPU seconds (user + system, all threads of the process) per operation, medians; on a machine shared "
+        "with other jobs, CPU a method needs beyond the raw I/O's is wall time it waits for a core.",
+        "",
+        "| method | wall s | CPU s |",
+        "| --- | --- | --- |",
+    ]
+    for name in [n for n, _ in SAVES] + [n for n, _ in LOADS]:
+        if T.get(name) and b.cpu.get(name):
+            lines.append(f"| {name} | {med(T[name]):.2f} | {med(b.cpu[name]):.2f} |")
+    lines += ["", "Durable save phases (Checkpointer.statistics(), medians): "]
+    lines[-1] += "; ".join(f"{k} {med(v):.3f} s" for k, v in b.phases.items()) + "."
+    lines += ["", "Rates each resource allows (GB/s; the disk's from the raw rows):", ""]
+    for k, v in limits(b, cores).items():
+        lines.append(f"- {k}: {v:.2f}")
+    lines += [
+        "",
         "Raw per-rep seconds:",
         "",
     ]
@@ -596,6 +685,7 @@ async def main_async(args: argparse.Namespace) -> None:
     b = Bench(state, args.dir)
     print(f"{len(b.flat)} tensors, {b.nbytes / 2**30:.2f} GiB", file=sys.stderr)
     crc = crc_rate(b.flat)
+    cores = core_rates()
     saves = [(n, getattr(b, m)) for n, m in SAVES if args.methods is None or m in args.methods]
     loads = [(n, getattr(b, m)) for n, m in LOADS if args.methods is None or m in args.methods]
     # Warm-up (not recorded): allocate the Checkpointer's staging region, build the raw file.
@@ -607,12 +697,22 @@ async def main_async(args: argparse.Namespace) -> None:
         for rep in range(args.reps):
             for name, fn in steps:
                 bar.set_postfix_str(f"rep {rep + 1}: {name[:40]}")
+                cpu0 = cpu_seconds()
                 b.times[name].append(await fn())
+                b.cpu[name].append(cpu_seconds() - cpu0)
+                if fn == b.dsio_checkpointer:  # where the durable save's time went
+                    st = b.ckpt.statistics()
+                    b.phases["staging (copy + crc32c, overlapped with the writes)"].append(
+                        st.last_staging_seconds
+                    )
+                    b.phases["after staging: last writes, header, fsync, commit"].append(
+                        st.last_write_seconds
+                    )
                 bar.update()
     b.ckpt.close()
     b.handle.close()
     mach = machine(args.dir)
-    text = report(b, mach, args.reps, crc, args)
+    text = report(b, mach, args.reps, crc, args, cores)
     print(text)
     if args.write:
         os.makedirs(args.results, exist_ok=True)
@@ -623,7 +723,7 @@ async def main_async(args: argparse.Namespace) -> None:
         with open(stem + ".md", "w") as f:
             f.write(text + f"\n![results]({name}.png)\n")
         with open(stem + ".json", "w") as f:
-            json.dump(to_json(b, mach, args.reps, crc, args), f, indent=1)
+            json.dump(to_json(b, mach, args.reps, crc, args, cores), f, indent=1)
         plot(b, stem + ".png")
         print(f"wrote {stem}.json, .md and .png", file=sys.stderr)
     if not args.keep:

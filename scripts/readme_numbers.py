@@ -238,7 +238,29 @@ def render_checkpoint(src: dict[str, Any], source: str) -> str:
         f"{val(load)} raw read (target {bound(load)}) and {val(load_st)} safetensors "
         f"({rows['dsio Checkpointer load (crc32c verified)']['gbps_median']:.2f} GB/s, crc32c verified). An async "
         f"save blocks training for {val(blocked)} of a synchronous save{free_again} (target {bound(blocked)}: "
-        f"{'met' if blocked['met'] else 'not met'}).\n"
+        f"{'met' if blocked['met'] else 'not met'}).{_checkpoint_limits(src)}\n"
+    )
+
+
+def _checkpoint_limits(src: dict[str, Any]) -> str:
+    """The resources' rates measured in the same run (bench/checkpoint.py's ``limits``; older runs have none)."""
+    lim = src.get("limits")
+    if not lim:
+        return ""
+
+    def pick(prefix: str) -> float:
+        hits = [v for k, v in lim.items() if k.startswith(prefix)]
+        if len(hits) != 1:
+            raise NumbersError(f"checkpoint limits: no single entry starting {prefix!r}")
+        return float(hits[0])
+
+    threads = [k for k in lim if k.startswith("staging on the ")]
+    n = threads[0].split()[3] if len(threads) == 1 else "?"
+    return (
+        f" Same run: the disk wrote {pick('disk write'):.2f} GB/s and read {pick('disk read'):.2f} GB/s (raw); "
+        f"staging (memcpy + crc32c) runs at {pick('staging on the '):.2f} GB/s on the {n} copier threads, crc32c "
+        f"at {pick('crc32c on one core'):.2f} GB/s per core, first touch of fresh memory at "
+        f"{pick('fresh memory first touch'):.2f} GB/s per core."
     )
 
 

@@ -70,9 +70,11 @@ def _copy_tree(tmp_path: Path) -> Path:
 def test_a_changed_result_file_is_detected_and_regenerated(tmp_path, capsys):
     readme = _copy_tree(tmp_path)
     assert rn.main(["--check", "--readme", str(readme)]) == 0
-    src = tmp_path / "bench/results/checkpoint-2026-11-30.json"
+    (block,) = [b for b in rn.blocks(readme.read_text()) if b.kind == "checkpoint"]  # whichever run it cites
+    src = tmp_path / block.source
     data = json.loads(src.read_text())
-    data["targets"][1]["value"] = 9.99  # durable save vs safetensors
+    (vs_st,) = [t for t in data["targets"] if "durable save" in t["target"] and "safetensors" in t["target"]]
+    vs_st["value"] = 9.99
     src.write_text(json.dumps(data))
     assert rn.main(["--check", "--readme", str(readme)]) == 1
     assert "9.99x" in capsys.readouterr().out
@@ -146,11 +148,26 @@ def test_bench_checkpoint_writes_the_schema_the_readme_reads():
     times["dsio Checkpointer save (durable)"] = [1.0, 1.2, 1.1]  # 2.1 / 1.1 = 1.91x the others
     times["dsio async save: blocked"] = [0.055, 0.055, 0.055]  # 5% of 1.1 s
     times["dsio async save: until staged"] = [0.44, 0.44, 0.44]  # 40% of 1.1 s
-    b = SimpleNamespace(times=times, nbytes=3 << 30, flat={f"t{i}": None for i in range(7)})
+    cpu = {n: [0.5, 0.5, 0.5] for n in names}
+    b = SimpleNamespace(
+        times=times,
+        cpu=cpu,
+        phases={"staging": [0.3, 0.3, 0.3]},
+        nbytes=3 << 30,
+        flat={f"t{i}": None for i in range(7)},
+        ckpt=SimpleNamespace(copy_threads=2),
+    )
     args = SimpleNamespace(layers=2, dim=64, vocab=128, label="")
-    data = json.loads(json.dumps(ck.to_json(b, {"date": "2026-12-01 10:00 UTC"}, 3, 5e9, args)))
+    cores = {"crc32c": 12.0, "memcpy": 6.0, "fresh memory first touch": 3.0}
+    data = json.loads(json.dumps(ck.to_json(b, {"date": "2026-12-01 10:00 UTC"}, 3, 5e9, args, cores)))
     text = rn.RENDERERS["checkpoint"](data, "bench/results/checkpoint-x.json")
     assert "1.91x dsio's raw new-file write (target 0.95x)" in text and "1.91x safetensors" in text
+    # the resources' rates of the same run: disk 3 GiB / 2.1 s; staging 1 / (1/6 + 1/12) = 4 GB/s per core
+    disk = (3 << 30) / 2.1 / 1e9
+    copiers = min(2, os.cpu_count() or 1)
+    assert f"the disk wrote {disk:.2f} GB/s and read {disk:.2f} GB/s (raw)" in text
+    assert f"runs at {4.0 * copiers:.2f} GB/s on the {copiers} copier threads, crc32c at 12.00 GB/s" in text
+    assert "first touch of fresh memory at 3.00 GB/s per core" in text
     assert "5.0% of a synchronous save" in text and "(target 5%: met)" in text
     assert "the state may change again 40% of the way into the save" in text
     assert data["rows"]["dsio Checkpointer save (durable)"]["gbps_median"] == pytest.approx(
