@@ -14,9 +14,15 @@ A destination of another dtype is filled through a bounded staging buffer and co
 The file may be anyone's: stock safetensors (Hugging Face ``model.safetensors`` and its shards)
 or dsio's own. Its header is untrusted: its declared length is checked against the file size and
 ``max_header_bytes`` before anything of that size is allocated, and it is validated as
-``dsio.checkpoint.load`` validates it (dtype, shape, offsets that tile the data section). dsio's
-files record a crc32c per tensor; a slice that covers a whole tensor is checked against it
-(``verify``); a partial slice cannot be, and is not.
+``dsio.checkpoint.load`` validates it (dtype, shape, offsets that tile the data section).
+
+Checksums (``verify``). dsio's files record the crc32c of each 1 MiB block of every tensor (a
+tensor of at most one block: its whole crc32c): a slice is rounded out to the whole blocks it
+touches, each is checked before its bytes are used (`dsio.checkpoint._blocks.CheckedBlocks`: the
+blocks inside the slice read straight into ``out``, a partial block at either end read whole into a
+one-block buffer), so a flipped bit anywhere in a slice is ``ChecksumError`` -- at the price of
+reading up to one block more at each end. A file that records only whole-tensor sums (dsio's
+before block sums) has slices covering a whole tensor checked; stock safetensors files record none.
 """
 
 from __future__ import annotations
@@ -43,8 +49,9 @@ from ..errors import (
 from ..file import AsyncFile
 from ..handle import AsyncIOHandle
 from . import _fs
+from ._blocks import CheckedBlocks, ReadBytes
 from ._format import MAX_HEADER_BYTES, Header
-from ._integrity import crc_extend, crc_of, parse_checksums
+from ._integrity import crc_extend, crc_of, parse_blocks, parse_checksums
 from ._read import read_header
 
 __all__ = ["SliceReader", "TensorInfo", "TensorSlice", "read_slices"]
@@ -99,6 +106,9 @@ class SliceReader:
         )
         self.metadata: Mapping[str, str] = MappingProxyType(dict(header.metadata))
         self._sums = parse_checksums(header.metadata, list(self._entries), path)
+        self._block_bytes, self._blocks = parse_blocks(
+            header.metadata, {e.name: e.nbytes for e in header.entries}, self._sums, path
+        )
 
     @classmethod
     async def open(
@@ -165,9 +175,9 @@ class SliceReader:
         Every request is checked before any byte is read: a name the file lacks is
         ``TensorNotFoundError`` (naming all of them), a range past a tensor's end
         ``SliceRangeError``, another dtype without ``convert`` ``CheckpointMismatchError``, a
-        non-contiguous destination ``TensorLayoutError``. ``verify`` checks slices covering a
-        whole tensor of a dsio file against its crc32c (``ChecksumError``); CUDA destinations
-        of the file's dtype are not checked.
+        non-contiguous destination ``TensorLayoutError``. ``verify`` checks every block a slice
+        touches against the file's block checksums (``ChecksumError``; see the module's text); a
+        CUDA destination is then filled through a bounded host buffer, checked there first.
         """
         if self._fd is None:
             raise ClosedError(f"slice reader of {self.path} is closed")
@@ -185,30 +195,54 @@ class SliceReader:
     async def _one(self, s: TensorSlice, gate: asyncio.Semaphore, verify: bool) -> int:
         e = self._entries[s.name]
         esize = torch.empty(0, dtype=e.dtype).element_size()
-        offset = self._header.data_start + e.begin + s.start * esize
+        at = s.start * esize  # the slice's first byte within the tensor
+        offset = self._header.data_start + e.begin + at
         nbytes = s.out.numel() * esize
+        blocks = self._blocks.get(s.name) if verify else None
+        if blocks is not None:  # every block the slice touches is read whole and checked
+            checked = CheckedBlocks(s.name, self.path, e.nbytes, blocks, self._block_bytes)
+
+            async def raw(off: int, dest: torch.Tensor) -> None:
+                await self._file.pread(dest, self._header.data_start + e.begin + off)
+
+            if s.out.dtype == e.dtype and not s.out.is_cuda:
+                await checked.read(raw, at, s.out.view(-1).view(torch.uint8))
+                return nbytes
+            return await self._staged(s, gate, esize, lambda off, dest: checked.read(raw, at + off, dest))
         whole = s.start == 0 and nbytes == e.nbytes
         want = self._sums[s.name] if verify and whole and self._sums is not None else None
-        if s.out.dtype == e.dtype:
+        if s.out.dtype == e.dtype and (want is None or not s.out.is_cuda):
             await self._file.pread(s.out, offset)
-            if want is not None and not s.out.is_cuda:
+            if want is not None:
                 self._verify(s.name, crc_of(s.out.data_ptr(), nbytes), want)
             return nbytes
-        # Another dtype: through one bounded staging buffer, converted chunk by chunk.
+        crc = 0
+
+        async def summed(off: int, dest: torch.Tensor) -> None:
+            nonlocal crc
+            await self._file.pread(dest, offset + off)
+            if want is not None:  # the chunks come in order: one running crc32c
+                crc = crc_extend(crc, crc_of(dest.data_ptr(), dest.numel()), dest.numel())
+
+        await self._staged(s, gate, esize, summed)
+        if want is not None:
+            self._verify(s.name, crc, want)
+        return nbytes
+
+    async def _staged(self, s: TensorSlice, gate: asyncio.Semaphore, esize: int, read: ReadBytes) -> int:
+        """Fill ``s.out`` (another dtype, or a CUDA tensor whose bytes are checked on the CPU first)
+        through one bounded staging buffer, in order: ``read(byte offset within the slice, dest)``
+        fills each chunk, then it is copied (converted) into place."""
+        e = self._entries[s.name]
         flat = s.out.view(-1)
         per = max(1, CONVERT_CHUNK_BYTES // esize)
-        crc = 0
         async with gate:
             stage = torch.empty(min(per, flat.numel()), dtype=e.dtype)
             for i in range(0, flat.numel(), per):
                 k = min(per, flat.numel() - i)
-                await self._file.pread(stage[:k], offset + i * esize)
-                if want is not None:
-                    crc = crc_extend(crc, crc_of(stage.data_ptr(), k * esize), k * esize)
+                await read(i * esize, stage[:k].view(torch.uint8))
                 flat[i : i + k].copy_(stage[:k])
-        if want is not None:
-            self._verify(s.name, crc, want)
-        return nbytes
+        return flat.numel() * esize
 
     def _verify(self, name: str, got: int, want: int) -> None:
         if got != want:

@@ -9,9 +9,7 @@ Checksums. A tensor whose file records its blocks' crc32c (dsio writes them for 
 one block, 1 MiB; a smaller one's whole crc32c is its one block's) is checked before any byte of
 it is handed out: a read is rounded out to whole blocks, each checked (``ChecksumError``), then
 copied into place -- so a rank that reads only a slice of another rank's tensor still detects a
-flipped bit in it. The blocks a read covers entirely are read straight into the caller's memory;
-a partial block at either end is read whole into a small buffer (the last one kept, so reads
-that continue where the last one ended do not read it twice).
+flipped bit in it (`dsio.checkpoint._blocks.CheckedBlocks`, which `SliceReader` reads through too).
 
 A file without block checksums (written before dsio recorded them) is checked as before: reads
 that continue where the last one ended extend a running crc32c and the last byte's read compares
@@ -32,7 +30,8 @@ import crc32c
 import torch
 
 from ..errors import ChecksumError
-from ._integrity import BLOCK_BYTES, crc_of
+from ._blocks import CheckedBlocks, ReadBytes
+from ._integrity import BLOCK_BYTES
 from ._lazy import FileRegions
 
 if TYPE_CHECKING:
@@ -85,20 +84,19 @@ class StoredTensor(FileRegions):
         self.name = name
         self.io = io
         self.expected = crc32c
-        self.blocks = None if blocks is None else list(blocks)
-        """Each ``block_bytes`` block's crc32c (None: the file records none for this tensor)."""
-        self.block_bytes = block_bytes
-        self._edge: tuple[int, torch.Tensor] | None = None  # the last partial block read, checked
-        self._checked: set[int] = set()  # blocks checked so far
         self._next = 0  # bytes read in order so far
         self._crc = 0
         super().__init__([(file.proc_path, file_offset, _nbytes(dtype, shape))], dtype, shape)
+        self.blocks = (
+            None if blocks is None else CheckedBlocks(name, file.path, self.nbytes, blocks, block_bytes)
+        )
+        """Its blocks' crc32c, reads through them (None: the file records none for this tensor)."""
 
     async def read_into(self, io: AsyncIOHandle, offset: int, out: torch.Tensor) -> None:
         if self.file.closed:
             raise ValueError(f"tensor {self.name!r} of {self.file.path}: its file was closed")
         if self.blocks is not None:
-            await self._read_blocks(io, offset, out)
+            await self.blocks.read(self._raw_reader(io), offset, out)
             return
         await super().read_into(io, offset, out)
         n = out.numel()
@@ -112,57 +110,20 @@ class StoredTensor(FileRegions):
                 f"recorded {self.expected:08x} (corrupted file)"
             )
 
-    async def _read_blocks(self, io: AsyncIOHandle, offset: int, out: torch.Tensor) -> None:
-        """Bytes ``[offset, offset + out.numel())`` out of whole blocks, each checked first."""
-        n, size = out.numel(), self.block_bytes
-        end = offset + n
-        if offset < 0 or end > self.nbytes:
-            raise ValueError(f"bytes [{offset}, {end}) are outside a {self.nbytes}-byte tensor")
-        if n == 0:
-            return
-        first, last = offset // size, (end - 1) // size
-        inner_lo = first if offset % size == 0 else first + 1  # blocks wholly inside the range
-        inner_hi = last + 1 if end % size == 0 or end == self.nbytes else last
-        if inner_hi > inner_lo:
-            a, b = inner_lo * size, min(inner_hi * size, self.nbytes)
-            dest = out[a - offset : b - offset]
-            await FileRegions.read_into(self, io, a, dest)
-            for k in range(inner_lo, inner_hi):
-                lo = k * size - a
-                self._check(k, dest[lo : min(lo + size, dest.numel())])
-        for k in sorted({first, last} - set(range(inner_lo, inner_hi))):
-            block = await self._block(io, k)
-            lo, hi = max(offset, k * size), min(end, k * size + block.numel())
-            out[lo - offset : hi - offset].copy_(block[lo - k * size : hi - k * size])
+    def _raw_reader(self, io: AsyncIOHandle) -> ReadBytes:
+        """Unchecked reads of this tensor's bytes with ``io`` (what `CheckedBlocks` checks)."""
 
-    async def _block(self, io: AsyncIOHandle, k: int) -> torch.Tensor:
-        """Block ``k`` whole, checked (the last one read is kept)."""
-        if self._edge is not None and self._edge[0] == k:
-            return self._edge[1]
-        start = k * self.block_bytes
-        block = torch.empty(min(self.block_bytes, self.nbytes - start), dtype=torch.uint8)
-        await FileRegions.read_into(self, io, start, block)
-        self._check(k, block)
-        self._edge = (k, block)
-        return block
+        async def read(offset: int, out: torch.Tensor) -> None:
+            await FileRegions.read_into(self, io, offset, out)
 
-    def _check(self, k: int, raw: torch.Tensor) -> None:
-        assert self.blocks is not None
-        got = crc_of(raw.data_ptr(), raw.numel())
-        if got != self.blocks[k]:
-            start = k * self.block_bytes
-            raise ChecksumError(
-                f"tensor {self.name!r} in {self.file.path}: bytes [{start}, {start + raw.numel()}) have "
-                f"crc32c {got:08x}, not the recorded {self.blocks[k]:08x} (corrupted file)"
-            )
-        self._checked.add(k)
+        return read
 
     @property
     def verified(self) -> bool:
         """Every byte matched the recorded checksums (every block checked, or every byte read in
         order), or none was recorded."""
         if self.blocks is not None:
-            return len(self._checked) == len(self.blocks)
+            return self.blocks.complete
         return self.expected is None or self._next == self.nbytes
 
     async def verify(self, io: AsyncIOHandle | None = None) -> None:
@@ -170,9 +131,10 @@ class StoredTensor(FileRegions):
         if self.verified:
             return
         if self.blocks is not None:  # each block not checked yet, one at a time
-            for k in range(len(self.blocks)):
-                if k not in self._checked:
-                    await self._block(io or self.io, k)
+            read = self._raw_reader(io or self.io)
+            for k in range(len(self.blocks.sums)):
+                if k not in self.blocks.checked:
+                    await self.blocks.block(read, k)
             return
         buf = torch.empty(min(VERIFY_CHUNK, self.nbytes), dtype=torch.uint8)
         while self._next < self.nbytes:

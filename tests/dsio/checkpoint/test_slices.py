@@ -199,11 +199,99 @@ def test_whole_tensor_slices_are_checked_against_dsio_crc(dsio_file):
                 path, [TensorSlice("wte.weight", torch.empty(1031 * 67, dtype=torch.float64))], convert=True
             )
         )
-    # a partial slice cannot be checked and is not (it reads the corrupted bytes as they are)
+    # a partial slice is checked too: the tensor is one block, read whole and checked (the flipped
+    # byte lies outside these 100 elements)
+    with pytest.raises(ChecksumError):
+        _run(read_slices(path, [TensorSlice("wte.weight", torch.empty(100), 1000)]))
     out = torch.empty(100)
-    _run(read_slices(path, [TensorSlice("wte.weight", out, 1000)]))
+    _run(read_slices(path, [TensorSlice("wte.weight", out, 1000)], verify=False))
     assert torch.equal(out, t["wte.weight"].reshape(-1)[1000:1100])
     _run(read_slices(path, [TensorSlice("wte.weight", torch.empty(1031 * 67))], verify=False))
+
+
+BLOCK = 1 << 20  # dsio.checkpoint._integrity.BLOCK_BYTES
+
+
+@pytest.fixture
+def big_dsio_file(tmp_path):
+    """A dsio file with a tensor of 5.5 blocks (its blocks' crc32c recorded) after a small one."""
+    path = tmp_path / "big.safetensors"
+    g = torch.Generator().manual_seed(9)
+    t = {"bias": torch.randn(37, generator=g), "w": torch.randn(11 * BLOCK // 8, generator=g)}
+    asyncio.run(dsio.checkpoint.save(t, str(path)))
+
+    async def offset_of(name):
+        async with await SliceReader.open(path) as r:
+            e = r._entries[name]
+            return r._header.data_start + e.begin
+
+    return str(path), t, _run(offset_of("w"))
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x20]))
+
+
+@pytest.mark.parametrize("where", ["inner block", "first edge block", "last edge block"])
+def test_a_flipped_bit_inside_a_partial_slice_is_a_checksum_error(big_dsio_file, where):
+    """Every 1 MiB block a slice touches is checked (edges read whole): a flipped bit in the slice's
+    bytes is ChecksumError, whether it lies in a block the slice covers or in one it covers partly."""
+    path, t, off = big_dsio_file
+    start, stop = BLOCK // 4 + 3, 4 * BLOCK // 4 - 5  # elements (fp32): bytes ~1 MiB + 12 .. ~4 MiB - 20
+    flip = {
+        "inner block": 2 * BLOCK + 100,
+        "first edge block": 4 * start + 8,
+        "last edge block": 4 * stop - 8,
+    }
+    _flip(path, off + flip[where])
+    with pytest.raises(ChecksumError):
+        _run(read_slices(path, [TensorSlice("w", torch.empty(stop - start), start)]))
+    with pytest.raises(ChecksumError):  # also through the converting path
+        _run(
+            read_slices(
+                path, [TensorSlice("w", torch.empty(stop - start, dtype=torch.float64), start)], convert=True
+            )
+        )
+    # unchecked, the slice holds the flipped bit; a slice of other blocks reads exact and checked
+    out = torch.empty(stop - start)
+    _run(read_slices(path, [TensorSlice("w", out, start)], verify=False))
+    assert not torch.equal(out, t["w"][start:stop])
+    far = torch.empty(1000)
+    _run(read_slices(path, [TensorSlice("w", far, 5 * BLOCK // 4 + 10)]))
+    assert torch.equal(far, t["w"][5 * BLOCK // 4 + 10 : 5 * BLOCK // 4 + 1010])
+
+
+def test_a_checked_slice_reads_at_most_one_block_more_at_each_end(big_dsio_file):
+    path, t, _ = big_dsio_file
+    cases = [
+        (10, 20),
+        (BLOCK // 4 - 1, BLOCK // 4 + 1),
+        (BLOCK // 4, 2 * BLOCK // 4),
+        (3, 11 * BLOCK // 8 - 2),
+    ]
+
+    async def main():
+        async with (
+            dsio.AsyncIOHandle(dsio.checkpoint.DEFAULT_IO) as h,
+            await SliceReader.open(path, handle=h) as r,
+        ):
+            moved = []
+            for a, b in cases:
+                out = torch.empty(b - a, dtype=torch.float64)
+                before = h.statistics().read_bytes
+                await r.read([TensorSlice("w", out, a)], convert=True)
+                moved.append(h.statistics().read_bytes - before)
+                assert torch.equal(out, t["w"][a:b].double()), (a, b)
+            return moved
+
+    for (a, b), n in zip(cases, _run(main()), strict=True):
+        first, last = 4 * a // BLOCK, (4 * b - 1) // BLOCK
+        assert n <= (last - first + 1) * BLOCK, (a, b, n)  # whole blocks, nothing beyond
+        assert n >= 4 * (b - a), (a, b, n)
 
 
 def test_bad_headers_are_refused_before_allocating(tmp_path):
