@@ -37,7 +37,9 @@ __all__ = [
     "Pin",
     "Snapshot",
     "SwapRegions",
+    "check_lazy",
     "has_lazy",
+    "lazy_bytes",
     "materialize",
     "read_lazy",
     "release_sources",
@@ -169,6 +171,37 @@ def materialize(value: Any) -> Any:
             return await walk(value)
 
     return run_sync(read_all())
+
+
+def lazy_bytes(value: Any) -> int:
+    """Bytes of every `LazyTensor` of a nested state (what `materialize` would allocate)."""
+    return sum(src.nbytes for src in _walk(value))
+
+
+#: Window of `check_lazy`'s reads (the one buffer it holds).
+CHECK_WINDOW = 8 << 20
+
+
+def check_lazy(value: Any) -> None:
+    """Read every `LazyTensor` of a nested state through one `CHECK_WINDOW` buffer, keeping nothing:
+    each stored tensor's bytes are checked against the file's checksums on the way (a mismatch is
+    ``dsio.checkpoint.ChecksumError``), so a caller can refuse a corrupted entry before it applies any
+    entry, without holding them all in memory."""
+    sources = list(_walk(value))
+    if not sources:
+        return
+    from dsio import run_sync
+    from dsio.checkpoint import DEFAULT_IO
+    from dsio.handle import AsyncIOHandle
+
+    async def read_all() -> None:
+        async with AsyncIOHandle(DEFAULT_IO) as io:
+            buf = torch.empty(min(CHECK_WINDOW, max(s.nbytes for s in sources)), dtype=torch.uint8)
+            for src in sources:
+                for at in range(0, src.nbytes, buf.numel()):
+                    await src.read_into(io, at, buf[: min(buf.numel(), src.nbytes - at)])
+
+    run_sync(read_all())
 
 
 def read_lazy(src: LazyTensor, offset: int, out: torch.Tensor) -> None:

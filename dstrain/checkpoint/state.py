@@ -20,10 +20,20 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from dstrain.checkpoint.sources import has_lazy, materialize, verify_lazy
+from dstrain.checkpoint.sources import check_lazy, has_lazy, lazy_bytes, materialize, verify_lazy
 from dstrain.errors import DstrainError
 
-__all__ = ["FORMAT", "STREAMED", "CountersPart", "Part", "RngPart", "StreamsState", "collect", "restore"]
+__all__ = [
+    "EAGER_BYTES",
+    "FORMAT",
+    "STREAMED",
+    "CountersPart",
+    "Part",
+    "RngPart",
+    "StreamsState",
+    "collect",
+    "restore",
+]
 
 FORMAT = 2
 """Version of the layout above (1 was the single-dict layout of dstrain's own commit protocol)."""
@@ -107,25 +117,38 @@ def collect(parts: Mapping[str, Part | None], extra: Mapping[str, Any]) -> dict[
     return state
 
 
+#: Entries read into memory (not streamed) are all read, each byte checked, before any is applied while
+#: their stored bytes total at most this. Beyond it they are checked first through one bounded buffer (a
+#: second read of those bytes) and then read and applied one at a time: a load then holds one entry beside
+#: the parts' own state, never every entry at once.
+EAGER_BYTES = 256 << 20
+
+
 def restore(
     parts: Mapping[str, Part | None], state: Mapping[str, Any], *, where: str, skip: set[str]
 ) -> None:
     """Hand each part its entry (parts in ``skip``, or absent on either side, are left alone).
 
     An entry loaded with tensors left in the file (`STREAMED`) goes to the part's
-    ``load_checkpoint_state`` where it has one (it streams them), else it is read into memory first --
-    every such entry before any part is restored."""
+    ``load_checkpoint_state`` where it has one (it streams them), else it is read into memory first.
+    Every byte read into memory is checked against the file's checksums before any part is restored
+    (see `EAGER_BYTES` for how, within bounded memory)."""
     if state.get("format") != FORMAT:
         raise DstrainError(f"{where}: unknown checkpoint format {state.get('format')!r} (expected {FORMAT})")
     missing = [k for k, p in parts.items() if p is not None and k not in skip and k not in state]
     if missing:
         raise DstrainError(f"{where}: checkpoint lacks the entries {missing}")
     todo = [(k, p) for k, p in parts.items() if p is not None and k not in skip and state[k] is not None]
-    # Every entry that is read into memory is read (each byte checked against the file's checksums)
-    # before any part is given its own: a corrupted file fails the load with nothing applied. A part
-    # that streams its entry checks each piece (block by block) before it uses it.
+    # A corrupted file fails the load with nothing applied. A part that streams its entry checks each
+    # piece (block by block) before it uses it.
     streamed = {k for k, p in todo if isinstance(p, StreamsState) and has_lazy(state[k])}
-    read = {k: materialize(state[k]) for k, _ in todo if k not in streamed}
+    eager = [k for k, _ in todo if k not in streamed]
+    read: dict[str, Any] = {}
+    if sum(lazy_bytes(state[k]) for k in eager) <= EAGER_BYTES:
+        read = {k: materialize(state[k]) for k in eager}  # each byte checked as it is read
+    else:
+        for k in eager:
+            check_lazy(state[k])
     for key, part in todo:
         if key in streamed:
             assert isinstance(part, StreamsState)
@@ -133,4 +156,4 @@ def restore(
             part.load_checkpoint_state(state[key])
             verify_lazy(state[key])
         else:
-            part.load_state_dict(read.pop(key))
+            part.load_state_dict(read.pop(key) if key in read else materialize(state[key]))
