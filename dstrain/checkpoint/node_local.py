@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from dstrain.checkpoint.agree import broadcast_object, gather_objects, storage_leaders
 from dstrain.checkpoint.pending import PendingSave
 from dstrain.checkpoint.sources import release_sources
-from dstrain.checkpoint.store import DsioStore, step_name
+from dstrain.checkpoint.store import DsioStore, rank_file_name, step_name
 from dstrain.dist.comm import Comm
 from dstrain.errors import DstrainError
 
@@ -52,7 +52,7 @@ def remove_own_leftovers(directory: Path, rank: int, suffix: str = ".safetensors
     except OSError as e:
         raise OSError(e.errno, f"cannot list the checkpoint directory {directory}: {e.strerror}") from e
     for tmp in tmps:
-        own = tmp / f"rank-{rank:05d}{suffix}"
+        own = tmp / rank_file_name(rank, suffix)
         try:
             own.unlink()
             removed.append(own)
@@ -94,7 +94,7 @@ class NodeLocalStore(DsioStore):
         remove_own_leftovers(directory, world.rank, self.suffix)
         leaders = self.leaders(directory, world)
         mine = [r for r in range(world.world_size) if leaders[r] == leaders[world.rank]]
-        name = f"rank-{world.rank:05d}{self.suffix}"
+        name = rank_file_name(world.rank, self.suffix)
         error = None
         try:
             tmp = Path(dsio.checkpoint.step_tmp_dir(directory, step))
@@ -110,7 +110,7 @@ class NodeLocalStore(DsioStore):
                 dsio.checkpoint.commit_written(
                     directory,
                     step,
-                    [f"rank-{r:05d}{self.suffix}" for r in mine],
+                    [rank_file_name(r, self.suffix) for r in mine],
                     failures=failures,  # with failures: the partial step goes
                     keep_last=self.keep_last,
                     ranks=mine,

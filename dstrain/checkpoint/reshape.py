@@ -29,6 +29,7 @@ import torch
 
 from dsio.checkpoint import LazyTensor
 from dstrain.checkpoint.layout import Layout, Segment, check_same_model
+from dstrain.checkpoint.store import rank_file_name
 from dstrain.errors import CheckpointRankError, ReshapeError
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ def saved_world(step_dir: Path) -> tuple[int, str]:
 
 
 def rank_path(step_dir: Path, rank: int, suffix: str) -> Path:
-    return step_dir / f"rank-{rank:05d}{suffix}"
+    return step_dir / rank_file_name(rank, suffix)
 
 
 def open_step(step_dir: Path, ranks: list[int] | None = None, *, allow_pickle: bool = False) -> SavedStep:

@@ -52,6 +52,7 @@ __all__ = [
     "default_store",
     "load_any",
     "rank_file_in",
+    "rank_file_name",
     "step_name",
     "validate_tag",
 ]
@@ -67,6 +68,12 @@ LAZY_BYTES = 1 << 20
 def step_name(step: int) -> str:
     """The directory of a committed step (dsio.checkpoint's naming)."""
     return f"step-{step:09d}"
+
+
+def rank_file_name(rank: int, suffix: str) -> str:
+    """Rank ``rank``'s file in a step directory (``rank-00003.safetensors``; dsio.checkpoint's naming),
+    for every store's ``suffix``."""
+    return f"rank-{rank:05d}{suffix}"
 
 
 class CheckpointStore(Protocol):
@@ -140,7 +147,7 @@ def rank_file_in(step_dir: Path, rank: int) -> Path | None:
         except (ValueError, KeyError, StopIteration, TypeError):
             pass
     for suffix in (".safetensors", ".pt"):
-        candidate = step_dir / f"rank-{rank:05d}{suffix}"
+        candidate = step_dir / rank_file_name(rank, suffix)
         if candidate.is_file():
             return candidate
     return None
@@ -210,7 +217,7 @@ class DsioStore:
             raise
         capture = ckpt.staging_capture
         capture.when_over(lambda: release_sources(state))  # once staging ends, on any path
-        expected = directory / step_name(step) / f"rank-{world.rank:05d}{self.suffix}"
+        expected = directory / step_name(step) / rank_file_name(world.rank, self.suffix)
 
         async def committed() -> Any:
             return await task
@@ -291,7 +298,7 @@ class TorchSaveStore:
 
         directory.mkdir(parents=True, exist_ok=True)
         tmp_dir = Path(step_tmp_dir(directory, step))
-        name = f"rank-{world.rank:05d}{self.suffix}"
+        name = rank_file_name(world.rank, self.suffix)
         lazy = state
         try:
             state = materialize(state)  # torch.save cannot stream lazy sources (swap files): read them
@@ -320,7 +327,7 @@ class TorchSaveStore:
             failures = [v for v in verdicts if v is not None]
             commit_error = None
             if world.rank == 0:
-                names = [f"rank-{r:05d}{self.suffix}" for r in range(world.world_size)]
+                names = [rank_file_name(r, self.suffix) for r in range(world.world_size)]
                 try:  # with failures: nothing is committed, the partial step goes
                     commit_written(directory, step, names, failures=failures)
                 except OSError as e:  # dsio's CheckpointCommitError (an OSError) among them
@@ -340,7 +347,7 @@ class TorchSaveStore:
     def load(
         self, directory: Path, step: int, world: Comm, *, lazy: tuple[str, ...] = ()
     ) -> tuple[Path, dict[str, Any]]:
-        path = directory / step_name(step) / f"rank-{world.rank:05d}{self.suffix}"
+        path = directory / step_name(step) / rank_file_name(world.rank, self.suffix)
         if not path.is_file():
             raise CheckpointNotFoundError(f"no checkpoint file {path}")
         return path, torch.load(path, map_location="cpu", weights_only=not self.allow_pickle)
