@@ -18,6 +18,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _readme_blocks as rb  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.experiments import exit_aborts  # noqa: E402  (how a torchrun launch is judged)
+
 README = ROOT / "README.md"
 RUNNER = Path(rb.__file__)
 BLOCKS = rb.blocks(README.read_text())
@@ -71,6 +74,9 @@ def test_block_runs_under_torchrun(block: rb.Block, tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=420, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    # and judged as bench/experiments/exit_aborts.py judges a launch: no rank aborted at exit (its
+    # "pipeline/close" variant is this very block: tests/dstrain/dist/test_exit_teardown.py leaves it here)
+    assert exit_aborts.classify(proc.returncode, proc.stdout + proc.stderr) == "ok", proc.stderr[-4000:]
 
 
 def test_a_broken_block_fails_and_markers_are_read(tmp_path: Path) -> None:

@@ -18,6 +18,20 @@ def _run(root: Path, node_local: bool, phase: str) -> list[dict]:
     return spawn(node_local_run, str(root), node_local, phase, world=2, start_method="forkserver")
 
 
+@pytest.fixture(scope="module")
+def node_local_save(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """One node-local "save" run (the same in every test that starts from it): its hosts' directories
+    and what each rank reported. Tests work on a copy (`_saved_into`)."""
+    root = tmp_path_factory.mktemp("node-local-save")
+    return root, _run(root, True, "save")
+
+
+def _saved_into(node_local_save: tuple[Path, list[dict]], tmp_path: Path) -> list[dict]:
+    root, saved = node_local_save
+    shutil.copytree(root, tmp_path, dirs_exist_ok=True)
+    return saved
+
+
 def test_a_directory_not_shared_by_every_rank_is_refused_naming_the_key(tmp_path: Path) -> None:
     for r in _run(tmp_path, False, "save"):
         kind, message, _, _ = r["error"]
@@ -25,8 +39,8 @@ def test_a_directory_not_shared_by_every_rank_is_refused_naming_the_key(tmp_path
     assert not list(tmp_path.rglob("step-*"))  # refused before anything was written
 
 
-def test_node_local_storage_commits_per_host_and_resumes(tmp_path: Path) -> None:
-    saved = _run(tmp_path, True, "save")
+def test_node_local_storage_commits_per_host_and_resumes(node_local_save, tmp_path: Path) -> None:
+    saved = _saved_into(node_local_save, tmp_path)
     for rank, r in enumerate(saved):
         assert "error" not in r, r
         assert r["failed_save"] == "DstrainError"  # rank 1 could not store its state: nothing committed
@@ -48,8 +62,10 @@ def test_node_local_storage_commits_per_host_and_resumes(tmp_path: Path) -> None
         assert r["losses"] == s["losses"][4:]  # same world, stage and arithmetic: bitwise
 
 
-def test_ranks_that_see_different_committed_steps_all_fail_naming_step_and_rank(tmp_path: Path) -> None:
-    _run(tmp_path, True, "save")
+def test_ranks_that_see_different_committed_steps_all_fail_naming_step_and_rank(
+    node_local_save, tmp_path: Path
+) -> None:
+    _saved_into(node_local_save, tmp_path)
     # host 1 lost its step 4 (it died after rank 0 committed): its latest says step 2
     shutil.rmtree(tmp_path / "host1" / "step-000000004")
     (tmp_path / "host1" / "latest").write_text("step-000000002\n")
@@ -59,9 +75,11 @@ def test_ranks_that_see_different_committed_steps_all_fail_naming_step_and_rank(
         assert str(tmp_path / "host1") in message
 
 
-def test_at_another_world_size_refused_naming_both_until_every_rank_file_is_there(tmp_path: Path) -> None:
+def test_at_another_world_size_refused_naming_both_until_every_rank_file_is_there(
+    node_local_save, tmp_path: Path
+) -> None:
     # saved by 2 ranks into their own hosts' directories; one rank loads host 0's, which lacks rank 1's file
-    saved = _run(tmp_path, True, "save")
+    saved = _saved_into(node_local_save, tmp_path)
     host0 = tmp_path / "host0"
     cfg = base_config(1, world=1, micro=GLOBAL_BATCH, checkpoint={"use_node_local_storage": True})
     engine, _, _, _ = dstrain.initialize(model=make_model(seed=8), config=cfg)

@@ -5,7 +5,9 @@ exit the engine is closed and the process group destroyed before the interpreter
 at exit, "terminate called without an active exception", came from gloo threads that outlived it).
 
 The scripts, the launch and its verdict are bench/experiments/exit_aborts.py's; its 30-launch counts
-(issue 30) are in bench/results (exit-aborts-*.md); here each variant runs once to stay fast.
+(issue 30) are in bench/results (exit-aborts-*.md); here each variant runs once to stay fast, and a
+variant that is a README torchrun block as written (pipeline/close) is launched, and judged by the
+same verdict, by tests/test_readme_blocks.py::test_block_runs_under_torchrun instead of twice.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 from bench.experiments import exit_aborts  # noqa: E402  (the scripts, and how a launch is judged)
+import _readme_blocks as rb  # noqa: E402  (tests/_readme_blocks.py: the README torchrun blocks)
 
 SCRIPTS = exit_aborts.scripts()
+README_TORCHRUN = {b.code for b in rb.blocks((ROOT / "README.md").read_text()) if b.mode == "torchrun"}
+LAUNCHED_HERE = sorted(v for v, code in SCRIPTS.items() if code not in README_TORCHRUN)
 
 
 def _torchrun(script: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -38,11 +43,21 @@ def _torchrun(script: Path, *args: str, timeout: float = 240) -> subprocess.Comp
     )
 
 
-@pytest.mark.parametrize("variant", sorted(SCRIPTS))
+@pytest.mark.parametrize("variant", LAUNCHED_HERE)
 def test_script_exits_zero_with_and_without_close(variant: str) -> None:
     """bench/experiments/exit_aborts.py --quick: each variant launched once."""
     x = exit_aborts.launch(SCRIPTS[variant], variant, 0, timeout=240)
     assert x.verdict == "ok", x.output[-4000:]
+
+
+def test_every_variant_is_launched_here_or_as_a_readme_torchrun_block() -> None:
+    """The variants left to tests/test_readme_blocks.py are its torchrun blocks exactly, with the
+    same 2 ranks; every no-close variant (never a README block) runs here."""
+    by_code = {b.code: b for b in rb.blocks((ROOT / "README.md").read_text()) if b.mode == "torchrun"}
+    elsewhere = sorted(set(SCRIPTS) - set(LAUNCHED_HERE))
+    assert elsewhere == ["pipeline/close"]  # which one moved is pinned: a README change shows here
+    assert all(by_code[SCRIPTS[v]].nproc == 2 for v in elsewhere)
+    assert all(v in LAUNCHED_HERE for v in SCRIPTS if v.endswith("/no-close"))
 
 
 def test_the_no_close_variants_do_not_call_close() -> None:
