@@ -49,6 +49,7 @@ class TraceReadAhead:
         self._cost = cost
         # (position in `_trace`, unit index, read, its buffers) in consumption order
         self._queue: deque[tuple[int, int, Read, int]] = deque()
+        self._soon: deque[Unit] = deque()  # `read_now`'s units not submitted yet
         self._trace: list[int] | None = None  # unit indices of the last whole pass's shard reads
         self._recording: list[int] = []  # this pass's shard reads so far
         self._cursor = 0  # position in `_trace` of the next read a gather will ask for
@@ -62,12 +63,18 @@ class TraceReadAhead:
         return len(self._queue)
 
     @property
+    def in_pass(self) -> bool:
+        """Between `begin_pass` and `end_pass` (forward and backward)."""
+        return self._in_pass
+
+    @property
     def held(self) -> int:
         """Pool buffers the queued reads take."""
         return sum(e[3] for e in self._queue)
 
     def cancel(self) -> None:
         """Hand back read-ahead buffers unused (the order changed, or someone else needs the pool)."""
+        self._soon.clear()
         while self._queue:
             _, _, fut, _ = self._queue.popleft()
             self._discard(fut.result())
@@ -101,7 +108,10 @@ class TraceReadAhead:
         return pos
 
     def top_up(self) -> None:
-        """Keep reads submitted for the next trace positions, as many as their buffers fit."""
+        """Keep reads submitted for the next trace positions, as many as their buffers fit (off the
+        trace: the rest of `read_now`'s units)."""
+        if self._soon:
+            self._read_soon()
         if not self._following or self._trace is None:
             return
         pos = self._queue[-1][0] + 1 if self._queue else self._cursor
@@ -118,6 +128,23 @@ class TraceReadAhead:
             self._queue.append((pos, unit.index, self._read(unit), cost))
             held += cost
             pos += 1
+
+    def read_now(self, units: list[Unit]) -> None:
+        """Read ``units`` ahead, off the trace, in this order (the step's refresh of the units that
+        stay gathered asks for them next, one by one): as many at once as the capacity holds, the
+        rest as `take` frees buffers (`top_up`); `take` finds them."""
+        self._soon.extend(units)
+        self._read_soon()
+
+    def _read_soon(self) -> None:
+        held, room = self.held, self._capacity()
+        while self._soon:
+            cost = self._cost(self._soon[0])
+            if held + cost > room:
+                break
+            unit = self._soon.popleft()
+            self._queue.append((-1, unit.index, self._read(unit), cost))
+            held += cost
 
     def take(self, unit: Unit) -> Read:
         """The read of ``unit``'s shard for the gather now asking for it: the read-ahead at this

@@ -138,7 +138,10 @@ class OffloadedShards(ShardStore):
             self._read_unit,
             self._discard,
             self._unit_of,
-            lambda: self._swapper.buffers - self._lent if self._swapper else 0,
+            # the buffers the optimizer borrows during backward are not the read-ahead's then
+            lambda: (
+                self._swapper.buffers - (self._lent if self._ahead.in_pass else 0) if self._swapper else 0
+            ),
             lambda unit: len(self._pieces(unit)),
         )
         self._lent = 0  # shard-pool buffers the read-ahead leaves to the optimizer (`_lend`)
@@ -431,15 +434,18 @@ class OffloadedShards(ShardStore):
 
     def after_step(self, group: ShardGroup) -> None:
         """Write the stepped master (cast to the shard dtype) once; nothing when the optimizer
-        wrote it already (`holds_master`)."""
+        wrote it already (`holds_master`). On NVMe, then submit the reads of the group's units that
+        stay gathered (persistent): `Stage3Zero.after_step` refreshes them next, one by one, and
+        each would otherwise wait for its read alone (these wait for the writes they overlap)."""
         self._ahead.end_pass()
-        if self.holds_master:
-            return
-        values = group.master.detach()
-        if self.device == "cpu":
-            self._host[group.index].copy_(values)
-        else:
-            self._write_values(group, values, wait=False)
+        if not self.holds_master:
+            values = group.master.detach()
+            if self.device == "cpu":
+                self._host[group.index].copy_(values)
+            else:
+                self._write_values(group, values, wait=False)
+        if self.device == "nvme":
+            self._ahead.read_now([u for u in group.units if u.gathered])
 
     def read_master(self, group: ShardGroup) -> torch.Tensor:
         if self.master is None:

@@ -140,13 +140,18 @@ class _Embedded(nn.Module):
         return ((x - y) ** 2).mean()
 
 
-def _train(cfg: dict[str, Any], steps: int) -> tuple[list[float], list[torch.Tensor], dict[str, Any]]:
+def _train(
+    cfg: dict[str, Any], steps: int, hook: Any = None
+) -> tuple[list[float], list[torch.Tensor], dict[str, Any]]:
     """Losses and final parameters of ``steps`` steps of `_Embedded`; with parameters offloaded also
-    the store's layout and counters (bytes read per step, page-rounded spans of shards and masters)."""
+    the store's layout and counters (bytes read per step, page-rounded spans of shards and masters).
+    ``hook(engine)`` runs once after initialize."""
     offloaded = "offload_param" in cfg["zero_optimization"]
     torch.manual_seed(0)
     engine, optimizer, _, _ = dstrain.initialize(model=_Embedded(), config=cfg)
     store = engine.zero.store
+    if hook is not None:
+        hook(engine)
     g = torch.Generator().manual_seed(0)
     losses: list[float] = []
     info: dict[str, Any] = {"read_per_step": []}
@@ -223,3 +228,51 @@ def test_a_shard_larger_than_a_buffer_is_read_in_pieces(tmp_path) -> None:
     assert read[0] == expected and all(nbytes == expected for nbytes in read[2:]), (read, expected)
     assert info["hits"] > 0 and info["early"] > 0, info
     assert info["written_back"] and info["rest_kept"]  # GatheredParameters(modifier_rank=) over pieces
+
+
+def test_units_that_stay_gathered_are_read_together_after_the_step(tmp_path) -> None:
+    """Persistent units (here every layer) are refreshed from the stepped shards after each step, one
+    by one: their reads are all submitted first, then consumed (each does not wait for its read
+    alone), and training is bitwise that of no offload with the same persistent units."""
+    steps, threshold = 4, 5000  # the layers (4160 elements) stay gathered, the embedding does not
+    base = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold},
+    }
+    ref_losses, ref_params, _ = _train(base, steps)
+    cfg = _config(str(tmp_path), 0)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+    events: list[str] = []
+
+    def record(engine: Any) -> None:
+        store, zero = engine.zero.store, engine.zero
+        read, gather, after = store._swapper.fetch_range, store.input_for, zero.after_step
+
+        def fetch_range(*a: Any, **k: Any) -> Any:
+            events.append("read")
+            return read(*a, **k)
+
+        def input_for(unit: Any) -> torch.Tensor:
+            events.append("gather")
+            return gather(unit)
+
+        def after_step(stepped: bool) -> None:
+            events.append("step")
+            after(stepped)
+
+        store._swapper.fetch_range, store.input_for, zero.after_step = fetch_range, input_for, after_step
+
+    losses, params, info = _train(cfg, steps, record)
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+    marks = [i for i, e in enumerate(events) if e == "step"]
+    assert len(marks) == steps
+    buffers = info["buffers"]
+    assert 1 < buffers < LAYERS
+    for i in marks:  # the refresh: each layer read once, always min(buffers, left) reads ahead
+        segment = events[i + 1 : i + 1 + 2 * LAYERS]
+        assert segment.count("read") == segment.count("gather") == LAYERS, events[i:]
+        gathers = [j for j, e in enumerate(segment) if e == "gather"]
+        for k, j in enumerate(gathers):
+            assert segment[:j].count("read") >= min(k + buffers, LAYERS), segment
