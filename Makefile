@@ -88,7 +88,7 @@ bench: setup prometheus
 	$(QUICK) bench/bigmodel.py --quick
 	$(QUICK) bench/offload.py --quick
 	$(QUICK) bench/offload_gpu.py --quick
-	$(QUICK) bench/activation_checkpointing.py --small --steps 2 --label quick
+	$(QUICK) bench/activation_checkpointing.py --quick
 	$(QUICK) bench/flops_profiler.py --label quick
 	$(QUICK) bench/summary.py
 
