@@ -457,10 +457,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--ds-python", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    if ap.parse_known_args(argv)[0].quick:  # --quick's shape, each flag given still wins
+        ap.set_defaults(dim=64, heads=2, tokens=64, batch=2, depth=4, reps=1, label="quick")
     a = ap.parse_args(argv)
-    if a.quick:
-        a.dim, a.heads, a.tokens, a.batch, a.depth, a.reps = 64, 2, 64, 2, 4, 1
-        a.label = "quick" if a.label is None else a.label
     a.label = a.label or ""
     return a
 
