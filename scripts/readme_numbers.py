@@ -436,7 +436,19 @@ def render_io_read_path(src: dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
+def render_activation_checkpointing(src: dict[str, Any], source: str) -> str:
+    """bench/activation_checkpointing.py's table (its own render), the title replaced by the source."""
+    meta, rows, probes = _get(src, "meta"), _get(src, "rows"), _get(src, "probes")
+    body = _bench_module("activation_checkpointing").render(meta, rows, probes)
+    _, _, rest = body.partition("\n")
+    load = f"under load (load {meta['load']})" if meta.get("under_load") else f"load {meta['load']}"
+    return (
+        f"`{source}` ({meta.get('date', '?')}, host {meta.get('host', '?')}, {load}):" + rest.rstrip() + "\n"
+    )
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str], str]] = {
+    "activation-checkpointing": render_activation_checkpointing,
     "io-read-path": render_io_read_path,
     "io-tuned": render_io_tuned,
     "io-loop": render_io_loop,
