@@ -73,7 +73,8 @@ class ActivationStatistics:
     forward_seconds: float
     """With ``profile``: time in checkpointed forwards; 0 otherwise."""
     recompute_seconds: float
-    """With ``profile``: time in recomputes (backward through them included); 0 otherwise."""
+    """With ``profile``: time in recomputes, each up to the last tensor backward needs (backward through
+    the recomputed tensors is backward's own time, not included); 0 otherwise."""
 
 
 class ActivationCheckpointer:
