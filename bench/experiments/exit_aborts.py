@@ -1,15 +1,16 @@
 """Does a 2-rank dstrain script exit 0, with and without ``engine.close()``? (issue 30, "Prompt, clean exit")
 
     python bench/experiments/exit_aborts.py [--launches 30] [--label L] [--pause-while /work/QUIET]
-                                            [--resume] [--quick] [--timeout 300]
+                                            [--resume] [--quick] [--timeout 300] [--jobs 1]
 
 Scripts: the README's pipeline block and MoE block (found by the import line each one alone has,
 `PIPELINE_MARKER` / `MOE_MARKER`, not by line number) and `ZERO3_OFFLOAD` (ZeRO-3, parameters and
 optimizer state on NVMe), each as written (ending in ``engine.close()``) and with that line removed
 (`without_close` raises `ValueError` if the line is not there). Each variant is launched ``--launches``
 times under ``torchrun --standalone --nproc_per_node 2`` with ``OMP_NUM_THREADS=1``, in its own empty
-directory, one launch at a time, the variants interleaved launch by launch (round i runs every
-variant's i-th launch), so load and time of day fall alike on all six.
+directory, one launch at a time (``--jobs 2``: two at once, more load on each; every record says
+which), the variants interleaved launch by launch (round i runs every variant's i-th launch), so
+load and time of day fall alike on all six.
 
 Per launch: torchrun's exit code, wall time, the load average before it, and the verdict: ``ok``
 (exit 0), ``abort`` ("terminate called" in the output, or a rank that died of SIGABRT), ``signal``
@@ -27,6 +28,7 @@ PATH exists (the lead's quiet window); the waits are not in any launch's time.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime as _dt
 import hashlib
 import json
@@ -133,6 +135,8 @@ class Launch:
     started: str
     output: str
     """stdout + stderr of a launch that is not ``ok`` (the last 20,000 characters), else ""."""
+    jobs: int = 1
+    """Launches the run kept going at once (``--jobs``) while this one ran."""
 
 
 _RANK_SIGNAL = re.compile(r"Signal (\d+) \((SIG\w+)\) received|exitcode\s*:\s*-(\d+)")
@@ -154,7 +158,9 @@ def classify(returncode: int | None, output: str) -> str:
     return "ok" if returncode == 0 else "error"
 
 
-def launch(code: str, variant: str, index: int, timeout: float, python: str = sys.executable) -> Launch:
+def launch(
+    code: str, variant: str, index: int, timeout: float, python: str = sys.executable, jobs: int = 1
+) -> Launch:
     """Run ``code`` once under ``torchrun --standalone --nproc_per_node 2`` in a fresh directory."""
     os.makedirs(_common.scratch_dir(), exist_ok=True)  # on disk: the swap files need O_DIRECT
     with tempfile.TemporaryDirectory(prefix="exit-aborts-", dir=_common.scratch_dir()) as d:
@@ -192,6 +198,7 @@ def launch(code: str, variant: str, index: int, timeout: float, python: str = sy
         load_before=load,
         started=started,
         output="" if verdict == "ok" else out[-20000:],
+        jobs=jobs,
     )
 
 
@@ -227,6 +234,18 @@ def _digest(codes: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(codes, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _resumed(meta: dict[str, object]) -> list[str]:
+    head = meta.get("resumed_from")
+    if not isinstance(head, dict) or "command" not in head:
+        return []
+    return [
+        "",
+        f"Resumed: the journal was started at {head['date']} by `{head['command']}` at commit "
+        f"{head['commit']}" + (" (with uncommitted changes)" if head["dirty"] else "") + "; the command and "
+        "commit above are the last resume's.",
+    ]
+
+
 def _write(args: argparse.Namespace, meta: dict[str, object], done: list[Launch], finished: bool) -> str:
     variants = list(dict.fromkeys(x.variant for x in done)) or []
     loads = [x.load_before for x in done]
@@ -242,6 +261,10 @@ def _write(args: argparse.Namespace, meta: dict[str, object], done: list[Launch]
             f"| {v} | {len(xs)} | {counts['ok']} | {counts['abort']} | {other} | {_common.fmt(secs, 1)} |"
         )
     state = "complete" if finished else f"partial ({len(done)} launches so far)"
+    by_jobs = {j: sum(x.jobs == j for x in done) for j in sorted({x.jobs for x in done})}
+    how = ", ".join(
+        f"{n} launched {'one at a time' if j == 1 else f'{j} at a time'}" for j, n in by_jobs.items()
+    )
     md = [
         f"# Exit aborts under torchrun (issue 30), {meta['date']}: {state}",
         "",
@@ -252,9 +275,10 @@ def _write(args: argparse.Namespace, meta: dict[str, object], done: list[Launch]
         f"{_common.fmt(loads, 1) if loads else '-'} (median (min-max)).",
         "",
         f"Run: `{meta['command']}`; each launch `{meta['launcher']} script.py NVME_DIR` in a fresh "
-        "directory, one at a time, the six variants interleaved launch by launch. Verdicts: abort = "
+        f"directory ({how or 'none yet'}), the variants interleaved launch by launch. Verdicts: abort = "
         '"terminate called" in the output or a rank dead of SIGABRT; other = another signal, another '
         f"non-zero exit, or no exit within {meta['timeout_s']:.0f} s.",
+        *_resumed(meta),
         "",
         "| script | launches | exit 0 | aborts | other failures | wall s, median (min-max) |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -285,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a launch counts as hung")
     p.add_argument("--pause-while", default=None, help="wait between launches while this path exists")
     p.add_argument("--resume", action="store_true", help="continue the journal of this label")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="launches kept going at once (default 1; each launch's record says how many)",
+    )
     p.add_argument("--only", default=None, help="comma-separated variants (default: all six)")
     args = p.parse_args(argv)
     if args.quick:
@@ -306,29 +336,40 @@ def main(argv: list[str] | None = None) -> int:
         if head["scripts_sha256"] != meta["scripts_sha256"]:
             p.error(f"{journal}: written for other scripts ({head['scripts_sha256']}); not resuming")
         done = [Launch(**json.loads(line)) for line in lines[1:]]
+        meta["resumed_from"] = head
     else:
-        journal.write_text(json.dumps({"scripts_sha256": meta["scripts_sha256"]}) + "\n")
+        head = {k: meta[k] for k in ("scripts_sha256", "command", "commit", "dirty", "date")}
+        journal.write_text(json.dumps(head) + "\n")
 
     from tqdm import tqdm
 
-    total = args.launches * len(codes)
-    bar = tqdm(total=total, initial=len(done), desc="exit-aborts", unit="launch")
     have = {v: sum(x.variant == v for x in done) for v in codes}
-    for i in range(args.launches):
-        for v, code in codes.items():
-            if have[v] > i:
-                continue
-            while args.pause_while and os.path.exists(args.pause_while):
-                bar.set_postfix_str(f"paused: {args.pause_while} exists")
-                time.sleep(15)
-            x = launch(code, v, i, args.timeout)
-            done.append(x)
-            with journal.open("a") as f:
-                f.write(json.dumps(asdict(x)) + "\n")
-            bad = sum(y.verdict != "ok" for y in done)
-            bar.set_postfix_str(f"{v}: {x.verdict} {x.seconds:.0f}s, not ok {bad}")
-            bar.update(1)
-        _write(args, meta, done, finished=False)
+    # Round i holds every variant's i-th launch: the order is the same with one job or more.
+    todo = [(i, v) for i in range(args.launches) for v in codes if have[v] <= i]
+    bar = tqdm(total=args.launches * len(codes), initial=len(done), desc="exit-aborts", unit="launch")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        running: set[concurrent.futures.Future[Launch]] = set()
+        since_write = 0
+        while todo or running:
+            while todo and len(running) < args.jobs:
+                while args.pause_while and os.path.exists(args.pause_while):
+                    bar.set_postfix_str(f"paused: {args.pause_while} exists")
+                    time.sleep(15)
+                i, v = todo.pop(0)
+                running.add(pool.submit(launch, codes[v], v, i, args.timeout, sys.executable, args.jobs))
+            finished, running = concurrent.futures.wait(running, return_when="FIRST_COMPLETED")
+            for fut in finished:
+                x = fut.result()
+                done.append(x)
+                with journal.open("a") as f:
+                    f.write(json.dumps(asdict(x)) + "\n")
+                bad = sum(y.verdict != "ok" for y in done)
+                bar.set_postfix_str(f"{x.variant}: {x.verdict} {x.seconds:.0f}s, not ok {bad}")
+                bar.update(1)
+                since_write += 1
+            if since_write >= len(codes):
+                _write(args, meta, done, finished=False)
+                since_write = 0
     bar.close()
     _write(args, meta, done, finished=True)
     return 0 if all(x.verdict == "ok" for x in done) else 1
