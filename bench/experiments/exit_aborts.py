@@ -21,8 +21,9 @@ is kept in the JSON.
 Every launch is appended to a journal (``build/exit-aborts/<label or "run">.jsonl``); ``--resume``
 continues a journal (refused if the scripts changed), and the result files
 (bench/results/exit-aborts[-<label>]-<day>.{md,json}) are rewritten after every round, so an
-interrupted run leaves its counts so far. ``--pause-while PATH`` waits between launches while
-PATH exists (the lead's quiet window); the waits are not in any launch's time.
+interrupted run leaves its counts so far. ``--until HH:MM`` (UTC) starts no launch after that
+time; ``--pause-while PATH`` waits between launches while PATH exists (the lead's quiet window);
+the waits are not in any launch's time.
 """
 
 from __future__ import annotations
@@ -234,6 +235,11 @@ def _digest(codes: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(codes, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _past(until: str | None) -> bool:
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%H:%M")
+    return until is not None and now >= until
+
+
 def _resumed(meta: dict[str, object]) -> list[str]:
     head = meta.get("resumed_from")
     if not isinstance(head, dict) or "command" not in head:
@@ -315,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="launches kept going at once (default 1; each launch's record says how many)",
     )
+    p.add_argument("--until", default=None, help="HH:MM (UTC): start no launch after it")
     p.add_argument("--only", default=None, help="comma-separated variants (default: all six)")
     args = p.parse_args(argv)
     if args.quick:
@@ -355,8 +362,13 @@ def main(argv: list[str] | None = None) -> int:
                 while args.pause_while and os.path.exists(args.pause_while):
                     bar.set_postfix_str(f"paused: {args.pause_while} exists")
                     time.sleep(15)
+                if _past(args.until):
+                    todo.clear()  # start nothing more; the launches under way finish
+                    break
                 i, v = todo.pop(0)
                 running.add(pool.submit(launch, codes[v], v, i, args.timeout, sys.executable, args.jobs))
+            if not running:
+                break
             finished, running = concurrent.futures.wait(running, return_when="FIRST_COMPLETED")
             for fut in finished:
                 x = fut.result()
@@ -371,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                 _write(args, meta, done, finished=False)
                 since_write = 0
     bar.close()
-    _write(args, meta, done, finished=True)
+    have = {v: sum(x.variant == v for x in done) for v in codes}
+    _write(args, meta, done, finished=all(n >= args.launches for n in have.values()))
     return 0 if all(x.verdict == "ok" for x in done) else 1
 
 
