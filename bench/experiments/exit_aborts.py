@@ -221,7 +221,8 @@ def _meta(args: argparse.Namespace, codes: dict[str, str]) -> dict[str, object]:
     m.update(
         torch=torch.__version__,
         commit=_git("rev-parse", "--short", "HEAD"),
-        dirty=bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # the result files this run rewrites do not count as changes to what is measured
+        dirty=bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")),
         launches_per_variant=args.launches,
         timeout_s=args.timeout,
         command=" ".join(["python", *sys.argv]),
