@@ -19,7 +19,8 @@ Per launch: torchrun's exit code, wall time, the load average before it, and the
 is kept in the JSON.
 
 Every launch is appended to a journal (``build/exit-aborts/<label or "run">.jsonl``); ``--resume``
-continues a journal (refused if the scripts changed), and the result files
+continues a journal (refused if the scripts changed; without one, it starts from today's result
+file of that label, so another checkout can complete a committed partial run), and the result files
 (bench/results/exit-aborts[-<label>]-<day>.{md,json}) are rewritten after every round, so an
 interrupted run leaves its counts so far. ``--until HH:MM`` (UTC) starts no launch after that
 time; ``--pause-while PATH`` waits between launches while PATH exists (the lead's quiet window);
@@ -236,6 +237,19 @@ def _digest(codes: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(codes, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _seed_journal(journal: Path, label: str, meta: dict[str, object]) -> None:
+    """Start ``journal`` from the committed result file of ``label`` (another checkout's run)."""
+    day = str(meta["date"]).split()[0]
+    path = Path(_common.RESULTS) / ("exit-aborts" + (f"-{label}" if label else "") + f"-{day}.json")
+    if not path.exists():
+        return
+    data = json.loads(path.read_text())
+    first = data["meta"].get("resumed_from") or data["meta"]
+    head = {k: first[k] for k in ("scripts_sha256", "command", "commit", "dirty", "date")}
+    lines = [json.dumps(head), *(json.dumps(x) for x in data["launches"])]
+    journal.write_text("\n".join(lines) + "\n")
+
+
 def _past(until: str | None) -> bool:
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%H:%M")
     return until is not None and now >= until
@@ -338,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     journal = ROOT / "build" / "exit-aborts" / f"{args.label or 'run'}.jsonl"
     journal.parent.mkdir(parents=True, exist_ok=True)
     done: list[Launch] = []
+    if args.resume and not journal.exists():
+        _seed_journal(journal, args.label, meta)
     if args.resume and journal.exists():
         lines = journal.read_text().splitlines()
         head = json.loads(lines[0])
