@@ -42,7 +42,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,6 +139,8 @@ class Launch:
     """stdout + stderr of a launch that is not ``ok`` (the last 20,000 characters), else ""."""
     jobs: int = 1
     """Launches the run kept going at once (``--jobs``) while this one ran."""
+    commit: str = ""
+    """The checkout's commit when the run that made this launch started ("" in the first journal)."""
 
 
 _RANK_SIGNAL = re.compile(r"Signal (\d+) \((SIG\w+)\) received|exitcode\s*:\s*-(\d+)")
@@ -283,6 +285,10 @@ def _write(args: argparse.Namespace, meta: dict[str, object], done: list[Launch]
         )
     state = "complete" if finished else f"partial ({len(done)} launches so far)"
     by_jobs = {j: sum(x.jobs == j for x in done) for j in sorted({x.jobs for x in done})}
+    commits = {c: sum(x.commit == c for x in done) for c in dict.fromkeys(x.commit for x in done)}
+    first = meta.get("resumed_from")
+    first_commit = first.get("commit", "?") if isinstance(first, dict) else meta["commit"]
+    at = ", ".join(f"{n} at {c or first_commit}" for c, n in commits.items())
     how = ", ".join(
         f"{n} launched {'one at a time' if j == 1 else f'{j} at a time'}" for j, n in by_jobs.items()
     )
@@ -296,7 +302,7 @@ def _write(args: argparse.Namespace, meta: dict[str, object], done: list[Launch]
         f"{_common.fmt(loads, 1) if loads else '-'} (median (min-max)).",
         "",
         f"Run: `{meta['command']}`; each launch `{meta['launcher']} script.py NVME_DIR` in a fresh "
-        f"directory ({how or 'none yet'}), the variants interleaved launch by launch. Verdicts: abort = "
+        f"directory ({how or 'none yet'}; commits: {at or '-'}), the variants interleaved launch by launch. Verdicts: abort = "
         '"terminate called" in the output or a rank dead of SIGABRT; other = another signal, another '
         f"non-zero exit, or no exit within {meta['timeout_s']:.0f} s.",
         *_resumed(meta),
@@ -388,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             finished, running = concurrent.futures.wait(running, return_when="FIRST_COMPLETED")
             for fut in finished:
-                x = fut.result()
+                x = replace(fut.result(), commit=str(meta["commit"]))
                 done.append(x)
                 with journal.open("a") as f:
                     f.write(json.dumps(asdict(x)) + "\n")
