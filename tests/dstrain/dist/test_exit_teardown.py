@@ -22,8 +22,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-from bench.experiments import exit_aborts  # noqa: E402  (the scripts, and how a launch is judged)
+sys.path.insert(0, str(ROOT / "tests"))
 import _readme_blocks as rb  # noqa: E402  (tests/_readme_blocks.py: the README torchrun blocks)
+
+from bench.experiments import exit_aborts  # noqa: E402  (the scripts, and how a launch is judged)
 
 SCRIPTS = exit_aborts.scripts()
 README_TORCHRUN = {b.code for b in rb.blocks((ROOT / "README.md").read_text()) if b.mode == "torchrun"}
