@@ -23,6 +23,8 @@ from _dsio_helpers import backend_params  # noqa: E402  (shared helpers: tests/_
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if not config.pluginmanager.has_plugin("_tmp_guard"):  # the session's temp directory, checked at the end
+        config.pluginmanager.import_plugin("_tmp_guard")
     config.addinivalue_line(
         "markers",
         "needs_mount: mounts a small filesystem (root: directly; else re-run under `unshare -Urm`, tests/_mount.py)",
@@ -112,6 +114,17 @@ def many_fds() -> Iterator[int]:
         yield resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.fixture
+def child_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``TMPDIR`` of the processes this test starts: a folder of its ``tmp_path``, so what a launcher
+    never removes (torchrun's ``torchelastic_*`` log folders, its workers' ``pytorch-errorfile-*``)
+    goes with the test's own files instead of the session's temp directory (tests/_tmp_guard.py)."""
+    d = tmp_path / "child-tmp"
+    d.mkdir()
+    monkeypatch.setenv("TMPDIR", str(d))
+    return d
 
 
 @pytest.fixture(params=backend_params())

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
@@ -47,12 +49,14 @@ def test_no_test_module_imports_a_conftest_by_name() -> None:
     assert offenders == []
 
 
+@pytest.mark.usefixtures("child_tmpdir")  # the child session's own temp files go with tmp_path
 def test_two_test_directories_collect_together(tmp_path: Path) -> None:
     r = _pytest("--collect-only", "-q", str(TESTS / "dsio"), str(TESTS / "dstrain"), cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "tests collected" in r.stdout and "error" not in r.stdout.splitlines()[-1]
 
 
+@pytest.mark.usefixtures("child_tmpdir")
 def test_single_node_ids_from_both_directories_run_from_elsewhere(tmp_path: Path) -> None:
     """One dsio test that imports tests/_dsio_helpers.py and one dstrain test whose module imports the
     dstrain helpers, in one run started outside the checkout: both pass."""

@@ -164,7 +164,8 @@ def test_report_table_from_a_result(tmp_path: Path) -> None:
 def test_tiny_demo_end_to_end(tmp_path: Path) -> None:
     """The real demo, tiny: trains, SIGKILLs rank 1, resumes from the latest committed step, bitwise equal."""
     out = tmp_path / "result"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    (tmp_path / "tmp").mkdir()  # the 3 torchruns' torchelastic_* folders and error files: with the test's
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path / "tmp"))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "demo" / "train_demo.py"), "--tiny", "--no-plot",  # make demo's defaults
          "--work", str(tmp_path / "work"), "--out", str(out)],  # fmt: skip

@@ -28,8 +28,12 @@ BLOCKS = rb.blocks(README.read_text())
 
 def _run(markdown: Path, work: Path, timeout: float = 420) -> dict[str, dict[str, object]]:
     out = work / "results.json"
+    (work / "tmp").mkdir(exist_ok=True)  # what the blocks make with tempfile (a user's scratch): with work
     env = dict(
-        os.environ, OMP_NUM_THREADS="1", DSIO_METRICS_PORT=os.environ.get("DSIO_METRICS_PORT", "10464")
+        os.environ,
+        OMP_NUM_THREADS="1",
+        DSIO_METRICS_PORT=os.environ.get("DSIO_METRICS_PORT", "10464"),
+        TMPDIR=str(work / "tmp"),
     )
     proc = subprocess.run(
         [sys.executable, str(RUNNER), str(markdown), str(out), str(work)],
@@ -65,6 +69,7 @@ def test_block_runs(block: rb.Block, results: dict[str, dict[str, object]]) -> N
 @pytest.mark.parametrize(
     "block", [b for b in BLOCKS if b.mode == "torchrun"], ids=lambda b: f"README.md:{b.line}"
 )
+@pytest.mark.usefixtures("child_tmpdir")  # torchrun's torchelastic_* folder goes with tmp_path
 def test_block_runs_under_torchrun(block: rb.Block, tmp_path: Path) -> None:
     script = tmp_path / "block.py"
     script.write_text(block.code)

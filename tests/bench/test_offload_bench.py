@@ -220,6 +220,7 @@ def test_cli_refuses_unknown_names() -> None:
         dataclasses.replace(SHAPES["mlp"], steps=0)
 
 
+@pytest.mark.usefixtures("child_tmpdir")  # the torchrun's torchelastic_* folder goes with tmp_path
 def test_tiny_run_swaps_the_formulas_bytes(tmp_path: Path) -> None:
     results = tmp_path / "results"  # make bench's DSIO_BENCH_RESULTS: files go there, not bench/results
     env = {**os.environ, "DSIO_BENCH_DIR": str(tmp_path / "scratch"), "DSIO_BENCH_RESULTS": str(results)}

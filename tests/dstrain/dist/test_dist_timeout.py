@@ -73,6 +73,7 @@ def test_groups_take_the_config_timeout() -> None:
     assert 1.5 <= r0["seconds"] < 7, r0  # the 2 s of the config, not torch's 30 min
 
 
+@pytest.mark.usefixtures("child_tmpdir")  # torchrun's torchelastic_* folder goes with tmp_path
 def test_init_distributed_takes_a_timeout(tmp_path: Path) -> None:
     script = tmp_path / "t.py"
     script.write_text(

@@ -31,6 +31,9 @@ SCRIPTS = exit_aborts.scripts()
 README_TORCHRUN = {b.code for b in rb.blocks((ROOT / "README.md").read_text()) if b.mode == "torchrun"}
 LAUNCHED_HERE = sorted(v for v, code in SCRIPTS.items() if code not in README_TORCHRUN)
 
+# torchrun's torchelastic_* log folders and its workers' error files go to each test's tmp_path
+pytestmark = pytest.mark.usefixtures("child_tmpdir")
+
 
 def _torchrun(script: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")

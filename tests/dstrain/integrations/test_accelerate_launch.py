@@ -33,6 +33,7 @@ def _reference() -> torch.Tensor:
     return model[0].weight.detach()
 
 
+@pytest.mark.usefixtures("child_tmpdir")  # the launcher's torchelastic_* folder goes with tmp_path
 def test_accelerate_launch_runs_a_dstrain_script(tmp_path: Path) -> None:
     launcher = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
     assert launcher is not None

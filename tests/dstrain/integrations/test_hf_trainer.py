@@ -20,7 +20,13 @@ WORKER = Path(__file__).with_name("hf_trainer_worker.py")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("hf")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    (out / "tmp").mkdir()  # torchrun's torchelastic_* folder and error files: with the run's files
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TMPDIR": str(out / "tmp"),
+    }
     proc = subprocess.run(
         [
             sys.executable,

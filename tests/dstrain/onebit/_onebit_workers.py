@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _dstrain_helpers import engine_losses, make_model, spawn
+from _dstrain_helpers import engine_losses, make_model, scratch_dir, spawn
 from torch import nn
 
 __all__ = [
@@ -40,7 +39,6 @@ __all__ = [
 
 _PARTS: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
 _RESULTS: dict[str, list[dict[str, Any]]] = {}
-_ROOT: tempfile.TemporaryDirectory[str] | None = None
 
 
 def register(name: str, fn: Callable[..., Any], *args: Any) -> None:
@@ -63,14 +61,12 @@ def _run_parts(root: str, parts: dict[str, tuple[Callable[..., Any], tuple[Any, 
 
 def shared_runs(name: str) -> list[Any]:
     """Each rank's result of the worker registered as ``name`` (all registered workers run once)."""
-    global _ROOT
     if name not in _PARTS:
         raise KeyError(f"no 1-bit worker registered as {name!r}")
     if name not in _RESULTS:
         pending = {k: v for k, v in _PARTS.items() if k not in _RESULTS}
-        if _ROOT is None:
-            _ROOT = tempfile.TemporaryDirectory(prefix="dstrain-onebit-")
-        ranks = spawn(_run_parts, _ROOT.name, pending, world=2, start_method="forkserver")
+        with scratch_dir("dstrain-onebit-") as root:  # results come back in memory: the files can go
+            ranks = spawn(_run_parts, root, pending, world=2, start_method="forkserver")
         for key in pending:
             _RESULTS[key] = [r.get(key, {"error": "not run: an earlier worker failed"}) for r in ranks]
     results = _RESULTS[name]
