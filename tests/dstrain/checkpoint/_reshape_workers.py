@@ -159,6 +159,12 @@ def online_export(out: str, stage: int, gather: bool, bf16: bool = False) -> dic
     return {"saved": saved, "state": full, "flag": flag}
 
 
+def online_exports(root: str, stage: int) -> dict[str, Any]:
+    """`online_export` with the gather flag on (into ``root/on``), then off (``root/off``), in the same
+    ranks (one group start for both; each builds its own engine)."""
+    return {flag: online_export(os.path.join(root, flag), stage, flag == "on") for flag in ("on", "off")}
+
+
 def node_local_run(root: str, node_local: bool, phase: str) -> dict[str, Any]:
     """Two 'hosts': each rank checkpoints into ``root/host<rank>``. ``phase`` "save": train 4 steps,
     save at 2 and 4 (a failing save between: rank 1 cannot store its client state), train 2 more;

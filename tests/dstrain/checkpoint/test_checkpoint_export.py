@@ -149,13 +149,13 @@ def test_export_memory_is_bounded_by_one_shard(tmp_path: Path) -> None:
 
 
 def test_save_16bit_model_gathers_stage3_weights_when_the_config_asks(tmp_path: Path) -> None:
-    from _reshape_workers import online_export
+    from _reshape_workers import online_exports
 
-    on = spawn(online_export, str(tmp_path / "on"), 3, True, world=2, start_method="forkserver")
+    both = spawn(online_exports, str(tmp_path), 3, world=2, start_method="forkserver")
+    on, off = [r["on"] for r in both], [r["off"] for r in both]
     assert [r["saved"] for r in on] == [True, True] and on[0]["flag"]
     sd = safetensors.load_file(str(tmp_path / "on" / "model.safetensors"))
     assert set(sd) == set(on[0]["state"]) and all(torch.equal(sd[k], on[0]["state"][k]) for k in sd)
-    off = spawn(online_export, str(tmp_path / "off"), 3, False, world=2, start_method="forkserver")
     assert [r["saved"] for r in off] == [False, False] and not off[0]["flag"]
     assert not (tmp_path / "off").exists()
 

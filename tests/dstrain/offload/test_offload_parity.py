@@ -51,7 +51,7 @@ def _scenarios(root: str) -> dict[str, dict[str, Any]]:
 def runs() -> Iterator[list[dict[str, Any]]]:
     with scratch_dir("offload-parity-") as root:
         # world size is resolved inside each rank; the config dicts are built there too
-        yield spawn(_build_and_run, root, world=2)
+        yield spawn(_build_and_run, root, world=2, start_method="forkserver")
 
 
 def _build_and_run(root: str) -> dict[str, Any]:
