@@ -205,9 +205,11 @@ def parameter_names(module: torch.nn.Module) -> tuple[dict[int, str], dict[str, 
 
 
 def trainable_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """Every trainable parameter's first name and whole shape (a released stage-3 parameter keeps its
-    shape; only its storage is freed)."""
-    return {n: tuple(p.shape) for n, p in module.named_parameters() if p.requires_grad}
+    """Every trainable parameter's first name and whole shape (a released stage-3 parameter's too:
+    it holds an empty tensor between uses, `dstrain.zero.units.whole_shape` keeps its shape)."""
+    from dstrain.zero.units import whole_shape  # the zero room imports checkpoint.sources: no cycle at import
+
+    return {n: tuple(whole_shape(p)) for n, p in module.named_parameters() if p.requires_grad}
 
 
 def check_same_model(

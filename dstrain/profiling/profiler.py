@@ -9,6 +9,7 @@ matmul on a device and dtype: the probe MFU is measured against when no peak is 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from dstrain.zero.units import whole_shape
 
 __all__ = ["FlopsProfiler", "ModuleProfile", "get_model_profile", "number_to_string", "peak_flops"]
 
@@ -57,6 +60,11 @@ def number_to_string(n: float, unit: str = "", precision: int = 2) -> str:
 def _sync(device: torch.device | None) -> None:
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _numel(param: torch.Tensor) -> int:
+    """``param``'s elements as the model defines it (a released ZeRO-3 parameter is empty between uses)."""
+    return math.prod(whole_shape(param))
 
 
 class FlopsProfiler:
@@ -138,7 +146,7 @@ class FlopsProfiler:
         return number_to_string(self._total // 2, "MACs") if as_string else self._total // 2
 
     def get_total_params(self, as_string: bool = False) -> int | str:
-        n = sum(p.numel() for p in self.model.parameters())
+        n = sum(_numel(p) for p in self.model.parameters())
         return number_to_string(n) if as_string else n
 
     def get_total_duration(self, as_string: bool = False) -> float | str:
@@ -153,7 +161,7 @@ class FlopsProfiler:
                 name=name,
                 type=type(m).__name__,
                 depth=depth,
-                params=sum(p.numel() for p in m.parameters()),
+                params=sum(_numel(p) for p in m.parameters()),
                 flops=self._counts.get(name, 0),
                 latency_s=self._latency.get(name, 0.0),
             )

@@ -757,7 +757,7 @@ class GatheredParameters:
             if modify:
                 assert self.modifier_rank is not None
                 u.commit(_group_rank(u.comm, self.modifier_rank))
-            u.release()
+            u.release(between_steps=True)  # tensors taken inside the block (p.data, state_dict()) stay valid
             if not modify and u.gathered:  # stays gathered (persistent): back to the shards' values
                 u.regather()
         for u in self._init_units:

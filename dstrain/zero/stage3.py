@@ -289,7 +289,7 @@ class Stage3Zero(ZeroStrategy):
                 yield unit.params
             finally:
                 if not held:
-                    unit.release()
+                    unit.release(between_steps=True)
 
     def master_pieces(self) -> list[list[MasterPiece]]:
         return [
@@ -328,7 +328,7 @@ class Stage3Zero(ZeroStrategy):
 
     def release_all(self) -> None:
         for unit in self.units:
-            unit.release()
+            unit.release(between_steps=True)  # what the caller took from the gathered module stays valid
 
     def statistics(self) -> ZeroStatistics:
         return ZeroStatistics(

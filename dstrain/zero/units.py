@@ -2,9 +2,13 @@
 `ShardGroup` is one param group's units with their master; a `ShardStore` keeps the shards.
 
 Each unit keeps this rank's shard (a view into its group's shard buffer) and one full-size buffer
-whose *storage* is resized to zero when released and back when gathered. Parameters are permanent
-views of that buffer, so tensors autograd saved in forward (e.g. ``weight.t()``) see the re-gathered
-values in backward, and releasing really frees the memory.
+whose *storage* is resized to zero when released and back when gathered, so tensors autograd saved in
+forward (e.g. ``weight.t()``, a view of the buffer) see the re-gathered values in backward, and
+releasing really frees the memory. While gathered, parameters are views of that buffer; while
+released, each holds an empty tensor of its own (numel 0, as DeepSpeed's released parameters;
+`whole_shape` and ``p.ds_shape`` / ``p.ds_numel`` give the real shape): a view of the freed storage
+would let ``p.sum()``, ``print(p)`` or ``module.state_dict()`` outside a gather read memory that was
+given back (a segfault), where an empty tensor reads as empty.
 """
 
 from __future__ import annotations
@@ -21,14 +25,22 @@ from dstrain.zero.flat import FlatLayout, optimizer_views
 if TYPE_CHECKING:
     from dstrain.zero.reduce import Route
 
-__all__ = ["HoldsShards", "InitialShard", "ShardGroup", "ShardStore", "Unit", "unit_of"]
+__all__ = ["HoldsShards", "InitialShard", "ShardGroup", "ShardStore", "Unit", "unit_of", "whole_shape"]
 
 _owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> the Unit it is a view of
+_shape: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> its whole shape (empty while released)
 
 
 def unit_of(param: torch.Tensor) -> Unit | None:
     """The stage-3 `Unit` that holds ``param`` (None for a parameter no engine partitioned)."""
     return _owner.get(param)
+
+
+def whole_shape(param: torch.Tensor) -> torch.Size:
+    """``param``'s shape as the model defines it: a stage-3 parameter's whole shape even while it is
+    released (then ``param.shape`` is ``(0,)``); any other tensor's own shape."""
+    shape = _shape.get(param)
+    return param.shape if shape is None else shape
 
 
 class ShardStore:
@@ -189,11 +201,16 @@ class Unit:
             self._adopted = None
         else:
             self.shard = self.full[self.layout.lo : self.layout.hi].clone()
-        for p, view in zip(params, self.layout.views(self.full), strict=True):
-            p.data = view
+        for p, shape, numel in zip(params, self.layout.shapes, self.layout.numels, strict=True):
             _owner[p] = self
+            _shape[p] = shape
+            # DeepSpeed's names for the whole shape of a partitioned parameter (users' code reads them)
+            setattr(p, "ds_shape", shape)  # noqa: B010 (Parameter declares no such attribute)
+            setattr(p, "ds_numel", numel)  # noqa: B010
+        self._bind()
         self.gathered = True
         if adopted is not None:
+            self._unbind()
             self.full.untyped_storage().resize_(0)
             self.gathered = False
         self.persistent = False
@@ -205,6 +222,17 @@ class Unit:
     @property
     def numel(self) -> int:
         return self.layout.padded
+
+    def _bind(self) -> None:
+        """Make the parameters views of the full buffer (it holds their values now)."""
+        for p, view in zip(self.params, self.layout.views(self.full), strict=True):
+            p.data = view
+
+    def _unbind(self) -> None:
+        """Give each parameter an empty tensor of its own before the full buffer's storage is freed:
+        no parameter may stay a view of memory that was given back."""
+        for p in self.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def initial_shard(self) -> torch.Tensor:
         """This rank's initial shard, ``(shard,)``: a new tensor built from the parameters' original
@@ -259,6 +287,7 @@ class Unit:
             self.start_gather()
         self.handle.wait()
         self.handle = None
+        self._bind()
         self.gathered = True
 
     def regather(self) -> None:
@@ -278,15 +307,28 @@ class Unit:
         with torch.no_grad():
             self.store.write_shard(self.group, self, self.full[self.layout.lo : self.layout.hi])
 
-    def release(self, force: bool = False) -> None:
-        """Free the full buffer unless persistent (or pending: a gather in flight is finished first)."""
+    def release(self, force: bool = False, *, between_steps: bool = False) -> None:
+        """Free the full buffer unless persistent (or pending: a gather in flight is finished first).
+
+        In a pass (the gather hooks) the buffer's storage is freed in place: tensors autograd saved
+        in forward are views of it and see the values gathered again in backward. ``between_steps``
+        (`dstrain.zero.GatheredParameters`' exit, `Stage3Zero.release_all`): tensors a caller took
+        from the gathered parameters (``p.data``, ``module.state_dict()``'s values, ``p.cpu()`` on
+        the CPU, views) may outlive the gather, so the unit lets go of its buffer (freed when the
+        last of those tensors goes, at once when there is none) and takes a new one, unallocated."""
         if self.persistent and not force:
             return
         if self.handle is not None:
             self.finish_gather()
-        if self.gathered:
-            self.full.untyped_storage().resize_(0)
-            self.gathered = False
+        if not self.gathered:
+            return
+        self._unbind()
+        if between_steps:
+            device = self.full.device
+            self.full = torch.empty(0, dtype=self.dtype, device=device)  # the old buffer goes first
+            self.full = torch.empty(self.layout.padded, dtype=self.dtype, device=device)  # pages untouched
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
 
     def pop_flat_grad(self, dtype: torch.dtype) -> torch.Tensor:
         """This unit's gradients flattened into a new (padded,) buffer; parameters' ``.grad`` cleared."""
