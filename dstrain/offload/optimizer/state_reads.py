@@ -106,6 +106,8 @@ class StateReads:
         del self.ahead[at]
         if gfut is not None:
             self.grads.took(gfut)
+        if mfut is not None and not mfut.done():
+            self.master.settle()  # a range assembling from gathers that will not come: read it
         futs = [f for f in (fut, mfut, gfut) if f is not None]
         if all(f.done() for f in futs):
             self.hits += 1
@@ -123,6 +125,8 @@ class StateReads:
     def cancel(self) -> None:
         """Hand every buffer read ahead back unused and restart at the order's head."""
         self.next = 0
+        if self.master is not None:
+            self.master.settle()
         while self.ahead:
             _, fut, mfut, gfut = self.ahead.popleft()
             self.swapper.discard(fut.result())

@@ -129,6 +129,13 @@ class TraceReadAhead:
             held += cost
             pos += 1
 
+    def will_read(self, unit: Unit) -> bool:
+        """Whether a gather of this pass is still to read ``unit``'s shard (the pass follows the
+        recorded order and the unit comes again at or after the next position)."""
+        if not self._following or self._trace is None:
+            return False
+        return unit.index in self._trace[self._cursor :]
+
     def read_now(self, units: list[Unit]) -> None:
         """Read ``units`` ahead, off the trace, in this order (the step's refresh of the units that
         stay gathered asks for them next, one by one): as many at once as the capacity holds, the

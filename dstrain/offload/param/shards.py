@@ -74,6 +74,7 @@ class ParamStoreStatistics:
     """Gathers whose shard was already read when the gather needed it."""
     prefetch_misses: int
     master_reads: int
+    """Master ranges the optimizer asked for (`SwappedMaster.fetch_master`), read or assembled."""
     master_writes: int
     shard_writes: int
     """Shard ranges written after steps (resident-master mode) and at initialization."""
@@ -85,6 +86,11 @@ class ParamStoreStatistics:
     """The gradient store's counters when gradients are on NVMe too (else None)."""
     master_swapper: SwapperStatistics | None = None
     """The fp32 master file's swapper (bf16/fp16 shards with `holds_master`; else None)."""
+    master_from_gathers: int = 0
+    """Of ``master_reads``, ranges assembled from the backward gathers' shards instead of read from
+    the file (fp32 with `holds_master`, during backward: `SwappedMaster.capture`)."""
+    master_from_gathers_bytes: int = 0
+    """Their page-rounded bytes: what reading them would have cost."""
 
 
 class OffloadedShards(ShardStore):
@@ -275,6 +281,7 @@ class OffloadedShards(ShardStore):
                 span=self._span,
                 release_reads=self._release_reads,
                 lend=self._lend,
+                will_gather=self._ahead.will_read,
             )
 
     def _pieces_pool(self, units: Sequence[Unit], room: int, size: int, count: int) -> tuple[int, int]:
@@ -426,6 +433,8 @@ class OffloadedShards(ShardStore):
             at = self._base[group.index] + (off + e0) * self._esize - p  # its first byte in the buffer
             own[e0 : e0 + n].copy_(lease.view(self.dtype, at, n))
         self._discard(leases)  # unchanged: back to the pool without a write
+        if self.master is not None and self.master.file is None:  # fp32: the shard is master too
+            self.master.capture(group.index, off, own, unit.index)
         self._ahead.top_up()  # its buffers are free again: read the next shards of the trace into them
         return own
 
@@ -525,6 +534,8 @@ class OffloadedShards(ShardStore):
             prefetch_hits=self._hits,
             prefetch_misses=self._misses,
             master_reads=self.master.reads if self.master is not None else 0,
+            master_from_gathers=self.master.from_gathers if self.master is not None else 0,
+            master_from_gathers_bytes=self.master.from_gathers_bytes if self.master is not None else 0,
             master_writes=self.master.writes if self.master is not None else 0,
             shard_writes=self._shard_writes + (self.master.shard_writes if self.master is not None else 0),
             pinned_budget=self._budget

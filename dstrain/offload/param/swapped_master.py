@@ -3,6 +3,13 @@
 sub-group by sub-group: at fp32 from the shard file (the master *is* the shard), at bf16/fp16 from
 the `MasterFile`, each stepped range then cast into the shard file (`ShardStream`).
 
+At fp32 a master range asked for during backward (a sub-group read ahead to step as its gradients
+become final) is usually the shards of units whose backward gathers are still to come in this pass,
+and those gathers read the very same bytes: such a range is assembled from the gathers' shards as
+they arrive (`capture`; units that stay gathered are copied at once) into a swap buffer taken only
+when the last piece is in, instead of being read from the file a third time. If the pass leaves the
+recorded order, a range still incomplete when the step needs it is read from the file (`settle`).
+
 Checkpoints stream it: `checkpoint_master` hands the writer a lazy source over the master's file
 region (``dstrain.checkpoint.SwapRegions``, read after this store's master writes in flight), and
 `master_span` tells an async save which bytes each sub-group's step rewrites, so the step waits
@@ -27,7 +34,7 @@ from dstrain.offload.swap.swapper import ALIGN, Lease, Swapper
 
 if TYPE_CHECKING:
     from dsio.checkpoint import FileSpan
-    from dstrain.zero.units import ShardGroup
+    from dstrain.zero.units import ShardGroup, Unit
 
 __all__ = ["SwappedMaster"]
 
@@ -42,7 +49,8 @@ class SwappedMaster:
     where the master is the shard); ``groups`` / ``base``: the store's groups by index and their
     regions in the shard file (filled as groups are placed); ``span``: the shard file bytes of a
     range; ``release_reads``: hand the shard read-ahead's buffers back (the step owns the pool);
-    ``lend(n)``: the shard read-ahead counts ``n`` fewer buffers as its own.
+    ``lend(n)``: the shard read-ahead counts ``n`` fewer buffers as its own; ``will_gather(unit)``:
+    whether ``unit``'s shard is still to be read by a gather of this pass (its recorded order).
     """
 
     def __init__(
@@ -57,6 +65,7 @@ class SwappedMaster:
         span: Span,
         release_reads: Callable[[], None],
         lend: Callable[[int], None],
+        will_gather: Callable[[Unit], bool] = lambda unit: False,
     ) -> None:
         self.file = file
         self._swapper = swapper
@@ -67,6 +76,9 @@ class SwappedMaster:
         self._span = span
         self._release_reads = release_reads
         self._lend = lend
+        self._will_gather = will_gather
+        self._assembling: list[_Assembly] = []  # master ranges waiting for the gathers' shards
+        self._unfinished: set[concurrent.futures.Future[Any]] = set()  # their results, until set
         self._streams: dict[int, ShardStream] = {}  # group -> its shard file rewrite in progress
         self._stores: list[concurrent.futures.Future[None]] = []  # master writes in flight
         self.reads = 0
@@ -75,6 +87,10 @@ class SwappedMaster:
         """Master ranges written back (`store_master`)."""
         self.shard_writes = 0
         """Shard ranges written from stepped master ranges (bf16/fp16: `stream_shard`)."""
+        self.from_gathers = 0
+        """Master ranges of `reads` assembled from the backward gathers' shards (not read from the file)."""
+        self.from_gathers_bytes = 0
+        """Their bytes (page-rounded, as a read of them would have been)."""
 
     # -- the master, for OffloadAdam (holds_master) ---------------------------------------------
 
@@ -99,9 +115,75 @@ class SwappedMaster:
             return self.file.fetch(group, start, numel)
         g = self._groups[group]
         off, nbytes, at = self._span(g, start, numel)
-        fut = self._swapper.fetch_view(off, nbytes, at, numel, key=(g.index, off, nbytes))
         self.reads += 1
-        return fut
+        # only a range of whole pages (or the region's last), so no neighbour's bytes are in its buffer
+        if in_pass and at == 0 and (numel * 4 == nbytes or start + numel == g.total):
+            assembly = self._assemble(g, start, numel, off, nbytes)
+            if assembly is not None:
+                return assembly.result
+        return self._swapper.fetch_view(off, nbytes, at, numel, key=(g.index, off, nbytes))
+
+    def _assemble(self, g: ShardGroup, start: int, numel: int, off: int, nbytes: int) -> _Assembly | None:
+        """An assembly of master elements ``[start, start + numel)`` of ``g`` from the shards of the
+        units over them, if each is either still to be gathered in this pass or stays gathered
+        (copied now); else None (the range is read from the file)."""
+        parts = []
+        for u in g.units:
+            lo, hi = g.offsets[u.index], g.offsets[u.index] + u.layout.shard
+            if hi <= start or start + numel <= lo:
+                continue
+            if u.persistent and u.gathered:
+                parts.append((u, True))
+            elif self._will_gather(u):
+                parts.append((u, False))
+            else:
+                return None
+        if not parts:
+            return None
+        a = _Assembly(g.index, start, numel, off, nbytes)
+        self._unfinished.add(a.result)
+        a.result.add_done_callback(self._unfinished.discard)
+        for u, now in parts:
+            if now:
+                a.add(g.offsets[u.index], u.full[u.layout.lo : u.layout.hi])
+            else:
+                a.waiting.add(u.index)
+        self._assembling.append(a)
+        self._finish_if_complete(a)
+        return a
+
+    def assembling(self, fut: concurrent.futures.Future[Any]) -> bool:
+        """Whether ``fut`` (from `fetch_master`) is a range assembling from this pass's gathers and
+        not complete yet: it completes as the training thread gathers, so waiting for it there
+        during backward would never end."""
+        return fut in self._unfinished
+
+    def capture(self, group: int, start: int, shard: torch.Tensor, unit: int) -> None:
+        """A gather of unit ``unit`` read its shard ``shard`` (master elements ``[start, start +
+        shard.numel())`` of ``group``, fp32): copy it into the master ranges assembling from it."""
+        if not self._assembling:
+            return
+        for a in list(self._assembling):
+            if a.group == group and unit in a.waiting:
+                a.waiting.discard(unit)
+                a.add(start, shard)
+                self._finish_if_complete(a)
+
+    def _finish_if_complete(self, a: _Assembly) -> None:
+        if a.waiting:
+            return
+        self._assembling.remove(a)
+        self.from_gathers += 1
+        self.from_gathers_bytes += a.nbytes
+        a.finish(self._swapper.acquire_any())
+
+    def settle(self) -> None:
+        """Read from the file every master range still assembling (the pass left its recorded order,
+        so some gathers it waits for will not come); their futures complete with those reads."""
+        while self._assembling:
+            a = self._assembling.pop(0)
+            g = self._groups[a.group]
+            a.instead(self._swapper.fetch_view(a.off, a.nbytes, 0, a.numel, key=(g.index, a.off, a.nbytes)))
 
     def lend_master_buffers(self) -> int:
         """Set aside buffers for the master ranges read and written during backward (stepping during
@@ -205,3 +287,52 @@ class SwappedMaster:
         else:
             path, off, nbytes = self._swapper.path, self._base[group.index], group.total * 4
         return SwapRegions([(path, off, nbytes)], torch.float32, (group.total,), after=self._stores)
+
+
+class _Assembly:
+    """One master range (``numel`` elements of ``group`` from ``start``, the file's ``[off, off +
+    nbytes)``, page-aligned) filled from shards in memory; ``result`` completes with ``(lease,
+    view)`` as a read of it would (the lease keyed for `SwappedMaster.store_master`)."""
+
+    def __init__(self, group: int, start: int, numel: int, off: int, nbytes: int) -> None:
+        self.group, self.start, self.numel, self.off, self.nbytes = group, start, numel, off, nbytes
+        self.values = torch.empty(numel, dtype=torch.float32)  # (numel,) plain memory until complete
+        self.waiting: set[int] = set()  # units whose gathers are still to come
+        self.result: concurrent.futures.Future[tuple[Lease, torch.Tensor]] = concurrent.futures.Future()
+
+    def add(self, start: int, shard: torch.Tensor) -> None:
+        """Copy the part of ``shard`` (master elements from ``start``) inside this range."""
+        lo, hi = max(start, self.start), min(start + shard.numel(), self.start + self.numel)
+        self.values[lo - self.start : hi - self.start].copy_(shard[lo - start : hi - start])
+
+    def finish(self, buffer: concurrent.futures.Future[Lease]) -> None:
+        """Once ``buffer`` is lent: the values into it (bytes after them, the region's padding past
+        its last element, zeroed as the file has them), then ``result``."""
+
+        def done(f: concurrent.futures.Future[Lease]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                self.result.set_exception(exc)
+                return
+            lease = f.result()
+            lease.key = (self.group, self.off, self.nbytes)
+            view = lease.view(torch.float32, 0, self.numel)
+            view.copy_(self.values)
+            lease.tensor[self.numel * 4 : self.nbytes].zero_()
+            self.values = torch.empty(0)
+            self.result.set_result((lease, view))
+
+        buffer.add_done_callback(done)
+
+    def instead(self, read: concurrent.futures.Future[tuple[Lease, torch.Tensor]]) -> None:
+        """Complete ``result`` with ``read`` (the range read from the file) instead."""
+
+        def done(f: concurrent.futures.Future[tuple[Lease, torch.Tensor]]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                self.result.set_exception(exc)
+            else:
+                self.result.set_result(f.result())
+
+        self.values = torch.empty(0)
+        read.add_done_callback(done)

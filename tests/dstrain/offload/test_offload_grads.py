@@ -126,7 +126,8 @@ def _complete_reads(optimizer: Any) -> None:
         fetch_final(ready)
         for entry in reads.ahead:  # (the m, v reads too: submitted in order, one buffer each)
             for fut in entry[1:4]:
-                if fut is not None:
+                # a master range assembling from this pass's gathers completes as they come (fp32)
+                if fut is not None and not (reads.master is not None and reads.master.assembling(fut)):
                     fut.result()
 
     reads.fetch_final = fetch_and_wait

@@ -98,14 +98,21 @@ def _check_reads(root: str, prefetch: int, device: str) -> None:
         store.input_for = counting  # units call their store's input_for for each gather
         g = torch.Generator().manual_seed(0)
         per_step = []
+        saved = 0
         for _ in range(STEPS):
             gathers.clear()
-            before = store.statistics().swapper
+            before, b_st = store.statistics().swapper, store.statistics()
             x, y = (torch.randn(4, DIM, generator=g).to(device) for _ in range(2))
             engine.backward(engine(x, y))
             engine.step()
-            after = store.statistics().swapper
-            per_step.append((after.read_bytes - before.read_bytes, after.reads - before.reads))
+            after, a_st = store.statistics().swapper, store.statistics()
+            # master ranges assembled from the backward gathers' shards are not read from the file
+            n_saved = a_st.master_from_gathers - b_st.master_from_gathers
+            b_saved = a_st.master_from_gathers_bytes - b_st.master_from_gathers_bytes
+            saved += n_saved
+            per_step.append(
+                (after.read_bytes - before.read_bytes + b_saved, after.reads - before.reads + n_saved)
+            )
             assert all(gathers[u.index] == 2 for u in units), gathers  # forward + backward
         # the first pass records the order; the second may re-record once where the gather
         # prefetch changed the order (at most the read-ahead buffers re-read); then exact
@@ -115,6 +122,7 @@ def _check_reads(root: str, prefetch: int, device: str) -> None:
             assert (nbytes, reads) == (expected, reads_expected)
         st = store.statistics()
         assert st.prefetch_hits > 0  # the read-ahead was used
+        assert saved > 0  # some steps' master ranges came from the gathers (the pass followed its order)
         assert st.pinned_bytes <= st.pinned_budget
     finally:
         engine.close()
@@ -157,14 +165,20 @@ def _train(
     info: dict[str, Any] = {"read_per_step": []}
     try:
         for _ in range(steps):
-            before = store.statistics().swapper.read_bytes if offloaded else 0
+            st0 = store.statistics() if offloaded else None
             idx, y = torch.randint(0, VOCAB, (4,), generator=g), torch.randn(4, DIM, generator=g)
             loss = engine(idx, y)
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
-            if offloaded:
-                info["read_per_step"].append(store.statistics().swapper.read_bytes - before)
+            if offloaded:  # (read, master bytes assembled from gathers instead) this step
+                st1 = store.statistics()
+                info["read_per_step"].append(
+                    (
+                        st1.swapper.read_bytes - st0.swapper.read_bytes,
+                        st1.master_from_gathers_bytes - st0.master_from_gathers_bytes,
+                    )
+                )
         params = [t.clone() for t in engine.full_state_dict().values()]
         if offloaded:  # a whole-parameter change written back into the shard file, piece by piece
             from dstrain.zero import GatheredParameters
@@ -225,7 +239,8 @@ def test_a_shard_larger_than_a_buffer_is_read_in_pieces(tmp_path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
     expected = 2 * sum(info["spans"]) + info["masters"]
     read = info["read_per_step"]
-    assert read[0] == expected and all(nbytes == expected for nbytes in read[2:]), (read, expected)
+    assert all(nbytes + saved == expected for nbytes, saved in [read[0], *read[2:]]), (read, expected)
+    assert sum(saved for _, saved in read[1:]) > 0  # master ranges assembled from the gathers
     assert info["hits"] > 0 and info["early"] > 0, info
     assert info["written_back"] and info["rest_kept"]  # GatheredParameters(modifier_rank=) over pieces
 
@@ -276,3 +291,72 @@ def test_units_that_stay_gathered_are_read_together_after_the_step(tmp_path) -> 
         gathers = [j for j, e in enumerate(segment) if e == "gather"]
         for k, j in enumerate(gathers):
             assert segment[:j].count("read") >= min(k + buffers, LAYERS), segment
+
+
+class _Detaching(nn.Module):
+    """`_MLP` whose layer 3 is cut out of the backward graph on some steps: that pass's backward then
+    leaves the recorded order (layer 3 is gathered in forward, not in backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, cut: bool) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            if cut and i == 3:
+                x = x.detach() + 0.0 * x.detach()  # no gradient flows into layers 0-3
+        return ((x - y) ** 2).mean()
+
+
+def test_master_ranges_from_gathers_fall_back_to_the_file_when_the_pass_changes(tmp_path) -> None:
+    """fp32, parameters + optimizer on NVMe: master ranges read ahead during backward are assembled
+    from the backward gathers' shards; when a pass's backward leaves the recorded order (layers 0-3
+    get no gradient every third step), ranges waiting for gathers that never come are read from the
+    file when the step needs them. Training is bitwise that of no offload, every step completes."""
+    cuts = [False, False, True, False, False, True, False]
+
+    settled: list[int] = []  # ranges still assembling each time the step had to read them instead
+
+    def run(cfg: dict[str, Any]) -> tuple[list[float], list[torch.Tensor], Any]:
+        torch.manual_seed(0)
+        engine, optimizer, _, _ = dstrain.initialize(model=_Detaching(), config=cfg)
+        if "offload_param" in cfg["zero_optimization"]:
+            master = engine.zero.store.master
+            settle = master.settle
+
+            def counting() -> None:
+                settled.append(len(master._assembling))
+                settle()
+
+            master.settle = counting
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        try:
+            for cut in cuts:
+                x, y = torch.randn(4, DIM, generator=g), torch.randn(4, DIM, generator=g)
+                loss = engine(x, y, cut)
+                engine.backward(loss)
+                engine.step()
+                losses.append(float(loss.detach()))
+            params = [t.clone() for t in engine.full_state_dict().values()]
+            st = engine.zero.store.statistics()
+        finally:
+            engine.close()
+            if hasattr(optimizer, "close"):
+                optimizer.close()
+        return losses, params, st
+
+    base = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 4096},
+    }
+    ref_losses, ref_params, _ = run(base)
+    cfg = _config(str(tmp_path), 0)
+    cfg["zero_optimization"]["offload_param"]["buffer_count"] = 8  # 4 master ranges read ahead at once
+    losses, params, st = run(cfg)
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+    assert st.master_from_gathers > 0  # assembled on the steps that follow the order
+    assert max(settled, default=0) > 0  # and read from the file on those that do not
