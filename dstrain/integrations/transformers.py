@@ -134,6 +134,12 @@ class Trainer(transformers.Trainer):
     callbacks, logging, evaluation and checkpoint rotation.
     """
 
+    # Whether ``compute_loss`` already returns the loss scaled for gradient accumulation; None: derived as
+    # the Trainer does. Declared here with HF's default because transformers before 5.2x has no such
+    # attribute (5.17, the H200 machine's, raised AttributeError in training_step); a subclass or an
+    # instance may set it on every version.
+    loss_is_scaled_for_ga: bool | None = None
+
     def __init__(
         self, *args: Any, dstrain_config: Mapping[str, Any] | str | os.PathLike[str], **kwargs: Any
     ) -> None:
@@ -210,7 +216,7 @@ class Trainer(transformers.Trainer):
         del inputs
         # HF's normalisation: divided by the accumulation steps unless num_items_in_batch (or a custom
         # loss function) already made it the mean over the whole accumulated batch
-        scaled = self.loss_is_scaled_for_ga  # the Trainer's own answer (transformers 5), None: derive it
+        scaled = self.loss_is_scaled_for_ga  # set by a subclass or the caller; None: derive it
         if scaled is None:
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
                 self.compute_loss_func is not None
