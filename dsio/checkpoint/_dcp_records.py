@@ -44,17 +44,15 @@ def addr(mv: memoryview) -> int:
 @contextlib.contextmanager
 def no_zip_crc32() -> Iterator[None]:
     """torch.save without its CRC-32 pass (zlib, ~0.4 GB/s here); every item carries a crc32c."""
-    cfg = getattr(getattr(torch, "utils", None), "serialization", None)
-    save_cfg = getattr(getattr(cfg, "config", None), "save", None)
-    if save_cfg is None or not hasattr(save_cfg, "compute_crc32"):
-        yield
-        return
-    prev = save_cfg.compute_crc32
-    save_cfg.compute_crc32 = False
+    # torch.save imports this module on its first call: imported here, the first save skips it too
+    from torch.utils.serialization import config
+
+    prev = config.save.compute_crc32
+    config.save.compute_crc32 = False
     try:
         yield
     finally:
-        save_cfg.compute_crc32 = prev
+        config.save.compute_crc32 = prev
 
 
 def savable(t: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@ DsioStorageReader, with dcp.save and dcp.async_save; bytes items included."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -94,3 +96,20 @@ def test_dsio_items_carry_a_crc_that_stock_ignores_and_dsio_checks(tmp_path):
         dcp.load(_empty(), storage_reader=DsioStorageReader(tmp_path))
     if isinstance(ei.value, CheckpointException):
         assert all(isinstance(x[0], dsio.ChecksumError) for x in ei.value.failures.values())
+
+
+def test_the_writer_skips_torchs_zip_crc_from_the_first_save_of_a_process():
+    # torch.save imports its serialization config on its first call: in a fresh process the writer's
+    # first save must skip the zip CRC-32 pass as its later ones do (every item carries a crc32c)
+    code = (
+        "import sys\n"
+        "from dsio.checkpoint._dcp_records import no_zip_crc32\n"
+        "assert 'torch.utils.serialization' not in sys.modules  # nothing has saved yet\n"
+        "with no_zip_crc32():\n"
+        "    from torch.utils.serialization import config\n"
+        "    assert config.save.compute_crc32 is False\n"
+        "assert config.save.compute_crc32 is True\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
