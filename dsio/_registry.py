@@ -17,13 +17,43 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["REGISTRY", "Describe", "Registry", "Sample", "track", "tracked", "untrack"]
+__all__ = [
+    "REGISTRY",
+    "Describe",
+    "HasStatistics",
+    "NamesItsKind",
+    "PerBackend",
+    "Registry",
+    "Sample",
+    "track",
+    "tracked",
+    "untrack",
+]
 
 
-class _HasStatistics(Protocol):
+@runtime_checkable
+class HasStatistics(Protocol):
+    """What `track` exports: an object whose ``statistics()`` returns a snapshot (a frozen dataclass)."""
+
     def statistics(self) -> Any: ...
+
+
+@runtime_checkable
+class NamesItsKind(Protocol):
+    """A tracked object that names its own kind (``<namespace>_<kind>_<field>``) instead of the one
+    derived from its class name (see `track`)."""
+
+    metrics_kind: str
+
+
+@runtime_checkable
+class PerBackend(Protocol):
+    """A snapshot of an object bound to one kernel backend (a handle's): retired snapshots are merged
+    per backend, so that the exported series keep their ``backend`` label."""
+
+    backend: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +126,7 @@ class Registry:
                 self._retire(entry[1], snap)
 
     def _retire(self, kind: str, snap: Any) -> None:
-        k = (kind, str(getattr(snap, "backend", "")), type(snap))
+        k = (kind, str(snap.backend) if isinstance(snap, PerBackend) else "", type(snap))
         prev = self._retired.get(k)
         self._retired[k] = snap if prev is None else _merge(prev, snap)
 
@@ -194,9 +224,8 @@ REGISTRY = Registry()
 
 
 def _kind_of(obj: Any) -> str:
-    kind = getattr(obj, "metrics_kind", None)
-    if isinstance(kind, str) and kind:
-        return kind
+    if isinstance(obj, NamesItsKind) and isinstance(obj.metrics_kind, str) and obj.metrics_kind:
+        return obj.metrics_kind
     name = type(obj).__name__
     known = {"AsyncIOHandle": "handle", "PinnedPool": "pool", "Checkpointer": "checkpoint"}
     if name in known:
@@ -205,7 +234,7 @@ def _kind_of(obj: Any) -> str:
 
 
 def track(
-    obj: _HasStatistics,
+    obj: HasStatistics,
     *,
     kind: str | None = None,
     namespace: str = "dsio",
@@ -213,8 +242,9 @@ def track(
 ) -> None:
     """Export ``obj.statistics()`` at every scrape while ``obj`` lives (held weakly; idempotent).
 
-    ``kind`` defaults from the class: ``AsyncIOHandle`` -> ``handle`` (its pool is included),
-    ``PinnedPool`` -> ``pool``, ``Checkpointer`` -> ``checkpoint``, others their snake-case name.
+    ``kind`` defaults to the object's own ``metrics_kind`` (`NamesItsKind`), else from the class:
+    ``AsyncIOHandle`` -> ``handle`` (its pool is included), ``PinnedPool`` -> ``pool``,
+    ``Checkpointer`` -> ``checkpoint``, others their snake-case name.
     Kinds other than handle and pool are exported field by field as ``<namespace>_<kind>_<field>``
     (e.g. ``namespace="dstrain", kind="swapper"`` -> ``dstrain_swapper_...``).
     ``describe`` makes ``obj`` a *source*: at each scrape its snapshot is turned into
@@ -223,7 +253,7 @@ def track(
     Sources export live values only: nothing is folded into totals when they go.
     Costs one weak reference; nothing runs per I/O operation.
     """
-    if not callable(getattr(obj, "statistics", None)):
+    if not (isinstance(obj, HasStatistics) and callable(obj.statistics)):
         raise TypeError(f"{type(obj).__name__} has no statistics() method to export")
     if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", namespace):
         raise ValueError(f"namespace must be a Prometheus name prefix like 'dstrain', got {namespace!r}")

@@ -43,10 +43,10 @@ async def _timed(f: Any, op: str, view: Any, offset: int) -> float:
 
 
 def _goal(args: argparse.Namespace) -> str:
-    workload = getattr(args, "workload", None)
-    if workload is not None:
-        return WORKLOAD_GOALS[workload]
-    return getattr(args, "optimize", None) or "balanced"
+    # both are dsio tune's options (one group: at most one given), None when not given
+    if args.workload is not None:
+        return WORKLOAD_GOALS[args.workload]
+    return args.optimize or "balanced"
 
 
 @dataclasses.dataclass(frozen=True)

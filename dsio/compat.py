@@ -59,6 +59,8 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
     """DeepSpeed's ``aio_handle`` (block_size, queue_depth, single_submit, overlap_events,
     intra_op_parallelism), with DeepSpeed's defaults."""
 
+    _closed = True  # until fully built: __del__ of a half-built handle does nothing
+
     def __init__(
         self,
         block_size: int = 1024 * 1024,
@@ -82,7 +84,6 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
             gpu_backend=gpu_backend,
         )
         self._block_size = block_size  # what DeepSpeed's get_block_size() reports: the value given
-        self._closed = True  # until fully built: __del__ of a half-built handle does nothing
         self._h = AsyncIOHandle(cfg)
         self._lt: LoopThread = shared_loop()
         self._pending: list[concurrent.futures.Future[int]] = []
@@ -322,7 +323,7 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
         self.close()
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
+        if not self._closed:
             with contextlib.suppress(Exception):
                 self.close()
 

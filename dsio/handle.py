@@ -185,7 +185,7 @@ class AsyncIOHandle:
 
     def __del__(self) -> None:
         # Best effort for handles dropped without close(): threads and pinned memory must not leak.
-        ops = getattr(self, "_ops", None)
-        if ops is not None and not ops.closed:
-            with contextlib.suppress(Exception):
+        # (A handle whose __init__ raised before making its operations has none: AttributeError.)
+        with contextlib.suppress(Exception):
+            if not self._ops.closed:
                 self.close()

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from . import _stats
 from ._exporter import DEFAULT_PORT, LISTEN_BACKLOG, MetricsServer, default_port, start
 from ._registry import REGISTRY, Registry, Sample, track, tracked, untrack
 from ._stats import LATENCY_BUCKET_BOUNDS_S
@@ -102,24 +103,19 @@ class DsioCollector:
                 o = getattr(eng, op)
                 _add(reqs, (op, be), o.ops)
                 _add(nbytes, (op, be), o.bytes)
-                by_errno = getattr(o, "errors_by_errno", None)
-                if isinstance(by_errno, Mapping):
-                    for code, n in by_errno.items():
-                        _add(errs, (op, be, _errno_name(code)), n)
-                    rest = o.errors - sum(by_errno.values())
-                    if rest > 0:
-                        _add(errs, (op, be, "short"), rest)
-                    _add(errs, (op, be, "unreported"), 0)  # keep the series alive
-                else:
-                    _add(errs, (op, be, "unreported"), o.errors)
+                for code, n in o.errors_by_errno.items():
+                    _add(errs, (op, be, _errno_name(code)), n)
+                rest = o.errors - sum(o.errors_by_errno.values())
+                if rest > 0:
+                    _add(errs, (op, be, "short"), rest)
+                _add(errs, (op, be, "unreported"), 0)  # keep the series alive
                 buckets, s, c = lat.get((op, be), ([0.0] * len(o.latency_buckets), 0.0, 0.0))
                 for i, n in enumerate(o.latency_buckets):
                     buckets[i] += n
                 lat[(op, be)] = (buckets, s + o.latency_seconds_total, c + o.ops)
-                sb = getattr(o, "size_buckets", None)
+                sb = o.size_buckets
                 prev, s2, c2 = size.get((op, be), (None, 0.0, 0.0))
-                if sb is not None:
-                    prev = [a + b for a, b in zip(prev or [0.0] * len(sb), sb)]
+                prev = [a + b for a, b in zip(prev or [0.0] * len(sb), sb)]
                 size[(op, be)] = (prev, s2 + o.bytes, c2 + o.ops)
             _add(calls, ("read", st.backend), st.reads)
             _add(calls, ("write", st.backend), st.writes)
@@ -146,7 +142,7 @@ class DsioCollector:
             "Engine request latency, submit to completion (buckets kept by the engine).",
             labels=["op", "backend"],
         )
-        bounds = [("+Inf" if math.isinf(b) else format(b, ".12g")) for b in LATENCY_BUCKET_BOUNDS_S]
+        bounds = _bounds(LATENCY_BUCKET_BOUNDS_S)
         for (op, be), (buckets, s, _c) in sorted(lat.items()):
             cum = list(itertools.accumulate(buckets))
             hist.add_metric([op, be], list(zip(bounds, cum)), s)
@@ -154,9 +150,9 @@ class DsioCollector:
         size_hist = HistogramMetricFamily(
             "dsio_request_size_bytes", "Engine request size (bytes).", labels=["op", "backend"]
         )
-        size_bounds = _size_bounds()
+        size_bounds = _bounds(_stats.SIZE_BUCKET_BOUNDS_BYTES)  # read at scrape time
         for (op, be), (sb_acc, s, c) in sorted(size.items()):
-            if sb_acc is not None and size_bounds and len(size_bounds) == len(sb_acc):
+            if sb_acc is not None and len(size_bounds) == len(sb_acc):
                 pairs = list(zip(size_bounds, itertools.accumulate(sb_acc)))
             else:
                 pairs = [("+Inf", c)]
@@ -248,13 +244,9 @@ class DsioCollector:
         return self._backends
 
 
-def _size_bounds() -> list[str] | None:
-    from . import _stats
-
-    b = getattr(_stats, "SIZE_BUCKET_BOUNDS_BYTES", None)
-    if not b:
-        return None
-    return [("+Inf" if math.isinf(x) else format(float(x), ".12g")) for x in b]
+def _bounds(upper: Iterable[float]) -> list[str]:
+    """A histogram's bucket labels (``le``) from the engine's upper bounds."""
+    return [("+Inf" if math.isinf(x) else format(float(x), ".12g")) for x in upper]
 
 
 def _is_gauge(field: str, value: object) -> bool:

@@ -142,7 +142,7 @@ class WindowPlan:
 
 def is_stable(src: torch.Tensor | LazyTensor) -> bool:
     """A lazy source whose bytes cannot change while a save reads them (see the module's text)."""
-    return isinstance(src, LazyTensor) and bool(getattr(src, "stable", False))
+    return isinstance(src, LazyTensor) and bool(src.stable)
 
 
 def _memory_extent(t: torch.Tensor) -> tuple[int, int]:

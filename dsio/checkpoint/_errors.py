@@ -11,7 +11,19 @@ import os
 
 from ..errors import DsioError
 
-__all__ = ["CheckpointCommitError", "CheckpointLockedError", "LatestNotUpdatedError", "StateChangedError"]
+__all__ = [
+    "CheckpointCommitError",
+    "CheckpointLockedError",
+    "LatestNotUpdatedError",
+    "StateChangedError",
+    "errno_of",
+]
+
+
+def errno_of(error: BaseException) -> int | None:
+    """The errno a failure carries (an ``OSError``'s, e.g. ``IOFailedError``), None for any other
+    exception: what a save's verdict and a commit's outcome record."""
+    return error.errno if isinstance(error, OSError) else None
 
 
 class CheckpointLockedError(DsioError, RuntimeError):

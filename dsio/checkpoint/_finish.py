@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
 from . import _commit, _fs
-from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError
+from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError, errno_of
 from ._locate import rank_file
 
 __all__ = [
@@ -74,11 +74,11 @@ def commit_or_discard(
         return ("latest", e.errno, repr(e), latest_or_none(directory)), []
     except Exception as e:  # e.g. ENOSPC writing the manifest: nothing of the step is visible
         remove_quietly(tmpdir)
-        return ("failed", getattr(e, "errno", None), f"rank 0 could not commit: {e!r}", None), []
+        return ("failed", errno_of(e), f"rank 0 could not commit: {e!r}", None), []
     try:
         _commit.write_latest(directory, step)
     except Exception as e:  # the step is in place and listed: say so, and what latest names now
-        return ("latest", getattr(e, "errno", None), repr(e), latest_or_none(directory)), []
+        return ("latest", errno_of(e), repr(e), latest_or_none(directory)), []
     try:
         doomed = _commit.retire(directory, keep_last, protect={step})
     except OSError as e:  # the new step is committed; old ones stay for the next attempt
@@ -164,4 +164,4 @@ def describe(error: BaseException | None) -> tuple[str, int | None, str | None, 
         return None
     if isinstance(error, CheckpointLockedError):
         return ("locked", error.pid, error.host, None, str(error))
-    return ("error", None, None, getattr(error, "errno", None), repr(error))
+    return ("error", None, None, errno_of(error), repr(error))

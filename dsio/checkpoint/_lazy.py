@@ -33,6 +33,11 @@ __all__ = ["FileRegions", "LazyTensor"]
 class LazyTensor:
     """A tensor of ``dtype`` and ``shape`` whose bytes are read on demand (subclass `read_into`)."""
 
+    stable: bool = False
+    """True when the bytes cannot change while a save reads them (e.g. swap-file versions pinned
+    copy-on-write): an async save then need not wait for them before training goes on (see
+    ``dsio.checkpoint._capture``)."""
+
     def __init__(self, dtype: torch.dtype, shape: Sequence[int]) -> None:
         if dtype_name(dtype) is None:
             raise UnsupportedStateError(f"dtype {dtype} has no safetensors equivalent")

@@ -20,7 +20,13 @@ from . import _commit
 from ._api import DEFAULT_IO, file_metadata, restore
 from ._capture import Capture, TouchOrder
 from ._dist import Coordinator
-from ._errors import CheckpointCommitError, CheckpointLockedError, LatestNotUpdatedError, StateChangedError
+from ._errors import (
+    CheckpointCommitError,
+    CheckpointLockedError,
+    LatestNotUpdatedError,
+    StateChangedError,
+    errno_of,
+)
 from ._finish import commit_or_discard, describe
 from ._load import read_rank_file
 from ._locate import rank_file
@@ -76,6 +82,8 @@ class Checkpointer:
     Constructing a Checkpointer and loading take no lock and change nothing on disk, so an
     evaluator may read a directory that a training job is writing.
     """
+
+    _closed = True  # until __init__ opens it: __del__ of a half-built Checkpointer does nothing
 
     def __init__(
         self,
@@ -384,7 +392,7 @@ class Checkpointer:
                 error = e
                 await writer.abort()
         # Every rank's verdict, then rank 0 commits (or removes the partial step) and tells all.
-        mine = None if error is None else (getattr(error, "errno", None), f"rank {self.rank}: {error!r}")
+        mine = None if error is None else (errno_of(error), f"rank {self.rank}: {error!r}")
         verdicts = await self._coord.all_gather(mine)
         failures = [v for v in verdicts if v is not None]
         outcome: tuple[str, int | None, str, int | None] | None = None
@@ -506,7 +514,7 @@ class Checkpointer:
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            if not getattr(self, "_closed", True):
+            if not self._closed:
                 self.close()
 
 

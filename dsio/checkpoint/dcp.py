@@ -86,6 +86,14 @@ class DsioStorageInfo:
     shape: tuple[int, ...] | None = None
 
 
+def recorded_crc32c(info: DsioStorageInfo | _StorageInfo) -> int | None:
+    """An item's crc32c: `DsioStorageInfo`'s field, or the attribute `DsioStorageWriter` adds to torch's
+    ``_StorageInfo`` (which stock ``FileSystemWriter``'s entries do not carry: None)."""
+    if isinstance(info, DsioStorageInfo):
+        return info.crc32c
+    return getattr(info, "crc32c", None)  # torch's class, which does not declare the attribute
+
+
 def _done(value: Any) -> Future:
     fut: Future = Future()
     fut.set_result(value)
@@ -283,7 +291,7 @@ def _validate_info(idx: Any, info: Any, where: str) -> None:
                 ok = ok and info.dtype in DTYPES and isinstance(shape, tuple)
                 ok = ok and all(type(d) is int and 0 <= d < 1 << 62 for d in shape)  # type: ignore[union-attr]
         else:
-            crc = getattr(info, "crc32c", None)
+            crc = recorded_crc32c(info)
             ok = ok and (crc is None or type(crc) is int) and not info.transform_descriptors
         if ok:
             return
@@ -377,7 +385,7 @@ class DsioStorageReader(StorageReader):
                     raw = placed(info.length, info.offset)
                     if info.length:
                         await f.pread(raw, info.offset)
-                    crc = getattr(info, "crc32c", None)
+                    crc = recorded_crc32c(info)
                     if self.verify and crc is not None and crc_of(raw.data_ptr(), info.length) != crc:
                         raise ChecksumError(
                             f"item {req.storage_index.fqn!r} in {path}: crc32c mismatch (corrupted file)"
