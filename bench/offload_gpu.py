@@ -10,6 +10,7 @@ before and after training), into ``--out``.json and .md.
     torchrun --standalone --nproc_per_node 2 bench/offload_gpu.py     # 2 GPUs: world 2 on NCCL
     python bench/offload_gpu.py --device cpu --tiny              # CPU dry run of the same code path
     python bench/offload_gpu.py --quick       # make bench: that dry run, files offload-gpu-<date>-quick
+    python bench/offload_gpu.py --fit-disk --dim 2560 --heads 20   # the largest GPT the disk holds (~3B)
 
 Files: ``--out``, else ``$OUT/offload-gpu-<date>`` (the device machine's result folder), else under
 ``$DSIO_BENCH_RESULTS`` or bench/results (bench/_common.py's ``RESULTS``). The report ends with issue
@@ -21,8 +22,17 @@ parameters. Per step dstrain moves about 8 B/param of Adam m+v in, 8 B out, and 
 the forward and backward gathers and out once (~6 B/param): ~23 GB, about 12 s per step when the disk
 reads and writes ~1 GB/s each at once, so 20 steps take ~4-5 minutes plus ~1 minute to build, place
 and write the initial state; compute is ~0.1 s per step on an H200. ``--time-budget-s`` (default 330)
-stops the steps early if the disk is slower than that, and the report says so. GPU memory: bf16
-weights 2 GiB, the fp32 master 4 GiB, activations ~6 GiB.
+stops the steps early if the disk is slower than that (before a step the last one says would end
+past it), and the report says so; SIGTERM (``timeout``) ends the run with its JSON written, the steps
+done so far in it. The model is built on the training device (as DeepSpeed's twin does); the GPU
+peak is reported twice: over the training steps (``gpu_peak_gib``, the peak memory stats reset after
+``initialize``; what the offload modes are compared by) and over the whole run (``gpu_peak_run_gib``:
+the fp32 model before ``initialize`` partitions it included). Where the fp32 master, the gradient
+partitions and the shards live (device, host memory and whether page-locked, a file) is recorded
+(``placement``): ZeRO-Offload (``--offload cpu``) keeps the master and gradients in host memory.
+
+``--fit-disk``: more layers, up to ``--max-params``, as many as the free bytes under ``--nvme-path``
+hold at 18 swap bytes a parameter with 10% spare (bench/bigmodel.py's sizing).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,7 +61,16 @@ from bench._common import RESULTS  # noqa: E402
 
 
 class GpuBenchError(RuntimeError):
-    """The run cannot start as asked (no CUDA for --device cuda, an unusable --nvme-path)."""
+    """The run cannot start as asked (no CUDA for --device cuda, an unusable --nvme-path, a disk too
+    small for ``--fit-disk``)."""
+
+
+class BudgetKilled(Exception):
+    """SIGTERM (the driver's ``timeout``): the run ends here, its JSON written with what was measured."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise BudgetKilled(f"killed by signal {signum} (the driver's time budget)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="what goes to NVMe: parameters and optimizer state (default), or one of them; cpu: the "
         "optimizer state on the CPU (ZeRO-Offload), nothing on NVMe",
     )
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=None, help="steps in all (default 20; --tiny: 3)")
     p.add_argument("--warmup", type=int, default=2, help="steps before the timed ones")
     p.add_argument("--layers", type=int, default=20)
     p.add_argument("--dim", type=int, default=2048)
@@ -83,6 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe-gib", type=float, default=1.0, help="size of the disk probe's file")
     p.add_argument("--time-budget-s", type=float, default=330.0, help="stop the steps after this long")
     p.add_argument(
+        "--fit-disk",
+        action="store_true",
+        help="as many layers (up to --max-params) as the free bytes under --nvme-path hold (18 B/param, 10%% spare)",
+    )
+    p.add_argument("--max-params", type=float, default=3.2e9, help="--fit-disk's upper bound")
+    p.add_argument(
         "--out", default=None, help="result stem (default $OUT/offload-gpu-<date>, else $DSIO_BENCH_RESULTS)"
     )
     args = p.parse_args(argv)
@@ -90,7 +116,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.device, args.tiny = "cpu", True
     if args.tiny:
         args.layers, args.dim, args.heads, args.vocab, args.seq, args.batch = 2, 64, 4, 512, 32, 2
-        args.steps, args.warmup, args.pinned_gib, args.sub_group, args.probe_gib = 3, 1, 1 / 16, 16384, 1 / 64
+        args.warmup, args.pinned_gib, args.sub_group, args.probe_gib = 1, 1 / 16, 16384, 1 / 64
+        args.steps = 3 if args.steps is None else args.steps
+    if args.steps is None:
+        args.steps = 20
     for name in ("steps", "layers", "dim", "heads", "vocab", "seq", "batch", "sub_group"):
         if getattr(args, name) <= 0:
             raise GpuBenchError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")
@@ -157,6 +186,20 @@ def disk_probe(directory: str, nbytes: int) -> dict[str, float]:
     return run_sync(probe(), timeout=600)
 
 
+def block_bytes(path: str) -> tuple[int, int] | None:
+    """(bytes read, bytes written) so far by the block device holding ``path`` (its
+    ``/sys/dev/block/<major>:<minor>/stat`` sectors: the whole machine's I/O to it, so a bench that
+    runs alone on it can count what a library moved without its cooperation); None where there is no
+    such device (overlay, tmpfs)."""
+    st = os.stat(path).st_dev
+    try:
+        with open(f"/sys/dev/block/{os.major(st)}:{os.minor(st)}/stat") as f:
+            fields = f.read().split()
+    except OSError:
+        return None
+    return int(fields[2]) * 512, int(fields[6]) * 512
+
+
 def _swap_counters(sources: tuple[Any, ...]) -> dict[str, float]:
     from bench.offload_worker import offload_counters
 
@@ -179,8 +222,62 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def train(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
-    """Build, initialize and train; the measured numbers of this rank."""
+def fit_layers(args: argparse.Namespace, free: int) -> tuple[int, str]:
+    """``--fit-disk``: the most layers (at least ``--layers``, at most ``--max-params`` parameters) whose
+    swap files fit ``free`` bytes with bench/bigmodel.py's margin; and how they were chosen."""
+    from bench.bigmodel import DISK_BYTES_PER_PARAM, SPARE, gpt_numel
+
+    def numel(n: int) -> int:
+        return gpt_numel(n, args.dim, args.vocab, args.seq)
+
+    def fits(n: int) -> bool:
+        return numel(n) * DISK_BYTES_PER_PARAM <= free * (1 - SPARE)
+
+    if not fits(args.layers):
+        raise GpuBenchError(
+            f"--fit-disk: {args.layers} layers of d={args.dim} need "
+            f"{numel(args.layers) * DISK_BYTES_PER_PARAM / 1e9:.1f} GB of swap files, {free / 1e9:.1f} GB are "
+            f"free under --nvme-path (keeping {SPARE:.0%} spare)"
+        )
+    n = args.layers
+    while fits(n + 1) and numel(n + 1) <= args.max_params:
+        n += 1
+    limit = "the disk" if not fits(n + 1) else f"--max-params {args.max_params:.3g}"
+    return n, (
+        f"{n} layers ({numel(n) / 1e9:.2f}B params, {numel(n) * DISK_BYTES_PER_PARAM / 1e9:.1f} GB of swap files at "
+        f"{DISK_BYTES_PER_PARAM} B/param; {free / 1e9:.1f} GB free, {SPARE:.0%} kept spare): limited by {limit}"
+    )
+
+
+def placement(engine: Any) -> dict[str, str]:
+    """Where a ZeRO-3 engine's fp32 master, gradient partitions and shards live: ``cuda``, ``cpu``
+    (``cpu pinned`` when page-locked), ``file`` (swapped), or ``-`` (none). ZeRO-Offload keeps the
+    master and gradients in host memory (`dstrain.offload.param.host_master`)."""
+    import torch
+
+    zero = engine.zero
+    groups = zero.groups
+
+    def where(t: Any) -> str:
+        if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+            return "file"  # a storage-less placeholder (views keep the shapes): the values are in a file
+        return t.device.type + (" pinned" if t.device.type == "cpu" and t.is_pinned() else "")
+
+    def kinds(ts: list[Any]) -> str:
+        return ", ".join(sorted({where(t) for t in ts})) or "-"
+
+    on_file = zero.store.grads is not None
+    return {
+        "store": type(zero.store).__name__,
+        "master": kinds([g.master for g in groups]),
+        "grads": "file" if on_file else kinds([g.master_grad for g in groups]),
+        "shards": kinds([g.shards for g in groups]),
+    }
+
+
+def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> dict[str, Any]:
+    """Build, initialize and train; the measured numbers of this rank. ``progress`` holds what was
+    measured so far (step times, losses) for a run that ends early (SIGTERM, an error)."""
     import torch
     import torch.distributed as dist
 
@@ -195,9 +292,11 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
     if args.device == "cuda":
         torch.cuda.set_device(device)
     t0 = time.perf_counter()
-    model = build_model(args).to(device)
+    with device:  # built where it trains (faster than on the host and a copy; DeepSpeed's twin does the same)
+        model = build_model(args)
     params = sum(p.numel() for p in model.parameters())
     build_s = time.perf_counter() - t0
+    progress.update(params=params, build_s=build_s, world=world, rank=rank)
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
@@ -221,12 +320,20 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
     dstrain = _import_dstrain()
     t0 = time.perf_counter()
     engine, optimizer, _, _ = dstrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    del model  # (the engine holds the module; the fp32 tensors it replaced are freed)
     init_s = time.perf_counter() - t0
+    if args.device == "cuda":
+        init_peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)  # from here: the training steps' peak
+    where = placement(engine)
+    progress.update(init_s=init_s, placement=where)
+    print(f"offload_gpu: initialized in {init_s:.1f} s; {where}", flush=True)
     sources = (optimizer, engine, getattr(getattr(engine, "zero", None), "store", None))
     g = torch.Generator().manual_seed(1234 + rank)
-    times: list[float] = []
-    losses: list[float] = []
+    times: list[float] = progress.setdefault("steps_s", [])
+    losses: list[float] = progress.setdefault("losses", [])
     c0: dict[str, float] = {}
+    b0 = b1 = None
     timed_start = 0.0
     start = time.perf_counter()
     stopped = ""
@@ -234,7 +341,7 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
         for i in range(args.steps):
             if i == args.warmup:
                 _sync(args.device)
-                c0, timed_start = _swap_counters(sources), time.perf_counter()
+                c0, b0, timed_start = _swap_counters(sources), block_bytes(nvme_dir), time.perf_counter()
             b = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)  # (B, T+1)
             t = time.perf_counter()
             loss = engine(b[:, :-1].contiguous(), b[:, 1:].contiguous())  # (B, T) each
@@ -243,12 +350,19 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
             losses.append(float(loss.item()))
             _sync(args.device)
             times.append(time.perf_counter() - t)
-            if time.perf_counter() - start > args.time_budget_s and i + 1 < args.steps:
-                stopped = f"stopped after {i + 1} of {args.steps} steps: --time-budget-s {args.time_budget_s:.0f} spent"
+            print(f"offload_gpu: step {i + 1}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", flush=True)
+            spent = time.perf_counter() - start
+            # stop before a step that would end past the budget (the last step's time says how long one
+            # takes), once one step is timed
+            if i + 1 < args.steps and i >= args.warmup and spent + times[-1] > args.time_budget_s:
+                stopped = (
+                    f"stopped after {i + 1} of {args.steps} steps: --time-budget-s {args.time_budget_s:.0f} "
+                    f"would be passed by another {times[-1]:.0f} s step"
+                )
                 break
         _sync(args.device)
         timed_s = time.perf_counter() - timed_start if timed_start else 0.0
-        c1 = _swap_counters(sources)
+        c1, b1 = _swap_counters(sources), block_bytes(nvme_dir)
     finally:
         for obj in (engine, optimizer):
             close = getattr(obj, "close", None)
@@ -264,6 +378,7 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
         "params": params,
         "build_s": build_s,
         "init_s": init_s,
+        "placement": where,
         "steps_s": times,
         "losses": losses,
         "timed_steps": len(timed),
@@ -275,11 +390,17 @@ def train(args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
         "stall_s": c1.get("stall_s", 0.0) - c0.get("stall_s", 0.0),
         "prefetch_hits": c1.get("hits", 0) - c0.get("hits", 0),
         "prefetch_misses": c1.get("misses", 0) - c0.get("misses", 0),
+        "stepped_in_backward": c1.get("in_backward", 0) - c0.get("in_backward", 0),
         "pinned_bytes": c1.get("pinned_bytes", 0),
     }
+    if b0 is not None and b1 is not None and timed_s:  # the disk's own counters (the whole machine's)
+        out["block_read_gbps"] = (b1[0] - b0[0]) / timed_s / 1e9
+        out["block_write_gbps"] = (b1[1] - b0[1]) / timed_s / 1e9
     if args.device == "cuda":
-        out["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        out["gpu_bytes_per_param"] = torch.cuda.max_memory_allocated(device) / params
+        peak = torch.cuda.max_memory_allocated(device)
+        out["gpu_peak_gib"] = peak / 2**30
+        out["gpu_bytes_per_param"] = peak / params
+        out["gpu_peak_run_gib"] = max(peak, init_peak) / 2**30
     out["host_peak_mib"] = host_peak_mib()
     if world > 1:
         dist.destroy_process_group()
@@ -301,8 +422,12 @@ def _bytes(n: float) -> str:
 def render(meta: dict[str, Any], result: dict[str, Any]) -> str:
     lines = [f"# ZeRO-Infinity on {meta['gpu']} ({meta['host']}), {meta['date']}", ""]
     if "error" in result:
+        done = result.get("steps_s") or []
+        steps = f" after {len(done)} steps ({', '.join(f'{t:.2f}' for t in done)} s)" if done else ""
         return (
-            "\n".join([*lines, f"**Failed**: `{result['error']}`", "", f"Command: `{meta['command']}`"])
+            "\n".join(
+                [*lines, f"**Failed**{steps}: `{result['error']}`", "", f"Command: `{meta['command']}`"]
+            )
             + "\n"
         )
     a, probes = meta["args"], meta["probes"]
@@ -321,13 +446,14 @@ def render(meta: dict[str, Any], result: dict[str, Any]) -> str:
     med = sorted(timed)[len(timed) // 2] if timed else float("nan")
     per_step = sum(result["swap_bytes"].values()) / max(1, result["timed_steps"])
     hits, misses = result["prefetch_hits"], result["prefetch_misses"]
+    tps_text = f"{tps:,.0f}" if tps is not None else "-"
     lines.append(
-        f"| {tps:,.0f} | {med:.2f} | {result['timed_steps']} | {result['swap_read_gbps'] or 0:.2f} | "
+        f"| {tps_text} | {med:.2f} | {result['timed_steps']} | {result['swap_read_gbps'] or 0:.2f} | "
         f"{result['swap_write_gbps'] or 0:.2f} | {_bytes(per_step)} | "
         f"{result['stall_s'] / max(1, result['timed_steps']):.2f} | "
         f"{hits / (hits + misses):.0%} |"
         if tps is not None and hits + misses
-        else f"| {tps} | {med:.2f} | {result['timed_steps']} | | | {_bytes(per_step)} | | |"
+        else f"| {tps_text} | {med:.2f} | {result['timed_steps']} | | | {_bytes(per_step)} | | |"
     )
     lines += ["", "Disk in the same run (dsio, O_DIRECT, fresh file, fsync'ed):", ""]
     for name, p in probes.items():
@@ -341,13 +467,23 @@ def render(meta: dict[str, Any], result: dict[str, Any]) -> str:
         + ", ".join(f"{k.replace('_', ' ')} {_bytes(v)}" for k, v in result["swap_bytes"].items()),
         f"Build {result['build_s']:.0f} s, initialize {result['init_s']:.0f} s, steps {sum(result['steps_s']):.0f} s"
         + (
-            f"; GPU peak {result['gpu_peak_gib']:.1f} GiB ({result['gpu_bytes_per_param']:.2f} B/param)"
+            f"; GPU peak over the steps {result['gpu_peak_gib']:.1f} GiB ({result['gpu_bytes_per_param']:.2f} "
+            f"B/param), over the whole run {result.get('gpu_peak_run_gib', float('nan')):.1f} GiB"
             if "gpu_peak_gib" in result
             else ""
         )
         + f"; host peak {result['host_peak_mib']:,.0f} MiB"
         + ".",
     ]
+    if "placement" in result:
+        pl = result["placement"]
+        lines += [
+            "",
+            f"Placement ({pl['store']}): fp32 master {pl['master']}, gradient partitions {pl['grads']}, "
+            f"shards {pl['shards']}; sub-groups stepped during backward: {result.get('stepped_in_backward', 0)}.",
+        ]
+    if meta.get("sizing"):
+        lines += ["", f"Sized to the disk (--fit-disk): {meta['sizing']}."]
     if result["stopped"]:
         lines += ["", f"**{result['stopped']}**"]
     lines += ["", "Targets (issue 32):", "", *targets(meta, result)]
@@ -397,6 +533,10 @@ def main(argv: list[str] | None = None) -> int:
     gpu = check_device(args.device)  # fail fast, before building anything
     base = args.nvme_path or os.environ.get("DSIO_BENCH_DIR") or "/var/tmp"
     fs = check_nvme_path(base)
+    sizing = ""
+    if args.fit_disk:
+        args.layers, sizing = fit_layers(args, shutil.disk_usage(base).free)
+        print(f"offload_gpu: --fit-disk: {sizing}", flush=True)
     rank = int(os.environ.get("RANK", "0"))
     nvme_dir = tempfile.mkdtemp(prefix=f"offload-gpu-r{rank}-", dir=base)
     probe_bytes = int(args.probe_gib * 2**30) // 4096 * 4096
@@ -408,19 +548,26 @@ def main(argv: list[str] | None = None) -> int:
         "nvme_path": base,
         "fs": fs,
         "args": vars(args),
+        "sizing": sizing,
+        "cpus": os.cpu_count(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "probes": {},
     }
+    progress: dict[str, Any] = {}
     result: dict[str, Any] = {"error": "interrupted before training"}
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         meta["probes"]["before training"] = disk_probe(nvme_dir, probe_bytes)
-        result = train(args, nvme_dir)
+        result = train(args, nvme_dir, progress)
         meta["probes"]["after training"] = disk_probe(nvme_dir, probe_bytes)
-    except BaseException as e:  # recorded in the result files, then re-raised
+    except BaseException as e:  # recorded in the result files (with the steps done), then re-raised
         where = "" if "error" in result else "after training: "
-        result = {**result, "error": f"{where}{type(e).__name__}: {e}"}
+        base_result = result if "error" not in result else progress
+        result = {**base_result, "error": f"{where}{type(e).__name__}: {e}", "stopped": ""}
+        result.setdefault("host_peak_mib", host_peak_mib())
         raise
     finally:
+        signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(nvme_dir, ignore_errors=True)
         if rank == 0:
             _write(args, meta, result)

@@ -1,62 +1,169 @@
 #!/usr/bin/env bash
 # dstrain vs DeepSpeed ZeRO-Infinity / ZeRO-Offload on one GPU, interleaved, in one device call (issue 32):
-# the 1.07B GPT of bench/offload_gpu.py, bf16, ZeRO-3; (1) parameters + optimizer state on NVMe,
-# (2) optimizer state on the CPU; dstrain then DeepSpeed for each; the disk's own GB/s (dsio probe)
-# before, between and after. Each run writes a JSON under $OUT (run.log, probes.jsonl and 4 JSONs come back);
-# bench/offload_gpu_table.py renders them.
+# the 1.07B GPT of bench/offload_gpu.py, bf16, ZeRO-3, one pair (dstrain, then DeepSpeed) per mode, in the
+# order of MODES:
+#   both       parameters + optimizer state on NVMe (DeepSpeed with the settings that asserted last time,
+#              given BUDGET_DS_BOTH s: its failure and traceback are recorded)
+#   cpu        optimizer state on the CPU (ZeRO-Offload)
+#   optimizer  optimizer state on NVMe, parameters on the GPU
+#   big        dstrain alone: parameters + optimizer on NVMe, the largest GPT (d=2560) the disk holds
+#              (bench/offload_gpu.py --fit-disk, up to ~3.2B), run only when BIG_MIN_S are left
+# and the disk's own GB/s (dsio probe, PROBE_GIB) before the first pair and after each.
 #
-#   device: carry=[".device-deepspeed"], command: bash bench/offload_gpu_h200.sh
-#   env: STEPS (default 4, WARMUP 1 of them), NVME (default /var/tmp/offload-h200), BUDGET_S per run (200)
+#   device: carry=[".device-deepspeed"], command: bash bench/offload_gpu_h200.sh   (~530 s; MODES=big alone ~330 s)
+#   here:   DEVICE=cpu DSIO_DEEPSPEED_VENV=/work/venv-deepspeed bash bench/offload_gpu_h200.sh   (CPU dry run, tiny)
+#
+# Time: the whole script stops starting runs TOTAL_S (530) after it began (the device call's limit is 600 s,
+# transfers included). Each run gets the cap of its mode (CAP_<impl>_<mode>, s, start-up included) or what is
+# left, whichever is less; it stops its steps before one that would end past its budget, and `timeout`
+# (SIGTERM, then SIGKILL 10 s later) ends it at the cap with its JSON written (the steps done so far in it).
+# A run with fewer than MIN_RUN_S left is skipped and recorded as such.
+# $OUT (the device tool brings back 8 files at most) gets three: run.log; runs.jsonl (one line per run or
+# probe, appended as soon as each ends, so a cut call keeps what finished); summary.md
+# (bench/offload_gpu_table.py over runs.jsonl, printed at the end). Each run's full output stays in
+# /tmp/offload-h200-logs; its tail goes to run.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/offload-h200-out}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/run.log") 2>&1
-STEPS=${STEPS:-4}; WARMUP=${WARMUP:-1}; NVME=${NVME:-/var/tmp/offload-h200}; BUDGET_S=${BUDGET_S:-200}
+T0=$SECONDS
+TOTAL_S=${TOTAL_S:-530}; MIN_RUN_S=${MIN_RUN_S:-30}; BIG_MIN_S=${BIG_MIN_S:-240}
+MODES=${MODES:-both cpu optimizer big}
+DEVICE=${DEVICE:-cuda}; NVME=${NVME:-/var/tmp/offload-h200}; PROBE_GIB=${PROBE_GIB:-1}
+# steps (warm-up 1 each) and caps per run; measured on the H200 (2026-12-01): dstrain both ~13 s a step after a
+# 17.6 s first, ~25 s to start; DeepSpeed both asserted in its second step after a 20.6 s first; the anchor's
+# DeepSpeed optimizer-on-NVMe ~17 s a step
+STEPS_DSTRAIN_BOTH=${STEPS_DSTRAIN_BOTH:-3}; CAP_DSTRAIN_BOTH=${CAP_DSTRAIN_BOTH:-100}
+STEPS_DEEPSPEED_BOTH=${STEPS_DEEPSPEED_BOTH:-2}; CAP_DEEPSPEED_BOTH=${CAP_DEEPSPEED_BOTH:-65}
+STEPS_DSTRAIN_CPU=${STEPS_DSTRAIN_CPU:-5}; CAP_DSTRAIN_CPU=${CAP_DSTRAIN_CPU:-90}
+STEPS_DEEPSPEED_CPU=${STEPS_DEEPSPEED_CPU:-5}; CAP_DEEPSPEED_CPU=${CAP_DEEPSPEED_CPU:-110}
+STEPS_DSTRAIN_OPTIMIZER=${STEPS_DSTRAIN_OPTIMIZER:-3}; CAP_DSTRAIN_OPTIMIZER=${CAP_DSTRAIN_OPTIMIZER:-75}
+STEPS_DEEPSPEED_OPTIMIZER=${STEPS_DEEPSPEED_OPTIMIZER:-2}; CAP_DEEPSPEED_OPTIMIZER=${CAP_DEEPSPEED_OPTIMIZER:-90}
+STEPS_DSTRAIN_BIG=${STEPS_DSTRAIN_BIG:-3}; CAP_DSTRAIN_BIG=${CAP_DSTRAIN_BIG:-400}
+BIG_ARGS=${BIG_ARGS:---fit-disk --dim 2560 --heads 20 --layers 20}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-echo "== machine $(date -u +%H:%M:%S)"; nvidia-smi -L; nproc; df -h /var/tmp | tail -1; git log --oneline -1 2>/dev/null
-echo "== build dsio"; python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
-echo "== deepspeed $(date -u +%H:%M:%S)"
-# shellcheck source=/dev/null
-source bench/baselines/deepspeed_device.sh install || exit 1
-set +e  # (a failing run must not end the call: each run records its own failure)
-# JIT-build DeepSpeed's ops (async_io, cpu_adam) now, beside dstrain's first run (CPU compile vs a GPU +
-# disk run: noted in the results), so that its own runs time training, not compiling
-python3 -c "
+export NVME OUT PROBE_GIB
+LOGS=/tmp/offload-h200-logs
+rm -rf "$LOGS"; mkdir -p "$LOGS" "$NVME"
+echo "== machine $(date -u +%H:%M:%S), device $DEVICE, modes: $MODES, total ${TOTAL_S} s"
+nproc; df -h "$NVME" | tail -1; git log --oneline -1 2>/dev/null
+if [ "$DEVICE" = cuda ]; then
+    nvidia-smi -L
+    PY=python3; DSPY=python3
+    echo "== deepspeed $(( SECONDS - T0 )) s"
+    # shellcheck source=/dev/null
+    source bench/baselines/deepspeed_device.sh install || exit 1
+    # JIT-build DeepSpeed's ops (async_io, cpu_adam) now, beside dsio's build and dstrain's first run (a CPU
+    # compile beside a GPU + disk run; noted in the results), so that its own runs time training, not compiling
+    python3 -c "
 from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
-AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" > "$OUT/ds-build.log" 2>&1 &  # (its tail goes to run.log)
-BUILD=$!
-probe() { python3 - "$1" <<'PY'
+AsyncIOBuilder().load(); CPUAdamBuilder().load(); print('deepspeed ops built')" > "$LOGS/ds-build.log" 2>&1 &
+    BUILD=$!
+    echo "== build dsio $(( SECONDS - T0 )) s"
+    python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
+    TINY=()
+    DS_TINY=()
+else  # the CPU dry run: a tiny GPT, DeepSpeed from its CPU venv (ops already built there), nothing installed
+    PY=${PY:-.venv/bin/python}
+    DSPY=${DSIO_DEEPSPEED_VENV:?DEVICE=cpu needs DSIO_DEEPSPEED_VENV}/bin/python
+    export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TORCH_EXTENSIONS_DIR="$DSIO_DEEPSPEED_VENV/torch_extensions"
+    export RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-$((29600 + $$ % 300))}
+    BUILD=
+    TINY=(--device cpu --tiny)
+    DS_TINY=(--device cpu --layers 2 --dim 64 --heads 4 --vocab 512 --seq 32 --batch 2)
+    BIG_ARGS="--fit-disk --layers 2 --max-params 1e6"
+fi
+set +e  # (a failing run must not end the call: each run records its own failure)
+
+left() { echo $(( TOTAL_S - (SECONDS - T0) )); }
+
+record() {  # $1 = name, $2 = JSON file (removed), $3 = rc, $4 = wall s, $5 = cap s: one line of runs.jsonl
+    "$PY" - "$@" <<'PY'
+import json, os, sys
+name, path, rc, wall, cap = sys.argv[1:6]
+try:
+    with open(path) as f:
+        data = json.load(f)
+    os.unlink(path)
+except (OSError, ValueError) as e:  # killed before it wrote (SIGKILL), or crashed before its try
+    data = {"error": f"no result file: rc {rc} after {wall} s (cap {cap} s): {type(e).__name__}"}
+line = {"name": name, "rc": int(rc), "wall_s": int(wall), "cap_s": int(cap), "data": data}
+with open(os.path.join(os.environ["OUT"], "runs.jsonl"), "a") as f:
+    f.write(json.dumps(line) + "\n")
+PY
+}
+
+skip() {  # $1 = name, $2 = why
+    echo "== $1: skipped ($2)"
+    "$PY" -c "
+import json, os, sys
+with open(os.path.join(os.environ['OUT'], 'runs.jsonl'), 'a') as f:
+    f.write(json.dumps({'name': sys.argv[1], 'skipped': sys.argv[2]}) + '\n')" "$1" "$2"
+}
+
+probe() {  # $1 = index
+    "$PY" - "$1" <<'PY'
 import json, os, sys
 sys.path.insert(0, os.getcwd())
 from bench.offload_gpu import disk_probe
 os.makedirs(os.environ["NVME"], exist_ok=True)
-r = disk_probe(os.environ["NVME"], 1 << 30)
+r = disk_probe(os.environ["NVME"], int(float(os.environ["PROBE_GIB"]) * 2**30) // 4096 * 4096)
 print("probe", sys.argv[1], json.dumps(r))
-with open(os.path.join(os.environ["OUT"], "probes.jsonl"), "a") as f:
-    f.write(json.dumps({"at": int(sys.argv[1]), **r}) + "\n")
+with open(os.path.join(os.environ["OUT"], "runs.jsonl"), "a") as f:
+    f.write(json.dumps({"name": "probe", "at": int(sys.argv[1]), **r}) + "\n")
 PY
 }
-export NVME OUT
-probe 0
-run_dstrain() {  # $1 = both | cpu
-    echo "== dstrain $1 $(date -u +%H:%M:%S)"
-    rm -rf "$NVME/ds"; timeout $((BUDGET_S + 120)) python3 bench/offload_gpu.py --offload "$1" --nvme-path "$NVME" \
-        --steps "$STEPS" --warmup "$WARMUP" --probe-gib 0.25 --time-budget-s "$BUDGET_S" --out "$OUT/dstrain-$1" \
-        | grep -v "^$" | tail -12
-    rm -f "$OUT/dstrain-$1.md"  # (printed above; $OUT brings back 8 files at most)
+
+# run IMPL MODE: one run under its cap (or what is left), its JSON recorded as soon as it ends
+run() {
+    local impl=$1 mode=$2 up steps cap name="$1-$2" rest t json="$LOGS/$1-$2.json" rc
+    up=$(echo "${1}_${2}" | tr '[:lower:]' '[:upper:]')
+    steps=$(eval echo "\${STEPS_$up}"); cap=$(eval echo "\${CAP_$up}")
+    rest=$(( $(left) - 5 ))
+    [ "$rest" -lt "$cap" ] && cap=$rest
+    if [ "$cap" -lt "$MIN_RUN_S" ]; then skip "$name" "${rest} s left of TOTAL_S ${TOTAL_S}"; return; fi
+    if [ "$mode" = big ] && [ "$cap" -lt "$BIG_MIN_S" ]; then skip "$name" "${cap} s left, BIG_MIN_S ${BIG_MIN_S}"; return; fi
+    echo "== $name at $(( SECONDS - T0 )) s: $steps steps, cap ${cap} s"
+    rm -rf "${NVME:?}"/*
+    t=$SECONDS
+    # (the step budget: the cap less ~45 s of start-up and initialize, at least 20 s)
+    local budget=$(( cap > 65 ? cap - 45 : 20 ))
+    if [ "$impl" = dstrain ]; then
+        local what=$mode extra=()
+        [ "$mode" = big ] && { what=both; read -r -a extra <<< "$BIG_ARGS"; }
+        timeout -k 10 "$cap" "$PY" bench/offload_gpu.py --offload "$what" --nvme-path "$NVME" \
+            --steps "$steps" --warmup 1 --probe-gib 0.25 --time-budget-s "$budget" --out "${json%.json}" \
+            "${TINY[@]}" "${extra[@]}" > "$LOGS/$name.log" 2>&1
+        rc=$?
+        grep -v "^$" "$LOGS/$name.log" | grep -v "^wrote \|^Command: " | tail -n 22
+        rm -f "${json%.json}.md"
+    else
+        timeout -k 10 "$cap" "$DSPY" bench/baselines/deepspeed_offload_gpu.py --offload "$mode" \
+            --nvme-path "$NVME/ds" --steps "$steps" --warmup 1 --time-budget-s "$budget" --out "$json" \
+            "${DS_TINY[@]}" > "$LOGS/$name.log" 2>&1
+        rc=$?
+        grep -v "^\[\|^$\|Warning\|warn\|^ *warnings\.\|^  return " "$LOGS/$name.log" | tail -n 12
+    fi
+    echo "   $name: rc $rc after $(( SECONDS - t )) s"
+    record "$name" "$json" "$rc" $(( SECONDS - t )) "$cap"
+    rm -rf "${NVME:?}"/*
 }
-run_deepspeed() {  # $1 = both | cpu
-    echo "== deepspeed $1 $(date -u +%H:%M:%S)"
-    rm -rf "$NVME/ds"; timeout $((BUDGET_S + 150)) python3 bench/baselines/deepspeed_offload_gpu.py --offload "$1" \
-        --nvme-path "$NVME/ds" --steps "$STEPS" --warmup "$WARMUP" --time-budget-s "$BUDGET_S" \
-        --out "$OUT/deepspeed-$1.json" 2>&1 | grep -v "^\[\|^$\|Warning\|warn" | tail -12
-    rm -rf "$NVME/ds"
+
+built() {  # DeepSpeed's ops JIT-built (before its runs, and before a run that needs the CPU cores)
+    [ -z "$BUILD" ] && return
+    wait "$BUILD"; echo "deepspeed op build rc=$? at $(( SECONDS - T0 )) s"; tail -n 3 "$LOGS/ds-build.log"; BUILD=
 }
-run_dstrain both
-wait $BUILD; echo "deepspeed op build rc=$? $(date -u +%H:%M:%S)"; tail -3 "$OUT/ds-build.log"; rm -f "$OUT/ds-build.log"
-run_deepspeed both
-probe 1
-run_dstrain cpu
-run_deepspeed cpu
-probe 2
-echo "== done $(date -u +%H:%M:%S)"; ls -la "$OUT"
+
+echo "== probe 0 at $(( SECONDS - T0 )) s"; probe 0
+i=1
+for mode in $MODES; do
+    [ "$mode" = cpu ] && built  # (ZeRO-Offload steps Adam on the CPU: not beside a compile)
+    run dstrain "$mode"
+    [ "$mode" != big ] && { built; run deepspeed "$mode"; }
+    echo "== probe $i at $(( SECONDS - T0 )) s"; probe $i; i=$((i + 1))
+done
+echo "== done at $(( SECONDS - T0 )) s"
+"$PY" bench/offload_gpu_table.py "$OUT" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
+    --out "$OUT/summary.md" > /dev/null
+cat "$OUT/summary.md"
+ls -la "$OUT"

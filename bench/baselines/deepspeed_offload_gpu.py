@@ -9,9 +9,13 @@ Run with DeepSpeed importable (on the GPU machine: ``source bench/baselines/deep
 and ``stage3_prefetch_bucket_size: 0``: with prefetching DeepSpeed's parameter swapper asserts "Not
 enough buffers" with ``max_in_cpu: 0``, shared/anchors); ``optimizer``: optimizer state on NVMe;
 ``cpu``: optimizer state on the CPU (ZeRO-Offload). bf16, ZeRO-3, AdamW lr 1e-4, micro batch 4.
-Writes one JSON: tokens/s over the timed steps, step times, losses, GPU peak (bytes/parameter too),
+Writes one JSON: tokens/s over the timed steps, step times, losses, GPU peak (bytes/parameter too;
+over the training steps, the peak stats reset after ``deepspeed.initialize``, and over the whole run),
 host peak RSS (VmHWM) and the bytes the process read and wrote at the block layer during the timed
-steps (/proc/self/io), so swap GB/s = those bytes / the timed wall time. A failure is written too.
+steps (/proc/self/io), so swap GB/s = those bytes / the timed wall time. A failure is written too, with
+its traceback and the steps done before it; so is SIGTERM (the driver's ``timeout``). The model is
+built on the training device, as bench/offload_gpu.py builds dstrain's. ``--device cpu`` (DeepSpeed's
+CPU accelerator, ``DS_ACCELERATOR=cpu``) is the dry run of the same code on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -27,7 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.offload_gpu import host_peak_mib  # noqa: E402  (dstrain's run reads its peak the same way)
+from bench.offload_gpu import BudgetKilled, block_bytes, host_peak_mib  # noqa: E402  (as dstrain's run)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise BudgetKilled(f"killed by signal {signum} (the driver's time budget)")
 
 
 def _io() -> dict[str, int]:
@@ -52,14 +61,17 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--time-budget-s", type=float, default=240.0, help="stop the steps after this long")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the dry run")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    res: dict = {"impl": "deepspeed", "offload": a.offload}
+    res: dict = {"impl": "deepspeed", "offload": a.offload, "argv": sys.argv[1:]}
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        res.update(_run(a))
-    except BaseException as e:  # recorded, then re-raised
+        _run(a, res)
+    except BaseException as e:  # recorded (with the steps done so far), then re-raised
         res["error"] = f"{type(e).__name__}: {e}"
         res["traceback"] = traceback.format_exc()[-3000:]
+        res.setdefault("host_peak_mib", host_peak_mib())
         raise
     finally:
         Path(a.out).write_text(json.dumps(res, indent=1))
@@ -67,15 +79,19 @@ def main() -> int:
     return 0
 
 
-def _run(a: argparse.Namespace) -> dict:
+def _run(a: argparse.Namespace, res: dict) -> None:
+    """Train; the numbers go into ``res`` as they are measured (so a failure keeps the steps done)."""
     import deepspeed
     import torch
 
     from bench.train import build_model
 
-    torch.cuda.set_device(0)
+    cuda = a.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
     t0 = time.perf_counter()
-    model = build_model(a).cuda()
+    with torch.device("cuda" if cuda else "cpu"):  # built where it trains, as dstrain's twin
+        model = build_model(a)
     params = sum(q.numel() for q in model.parameters())
     nv = {"device": "nvme", "nvme_path": a.nvme_path, "pin_memory": True}
     zero: dict = {"stage": 3}
@@ -97,49 +113,68 @@ def _run(a: argparse.Namespace) -> dict:
         "aio": {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 2, "overlap_events": True,
                 "single_submit": False},
     }  # fmt: skip
+    res.update(params=params, build_s=time.perf_counter() - t0, config=cfg, deepspeed=deepspeed.__version__)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    init_s = time.perf_counter() - t0
+    del model
+    res["init_s"] = time.perf_counter() - t0
+    init_peak = 0
+    if cuda:
+        init_peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()  # from here: the training steps' peak
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     g = torch.Generator().manual_seed(1234)
-    times, losses = [], []
-    io0, start, t_timed = _io(), time.perf_counter(), None
+    times: list[float] = res.setdefault("steps_s", [])
+    losses: list[float] = res.setdefault("losses", [])
+    swap_dir = a.nvme_path if os.path.isdir(a.nvme_path) else "."
+    io0, blk0, start, t_timed = _io(), None, time.perf_counter(), None
     stopped = ""
     for i in range(a.steps):
         if i == a.warmup:
-            torch.cuda.synchronize()
-            io0, t_timed = _io(), time.perf_counter()
-        b = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).cuda()  # (B, T+1)
+            sync()
+            io0, blk0, t_timed = _io(), block_bytes(swap_dir), time.perf_counter()
+        b = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).to(engine.device)  # (B, T+1)
         t = time.perf_counter()
         loss = engine(b[:, :-1].contiguous(), b[:, 1:].contiguous())  # (B, T) each
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.item()))
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t)
         print(f"deepspeed {a.offload} step {i + 1}: {times[-1]:.2f} s loss {losses[-1]:.4f}", flush=True)
-        if time.perf_counter() - start > a.time_budget_s and i + 1 < a.steps:
-            stopped = f"stopped after {i + 1} of {a.steps} steps (--time-budget-s {a.time_budget_s:.0f})"
+        spent = time.perf_counter() - start
+        # stop before a step that would end past the budget (as bench/offload_gpu.py), once one is timed
+        if i + 1 < a.steps and i >= a.warmup and spent + times[-1] > a.time_budget_s:
+            stopped = (
+                f"stopped after {i + 1} of {a.steps} steps: --time-budget-s {a.time_budget_s:.0f} would be "
+                f"passed by another {times[-1]:.0f} s step"
+            )
             break
-    io1, end = _io(), time.perf_counter()
+    io1, blk1, end = _io(), block_bytes(swap_dir), time.perf_counter()
     timed = times[a.warmup :]
     wall = end - t_timed if t_timed is not None else 0.0
-    peak = torch.cuda.max_memory_allocated()
     rd, wr = io1["read_bytes"] - io0["read_bytes"], io1["write_bytes"] - io0["write_bytes"]
-    return {
-        "params": params,
-        "init_s": init_s,
-        "steps_s": times,
-        "losses": losses,
-        "timed_steps": len(timed),
-        "stopped": stopped,
-        "tokens_per_s": len(timed) * a.batch * a.seq / wall if timed and wall else None,
-        "gpu_peak_gib": peak / 2**30,
-        "gpu_bytes_per_param": peak / params,
-        "host_peak_mib": host_peak_mib(),
-        "disk_read_bytes": rd,
-        "disk_written_bytes": wr,
-        "swap_read_gbps": rd / wall / 1e9 if wall else None,
-        "swap_write_gbps": wr / wall / 1e9 if wall else None,
-    }
+    res.update(
+        timed_steps=len(timed),
+        stopped=stopped,
+        tokens_per_s=len(timed) * a.batch * a.seq / wall if timed and wall else None,
+        host_peak_mib=host_peak_mib(),
+        disk_read_bytes=rd,
+        disk_written_bytes=wr,
+        swap_read_gbps=rd / wall / 1e9 if wall else None,
+        swap_write_gbps=wr / wall / 1e9 if wall else None,
+    )
+    if blk0 is not None and blk1 is not None and wall:  # the disk's own counters (the whole machine's)
+        res.update(
+            block_read_gbps=(blk1[0] - blk0[0]) / wall / 1e9,
+            block_write_gbps=(blk1[1] - blk0[1]) / wall / 1e9,
+        )
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+        res.update(
+            gpu_peak_gib=peak / 2**30,
+            gpu_bytes_per_param=peak / params,
+            gpu_peak_run_gib=max(peak, init_peak) / 2**30,
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -87,29 +88,162 @@ def test_cuda_tiny_run(tmp_path: Path) -> None:
     assert r["gpu_peak_gib"] > 0
 
 
+def _ds_run(tps: float, peak: float, **extra: object) -> dict[str, object]:
+    r = {"params": 2**30, "steps_s": [9.0, 8.0, 8.0], "timed_steps": 2, "tokens_per_s": tps, "stopped": ""}
+    return {**r, "gpu_peak_gib": peak, "gpu_bytes_per_param": peak, "host_peak_mib": 9216.0, **extra}
+
+
+def _dstrain_run(tps: float, peak: float, **extra: object) -> dict[str, object]:
+    r = {"params": 2**30, "steps_s": [9.0, 4.0, 4.0], "timed_steps": 2, "tokens_per_s": tps, "stopped": ""}
+    r |= {"gpu_peak_gib": peak, "gpu_peak_run_gib": peak + 4, "host_peak_mib": 5120.0, **extra}
+    return {"meta": {"args": {"layers": 20, "dim": 2048, "heads": 16, "vocab": 32000, "seq": 1024, "batch": 4}},
+            "result": r}  # fmt: skip
+
+
 def test_side_by_side_table_targets(tmp_path: Path) -> None:
-    """bench/offload_gpu_table.py on known numbers: the 1.5x tokens/s and lower-GPU-peak lines, and a
-    failed DeepSpeed run shown with its error instead of a ratio."""
+    """bench/offload_gpu_table.py on known numbers (runs.jsonl, as bench/offload_gpu_h200.sh writes it):
+    the 1.5x tokens/s, lower-GPU-peak and bytes-per-parameter verdicts per mode, the tokens/s ratio in
+    the table, a failed DeepSpeed run shown with its error and the steps it did instead of a ratio, a
+    skipped run, and dstrain's swap against the disk probes (the I/O floor)."""
     from bench.offload_gpu_table import load, render
 
-    def dstrain(tps: float, peak: float) -> dict[str, object]:
-        r = {"params": 2**30, "steps_s": [9.0, 4.0, 4.0], "timed_steps": 2, "tokens_per_s": tps}
-        return {"result": {**r, "gpu_peak_gib": peak, "host_peak_mib": 5000.0, "stopped": ""}}
-
-    ds = {"params": 2**30, "steps_s": [9.0, 8.0, 8.0], "timed_steps": 2, "tokens_per_s": 100.0}
-    ds |= {"gpu_peak_gib": 3.0, "gpu_bytes_per_param": 3.0, "host_peak_mib": 9000.0}
-    (tmp_path / "dstrain-both.json").write_text(json.dumps(dstrain(160.0, 2.0)))
-    (tmp_path / "dstrain-cpu.json").write_text(json.dumps(dstrain(140.0, 4.0)))
-    (tmp_path / "deepspeed-both.json").write_text(json.dumps({"error": "AssertionError: Not enough buffers"}))
-    (tmp_path / "deepspeed-cpu.json").write_text(json.dumps(ds))
-    (tmp_path / "probes.jsonl").write_text(json.dumps({"at": 0, "write_gbps": 2.0, "read_gbps": 1.5}) + "\n")
+    cpu_where = {"store": "HostMasterShards", "master": "cpu pinned", "grads": "cpu pinned", "shards": "cuda"}
+    swap = {"optimizer_read_bytes": 6e9, "param_read_bytes": 2e9, "optimizer_written_bytes": 6e9}
+    lines = [
+        {"name": "probe", "at": 0, "write_gbps": 2.0, "read_gbps": 1.0, "bytes": 2**30},
+        {"name": "dstrain-both", "data": _dstrain_run(160.0, 2.0, swap_bytes=swap, losses=[10.0, 9.0])},
+        {
+            "name": "deepspeed-both",
+            "data": {"error": "AssertionError: Not enough buffers", "steps_s": [20.5]},
+        },
+        {"name": "dstrain-cpu", "data": _dstrain_run(140.0, 4.0, placement=cpu_where, losses=[10.0, 9.0])},
+        {"name": "deepspeed-cpu", "data": _ds_run(100.0, 3.0, losses=[10.0, 9.009])},
+        {"name": "dstrain-optimizer", "data": _dstrain_run(300.0, 2.5, swap_bytes=swap)},
+        {"name": "deepspeed-optimizer", "data": _ds_run(100.0, 3.0)},
+        {"name": "probe", "at": 1, "write_gbps": 2.0, "read_gbps": 1.0},
+        {"name": "dstrain-big", "skipped": "100 s left, BIG_MIN_S 240"},
+    ]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     text = render(load(tmp_path), "abc1234")
-    assert "| dstrain both | 160 | 4.00 | 2 |" in text and "2.0 (2.00)" in text  # GiB, bytes/param
-    assert "**failed**: `AssertionError: Not enough buffers`" in text
-    assert "parameters + optimizer state on NVMe: no side-by-side" in text
+    assert "| dstrain both | 160 |  | 4.00 | 2 |" in text and "2.0 (2.00)" in text  # GiB, bytes/param
+    assert "**failed** after 1 steps (20.5 s): `AssertionError: Not enough buffers`" in text
+    assert (
+        "parameters + optimizer state on NVMe: no side-by-side (dstrain: 160 tokens/s; DeepSpeed: failed"
+        in text
+    )
+    # over 2 timed steps: per step 4 GB read at 1 GB/s + 3 GB written at 2 GB/s = a 5.5 s floor; 4 s is 0.73x
+    assert "I/O floor of 5.50 s" in text and "step 4.00 s = 0.73x it (target <= 1.1x: met)" in text
+    assert "| dstrain cpu | 140 | 1.40x | 4.00 |" in text and "| cpu pinned / cpu pinned |" in text
     assert "dstrain 1.40x DeepSpeed's tokens/s (target >= 1.5x: MISSED)" in text
-    assert "GPU peak 4.0 vs 3.0 GiB, 4.00 vs 3.00 B/param (NOT lower: MISSED)" in text
-    assert "probe 0: write 2.00 GB/s, read 1.50 GB/s" in text
+    assert "GPU peak over the steps 4.0 vs 3.0 GiB (NOT lower: MISSED)" in text
+    assert "4.00 vs 3.00 B/param (at most DeepSpeed's: MISSED)" in text
+    assert "losses of the 2 steps within 1.0e-03 relative of each other" in text
+    assert "dstrain 3.00x DeepSpeed's tokens/s (target >= 1.5x: met)" in text
+    assert (
+        "GPU peak over the steps 2.5 vs 3.0 GiB (lower: met), 2.50 vs 3.00 B/param (at most DeepSpeed's: met)"
+        in text
+    )
+    assert "| dstrain big | skipped: 100 s left, BIG_MIN_S 240 |" in text
+    assert "largest model the disk holds (dstrain alone): not measured (skipped, 100 s left" in text
+    assert "probe 0: write 2.00 GB/s, read 1.00 GB/s (1 GiB)" in text and "probe 1:" in text
+    # every table row has the header's cell count
+    rows = [x for x in text.splitlines() if x.startswith("| ")]
+    assert len({x.count("|") for x in rows}) == 1, rows
+
+
+def test_table_reads_the_older_layout(tmp_path: Path) -> None:
+    """The first H200 call's files (one JSON per run, probes.jsonl) render the same way."""
+    from bench.offload_gpu_table import load, render
+
+    (tmp_path / "dstrain-both.json").write_text(json.dumps(_dstrain_run(314.0, 12.3)))
+    (tmp_path / "deepspeed-both.json").write_text(json.dumps({"error": "AssertionError: Not enough buffers"}))
+    (tmp_path / "probes.jsonl").write_text(json.dumps({"at": 0, "write_gbps": 3.0, "read_gbps": 2.4}) + "\n")
+    text = render(load(tmp_path), "abc1234")
+    assert "| dstrain both | 314 |" in text and "| deepspeed cpu | not run |" in text
+    assert "probe 0: write 3.00 GB/s, read 2.40 GB/s" in text
+
+
+def test_fit_disk_sizes_the_model_to_the_free_bytes() -> None:
+    """--fit-disk: the most layers whose 18 B/param of swap files fit 90% of the free bytes, at most
+    --max-params; refused when not even --layers fit."""
+    from bench.bigmodel import gpt_numel
+    from bench.offload_gpu import fit_layers
+
+    args = parse_args(["--dim", "2560", "--heads", "20", "--layers", "20", "--fit-disk"])
+    n, why = fit_layers(args, free=50 * 2**30)
+    assert gpt_numel(n, 2560, 32000, 1024) * 18 <= 0.9 * 50 * 2**30 < gpt_numel(n + 1, 2560, 32000, 1024) * 18
+    assert "limited by the disk" in why and n > 20
+    n, why = fit_layers(args, free=10**15)
+    assert gpt_numel(n, 2560, 32000, 1024) <= 3.2e9 < gpt_numel(n + 1, 2560, 32000, 1024)
+    assert "limited by --max-params" in why
+    with pytest.raises(GpuBenchError):
+        fit_layers(args, free=2**30)
+
+
+def _quick_cmd(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        SCRIPT,
+        "--quick",
+        "--nvme-path",
+        str(tmp_path / "swap"),
+        "--out",
+        str(tmp_path / "r"),
+        *extra,
+    ]
+
+
+def test_budget_stops_before_a_step_that_would_pass_it(tmp_path: Path) -> None:
+    """With a spent budget the run stops after its first timed step (the warm-up never counts), says
+    so, and ZeRO-Offload's placement is recorded (on a CPU run the store is composed, nothing apart)."""
+    cmd = _quick_cmd(tmp_path, "--offload", "cpu", "--time-budget-s", "0")  # (--quick: 3 steps, 1 warm-up)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())["result"]
+    assert len(r["steps_s"]) == 2 and r["timed_steps"] == 1 and r["tokens_per_s"] > 0
+    assert "stopped after 2 of 3 steps" in r["stopped"]
+    assert r["placement"]["store"] == "HostMasterShards" and r["placement"]["master"].startswith("cpu")
+
+
+def test_sigterm_writes_the_steps_done(tmp_path: Path) -> None:
+    """SIGTERM (the driver's `timeout`) mid-run: the process ends non-zero with its JSON written, the
+    error named and the steps done so far in it."""
+    cmd = _quick_cmd(tmp_path, "--steps", "100000", "--time-budget-s", "100000")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    for line in proc.stdout:  # wait for two steps to be done
+        if line.startswith("offload_gpu: step 2:"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    r = json.loads((tmp_path / "r.json").read_text())["result"]
+    assert r["error"].startswith("BudgetKilled") and len(r["steps_s"]) >= 2 and len(r["losses"]) >= 2
+    assert "Failed** after" in (tmp_path / "r.md").read_text()
+    assert not any((tmp_path / "swap").iterdir())  # swap files removed
+
+
+def test_driver_records_a_run_it_has_no_time_for(tmp_path: Path) -> None:
+    """bench/offload_gpu_h200.sh in its CPU dry-run mode with too little time for the big model: the
+    disk probes and the skip are lines of runs.jsonl, the summary renders them, $OUT holds 3 files."""
+    env = {**os.environ, "DEVICE": "cpu", "MODES": "big", "TOTAL_S": "100", "PROBE_GIB": "0.015625",
+           "OUT": str(tmp_path / "out"), "NVME": str(tmp_path / "nvme"), "PY": sys.executable,
+           "DSIO_DEEPSPEED_VENV": str(tmp_path / "no-venv")}  # fmt: skip
+    out = subprocess.run(
+        ["bash", str(ROOT / "bench" / "offload_gpu_h200.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    lines = [json.loads(x) for x in (tmp_path / "out" / "runs.jsonl").read_text().splitlines()]
+    assert [x["name"] for x in lines] == ["probe", "dstrain-big", "probe"]
+    assert "BIG_MIN_S 240" in lines[1]["skipped"]
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| dstrain big | skipped:" in summary and "probe 1:" in summary
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["run.log", "runs.jsonl", "summary.md"]
 
 
 def test_targets_judge_the_step_against_the_io_floor() -> None:
