@@ -28,6 +28,7 @@ tensors, and this entry is the JSON string at ``layout`` of that state tree.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -177,7 +178,10 @@ def describe(
         [Segment(piece.offset, names[id(piece.param)], piece.start, piece.length) for piece in pieces]
         for pieces in zero.master_pieces()
     ]
-    groups = zero.param_groups()
+    from dstrain.zero.units import whole_shape  # the zero room imports checkpoint.sources: no cycle at import
+
+    # a view whose values a store holds is empty: its whole shape says how many elements it steps
+    views = [[math.prod(whole_shape(v)) for v in g["params"]] for g in zero.param_groups()]
     return Layout(
         rank=rank,
         world_size=world_size,
@@ -187,8 +191,8 @@ def describe(
         pinned=pinned,
         params=params,
         aliases={k: v for k, v in aliases.items() if v in params},
-        numels=[sum(v.numel() for v in g["params"]) for g in groups],
-        views=[[v.numel() for v in g["params"]] for g in groups],
+        numels=[sum(view_numels) for view_numels in views],
+        views=views,
         segments=segments,
     )
 

@@ -9,11 +9,18 @@ released, each holds an empty tensor of its own (numel 0, as DeepSpeed's release
 `whole_shape` and ``p.ds_shape`` / ``p.ds_numel`` give the real shape): a view of the freed storage
 would let ``p.sum()``, ``print(p)`` or ``module.state_dict()`` outside a gather read memory that was
 given back (a segfault), where an empty tensor reads as empty.
+
+The optimizer's views over a group's master (``ShardGroup.views``) follow the same rule when a store
+holds the master (`ShardStore.holds_master`: its storage is 0 bytes) or the gradients (`ShardStore.grads`):
+each view then holds an empty tensor of its own and no ``.grad`` (`stored_view` keeps where it was),
+so a caller reading the optimizer's parameters (clipping utilities, logging, a Trainer) reads empty
+tensors, never storage that holds no bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -25,10 +32,21 @@ from dstrain.zero.flat import FlatLayout, optimizer_views
 if TYPE_CHECKING:
     from dstrain.zero.reduce import Route
 
-__all__ = ["HoldsShards", "InitialShard", "ShardGroup", "ShardStore", "Unit", "unit_of", "whole_shape"]
+__all__ = [
+    "HoldsShards",
+    "InitialShard",
+    "ShardGroup",
+    "ShardStore",
+    "StoredView",
+    "Unit",
+    "stored_view",
+    "unit_of",
+    "whole_shape",
+]
 
 _owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> the Unit it is a view of
 _shape: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> its whole shape (empty while released)
+_stored: WeakIdKeyDictionary = WeakIdKeyDictionary()  # emptied optimizer view -> its StoredView
 
 
 def unit_of(param: torch.Tensor) -> Unit | None:
@@ -41,6 +59,24 @@ def whole_shape(param: torch.Tensor) -> torch.Size:
     released (then ``param.shape`` is ``(0,)``); any other tensor's own shape."""
     shape = _shape.get(param)
     return param.shape if shape is None else shape
+
+
+@dataclass(frozen=True, slots=True)
+class StoredView:
+    """Where an optimizer view over a group's master was before its group emptied it (the values or
+    gradients it viewed are held by a `ShardStore`, not in memory): what its optimizer steps from."""
+
+    offset: int
+    """Its first element's offset in its group's master storage (``storage_offset()`` of the view)."""
+    grad: torch.Tensor
+    """Its range of the group's fp32 gradient, ``(numel,)``: in memory, or storage-less when the
+    store keeps the gradients on NVMe (then the optimizer reads them from the store)."""
+
+
+def stored_view(view: torch.Tensor) -> StoredView | None:
+    """Where ``view`` (a stage-3 optimizer view its `ShardGroup` emptied) was; None for any other
+    tensor (its own ``storage_offset()`` and ``.grad`` say)."""
+    return _stored.get(view)
 
 
 class ShardStore:
@@ -384,3 +420,23 @@ class ShardGroup:
         if store.grads is not None:
             self.master_grad.untyped_storage().resize_(0)
         store.placed(self)
+        if store.holds_master or store.grads is not None:
+            self._empty_views(values=store.holds_master)
+
+    def _empty_views(self, *, values: bool) -> None:
+        """The store holds the master's values (``values``) or the gradients: no view may stay over
+        storage of 0 bytes, where reading it (``p.sum()``, ``p.grad.norm()``) reads no memory (a
+        segfault). Each view's ``.grad`` goes (`stored_view` keeps its range); with ``values`` the
+        view itself holds an empty tensor of its own (``ds_shape`` / ``ds_numel``, `whole_shape`
+        keep its shape), as a released parameter does."""
+        for view in self.views:
+            grad = view.grad
+            assert grad is not None  # set by optimizer_views
+            _stored[view] = StoredView(int(view.storage_offset()), grad)
+            view.grad = None
+            if values:
+                shape = view.shape
+                _shape[view] = shape
+                setattr(view, "ds_shape", shape)  # noqa: B010 (Tensor declares no such attribute)
+                setattr(view, "ds_numel", view.numel())  # noqa: B010
+                view.data = torch.empty(0, dtype=view.dtype, device=view.device)

@@ -18,7 +18,7 @@ from dstrain.offload.optimizer.device_stager import DeviceStager
 from dstrain.offload.optimizer.early_step import KEY as EARLY_KEY
 from dstrain.offload.optimizer.early_step import EarlyStep, EarlyStepError
 from dstrain.offload.optimizer.statistics import OffloadOptimizerStatistics
-from dstrain.offload.optimizer.sub_groups import CUT, SubGroup, plan_sub_groups
+from dstrain.offload.optimizer.sub_groups import CUT, SubGroup, master_numel, plan_sub_groups
 from dstrain.offload.optimizer.swapped_state import (
     SwappedState,
     groups_state,
@@ -94,7 +94,7 @@ class OffloadAdam(torch.optim.Optimizer):
             for g in self.param_groups
         ]
         per_elem = 2 * _F32  # m and v
-        numels = [p.numel() for g in self.param_groups for p in g["params"]]
+        numels = [master_numel(p) for g in self.param_groups for p in g["params"]]
         if device == "nvme":
             # dsio's staging pool (unused on this aligned path, but pinned) comes out of the budget too
             room = pinned_budget - STAGING_BYTES
@@ -110,10 +110,11 @@ class OffloadAdam(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
                 # equal pieces (multiples of CUT) rather than full ones and a sliver
-                pieces = -(-p.numel() // size)
-                piece = align_up(-(-p.numel() // max(pieces, 1)), CUT)
-                for start in range(0, p.numel(), piece):
-                    subs.append(SubGroup(len(subs), gi, p, start, min(piece, p.numel() - start)))
+                n = master_numel(p)
+                pieces = -(-n // size)
+                piece = align_up(-(-n // max(pieces, 1)), CUT)
+                for start in range(0, n, piece):
+                    subs.append(SubGroup(len(subs), gi, p, start, min(piece, n - start)))
         self._budget = pinned_budget
         swapper: Swapper | None = None
         self._closed_stats: SwapperStatistics | None = None
@@ -396,8 +397,8 @@ class OffloadAdam(torch.optim.Optimizer):
                     i,
                     {
                         "step": self.swapped.steps[sg.group].clone().cpu(),
-                        "exp_avg": torch.zeros(sg.param.shape, dtype=torch.float32),
-                        "exp_avg_sq": torch.zeros(sg.param.shape, dtype=torch.float32),
+                        "exp_avg": torch.zeros(sg.shape, dtype=torch.float32),
+                        "exp_avg_sq": torch.zeros(sg.shape, dtype=torch.float32),
                     },
                 )
                 entry["exp_avg"].view(-1)[sg.start : sg.start + sg.numel].copy_(m)

@@ -87,7 +87,7 @@ class EarlyStep:
         self._units_of: dict[int, list[UnitKey]] = {}
         self._subs_of: dict[UnitKey, list[int]] = {}
         for sg in optimizer.sub_groups:
-            lo = sg.param.storage_offset() - base[sg.group] + sg.start  # in the group's master
+            lo = sg.master_start - base[sg.group]  # in the group's master
             hi = lo + sg.numel
             keys = [(sg.group, off) for off, n in units.get(sg.group, []) if off < hi and lo < off + n]
             self._units_of[sg.index] = keys

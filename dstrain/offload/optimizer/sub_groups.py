@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 
 import torch
 
 from dstrain.errors import ConfigError
 from dstrain.offload.swap.swapper import align_up
+from dstrain.zero.units import stored_view, whole_shape
 
-__all__ = ["CUT", "SubGroup", "plan_sub_groups"]
+__all__ = ["CUT", "SubGroup", "master_numel", "plan_sub_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -18,10 +20,32 @@ CUT = 1024
 """Sub-group boundaries are multiples of this many elements from their view's start."""
 
 
-class SubGroup:
-    """A range of one master view stepped (and swapped) as a unit."""
+def master_numel(param: torch.Tensor) -> int:
+    """Elements of a master view, also when its group emptied it (the values are in a store:
+    `dstrain.zero.units.stored_view`)."""
+    return math.prod(whole_shape(param))
 
-    __slots__ = ("index", "group", "param", "start", "numel", "m", "v", "offset", "master_start")
+
+class SubGroup:
+    """A range of one master view stepped (and swapped) as a unit.
+
+    ``param`` is the master view the optimizer's ``param_groups`` hold (the key of its state). A
+    stage-3 view whose values or gradients live in a store is empty (`dstrain.zero.units.stored_view`):
+    where it was and its gradient range are taken from its `StoredView` here, once."""
+
+    __slots__ = (
+        "index",
+        "group",
+        "param",
+        "start",
+        "numel",
+        "m",
+        "v",
+        "offset",
+        "master_start",
+        "shape",
+        "_grad",
+    )
 
     def __init__(self, index: int, group: int, param: torch.Tensor, start: int, numel: int) -> None:
         self.index = index
@@ -32,20 +56,22 @@ class SubGroup:
         self.m: torch.Tensor | None = None  # device="cpu": resident state
         self.v: torch.Tensor | None = None
         self.offset = 0  # device="nvme": where its slot (m, then v) starts in the swap file
-        self.master_start = param.storage_offset() + start  # element of its group's master
+        self.shape = whole_shape(param)  # the view's shape (the state's)
+        stored = stored_view(param)
+        at = param.storage_offset() if stored is None else stored.offset
+        self.master_start = at + start  # element of its group's master
+        # the view's gradient range when its group emptied it; else its .grad, read at each step
+        self._grad = None if stored is None else stored.grad
 
     def grad_slice(self) -> torch.Tensor:
-        grad = self.param.grad
+        grad = self.param.grad if self._grad is None else self._grad
         if grad is None:
             raise RuntimeError("an offloaded master tensor has no gradient (the ZeRO strategy sets it)")
         return grad.view(-1)[self.start : self.start + self.numel]
 
     def slices(self) -> tuple[torch.Tensor, torch.Tensor]:
-        grad = self.param.grad
-        if grad is None:
-            raise RuntimeError("an offloaded master tensor has no gradient (the ZeRO strategy sets it)")
         end = self.start + self.numel
-        return self.param.detach().view(-1)[self.start : end], grad.view(-1)[self.start : end]
+        return self.param.detach().view(-1)[self.start : end], self.grad_slice()
 
 
 def plan_sub_groups(

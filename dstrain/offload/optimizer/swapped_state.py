@@ -106,7 +106,7 @@ def swapped_state(st: SwappedState, param_groups: list[dict[str, Any]], adamw: b
         i = index[id(sg.param)]
         if i not in state:
             m, v = pieces[i]
-            shape = tuple(sg.param.shape)
+            shape = tuple(sg.shape)
             step = st.steps[sg.group]
             state[i] = {
                 # a stable copy beside the pinned m, v (an in-memory one would make the save's
