@@ -100,6 +100,23 @@ def _dstrain_run(tps: float, peak: float, **extra: object) -> dict[str, object]:
             "result": r}  # fmt: skip
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tiny_cpu_offload_reports_the_host_master(tmp_path: Path) -> None:
+    """The H200 run's ZeRO-Offload mode in miniature: on CUDA the bench reports the fp32 master and the
+    gradient partitions as page-locked host tensors and the shards on the GPU (HostMasterShards), and a
+    GPU peak over the steps no larger than over the whole run."""
+    cmd = [sys.executable, SCRIPT, "--device", "cuda", "--tiny", "--offload", "cpu"]
+    cmd += ["--nvme-path", str(tmp_path / "swap"), "--out", str(tmp_path / "r")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())["result"]
+    want = {"store": "HostMasterShards", "master": "cpu pinned", "grads": "cpu pinned", "shards": "cuda"}
+    assert r["placement"] == want
+    assert r["timed_steps"] == 2 and r["tokens_per_s"] > 0
+    assert 0 < r["gpu_peak_gib"] <= r["gpu_peak_run_gib"]
+
+
 def test_side_by_side_table_targets(tmp_path: Path) -> None:
     """bench/offload_gpu_table.py on known numbers (runs.jsonl, as bench/offload_gpu_h200.sh writes it):
     the 1.5x tokens/s, lower-GPU-peak and bytes-per-parameter verdicts per mode, the tokens/s ratio in
