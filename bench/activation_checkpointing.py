@@ -47,15 +47,15 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench._common import rss_now  # noqa: E402
+
 METHODS = ("none", "torch", "dstrain", "dstrain-cpu", "dstrain-nvme", "deepspeed")
 
 
 # -- worker (one per method) ----------------------------------------------------------------------
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class _PeakRSS:
@@ -68,18 +68,18 @@ class _PeakRSS:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, rss_now())
             time.sleep(0.001)
 
     def __enter__(self) -> _PeakRSS:
-        self.peak = _rss()
+        self.peak = rss_now()
         self._t.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._t.join()
-        self.peak = max(self.peak, _rss())
+        self.peak = max(self.peak, rss_now())
 
 
 def _allocator_peak(prof: Any) -> int:
@@ -227,7 +227,7 @@ def worker(a: argparse.Namespace) -> None:
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
             with _PeakRSS() as rss:
-                base_rss = _rss()
+                base_rss = rss_now()
                 with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                     step()
                     sync()

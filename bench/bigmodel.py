@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import RESULTS, machine, scratch_dir  # noqa: E402
+from bench._common import RESULTS, machine, rss, scratch_dir  # noqa: E402
 
 GIB = 1 << 30
 #: Swap-file bytes per parameter: bf16 shard + fp32 master + Adam m, v + fp32 gradient.
@@ -210,16 +210,6 @@ def config(args: argparse.Namespace, world: int) -> dict[str, Any]:
     }
 
 
-def _rss() -> tuple[int, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                k, v = line.split(":")
-                out[k] = int(v.split()[0]) * 1024
-    return out["VmRSS"], out["VmHWM"]
-
-
 def _swapped(engine: Any, optimizer: Any) -> dict[str, float]:
     from bench.offload_worker import offload_counters
 
@@ -283,7 +273,7 @@ def main() -> None:
     if dist.is_initialized():
         dist.barrier()
     cfg = config(args, world)
-    base_rss = _rss()[0]
+    base_rss = rss()[0]
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with dstrain.zero.Init(config_dict_or_path=cfg) as zi:
@@ -292,13 +282,13 @@ def main() -> None:
     init_stats = zi.statistics()
     say(
         f"built under zero.Init in {t_build:.0f} s: largest module {init_stats.largest_module_numel / 1e6:.0f}M "
-        f"elements, peak RSS {_rss()[1] / GIB:.2f} GiB",
+        f"elements, peak RSS {rss()[1] / GIB:.2f} GiB",
         flush=True,
     )
     t0 = time.perf_counter()
     engine, optimizer = dstrain.initialize(model=model, config=cfg)[:2]
     t_init = time.perf_counter() - t0
-    say(f"initialize (adopting the shards) in {t_init:.0f} s, peak RSS {_rss()[1] / GIB:.2f} GiB", flush=True)
+    say(f"initialize (adopting the shards) in {t_init:.0f} s, peak RSS {rss()[1] / GIB:.2f} GiB", flush=True)
 
     g = torch.Generator().manual_seed(1234)
     steps = args.steps + 1  # the first is a warm-up (read-ahead order recorded, files first touched)
@@ -335,7 +325,7 @@ def main() -> None:
         bar.set_postfix(loss=f"{mean_loss:.3f}", swap=f"{total / took / 1e9:.2f} GB/s", step_s=f"{took:.0f}")
         bar.update(1)
     bar.close()
-    peak = _rss()[1]
+    peak = rss()[1]
     peaks = torch.tensor([peak], dtype=torch.float64)
     all_peaks = [peak]
     if dist.is_initialized():

@@ -26,23 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench._common import reset_peak, rss  # noqa: E402
 from bench.offload_methods import METHODS, SHAPES, Method, Shape  # noqa: E402
 
 WARMUP = 2
 """Steps before the timed ones: the first allocates optimizer state, the second primes read-ahead."""
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    return -1
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _proc_io() -> dict[str, int]:
@@ -241,7 +229,7 @@ def worker(args: argparse.Namespace) -> None:
     sources = (optimizer, engine, getattr(getattr(engine, "zero", None), "store", None))
     for i, batch in enumerate(batches):
         if i == WARMUP:
-            _reset_peak()  # peak RSS of the training phase, after the warm-up steps
+            reset_peak(required=True)  # peak RSS of the training phase, after the warm-up steps
             _drain(optimizer)
             c0, io0 = offload_counters(*sources), _proc_io()
         dist.barrier()
@@ -260,7 +248,7 @@ def worker(args: argparse.Namespace) -> None:
         "world": world,
         "median_step_s": statistics.median(tail),
         "steps_s": times,
-        "peak_rss_mib": _status_kib("VmHWM:") / 1024,
+        "peak_rss_mib": rss()[1] / 2**20,
         "init_s": init_s,
         "params": n_params,
         "losses": losses,

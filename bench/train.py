@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import RESULTS, deepspeed_python, scratch_dir  # noqa: E402
+from bench._common import RESULTS, deepspeed_python, reset_peak, rss, scratch_dir  # noqa: E402
 
 DSTRAIN_METHODS = [f"dstrain{s}" for s in range(4)]
 DS_METHODS = [f"deepspeed{s}" for s in range(4)]
@@ -82,19 +82,6 @@ def build_model(args: argparse.Namespace) -> Any:
 
 
 # -- one (method, rep) inside a torchrun rank --------------------------------------------------
-
-
-def _rss_peak_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return -1
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _import_dstrain() -> Any:
@@ -198,7 +185,7 @@ def worker(args: argparse.Namespace) -> None:
         torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g) for _ in range(args.steps + 1)
     ]
     step(batches[0][:, :-1], batches[0][:, 1:])  # warm-up (allocates optimizer state)
-    _reset_peak()
+    reset_peak(required=True)  # the peak of the training phase, not of building the model
     times, losses = [], []
     for b in batches[1:]:
         dist.barrier()
@@ -212,7 +199,7 @@ def worker(args: argparse.Namespace) -> None:
         "params": n_params,
         "step_s": times,
         "median_step_s": statistics.median(times),
-        "peak_rss_mib": _rss_peak_kib() / 1024,
+        "peak_rss_mib": rss()[1] / 2**20,
         "losses": losses,
     }
     Path(args.out).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
@@ -293,13 +280,13 @@ def report(
         per_step = [[max(ts) for ts in zip(*(r["step_s"] for r in rep), strict=True)] for rep in reps]
         best = min(min(steps) for steps in per_step)
         medians = [statistics.median(steps) for steps in per_step]
-        rss = [max(r["peak_rss_mib"] for r in rep) for rep in reps]
-        med[method] = (best, statistics.median(medians), statistics.median(rss))
+        peaks = [max(r["peak_rss_mib"] for r in rep) for rep in reps]
+        med[method] = (best, statistics.median(medians), statistics.median(peaks))
         base = med.get("ddp")
         ratios = [f"{med[method][i] / base[i]:.2f}x" if base else "-" for i in range(3)]
         lines.append(
             f"| {method} | {best:.3f} | {ratios[0]} | {_fmt(medians, '.3f')} | {ratios[1]} "
-            f"| {_fmt(rss, '.0f')} | {ratios[2]} |"
+            f"| {_fmt(peaks, '.0f')} | {ratios[2]} |"
         )
     pairs = [
         ("dstrain0", "ddp", 1.05, "stage 0 within 5% of DDP"),
@@ -342,13 +329,16 @@ def plot(results: dict[str, list[list[dict[str, Any]]]], path: Path) -> bool:
         min(min(max(ts) for ts in zip(*(r["step_s"] for r in rep), strict=True)) for rep in results[m])
         for m in methods
     ]
-    rss = [statistics.median(max(r["peak_rss_mib"] for r in rep) for rep in results[m]) for m in methods]
+    peaks = [statistics.median(max(r["peak_rss_mib"] for r in rep) for rep in results[m]) for m in methods]
     colors = [
         "tab:gray" if m in ("ddp", "fsdp2") else "tab:blue" if m.startswith("dstrain") else "tab:orange"
         for m in methods
     ]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for ax, values, title in ((axes[0], best, "best step time, s"), (axes[1], rss, "peak RSS per rank, MiB")):
+    for ax, values, title in (
+        (axes[0], best, "best step time, s"),
+        (axes[1], peaks, "peak RSS per rank, MiB"),
+    ):
         ax.bar(methods, values, color=colors)
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=45)

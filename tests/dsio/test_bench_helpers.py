@@ -4,6 +4,7 @@ missing DeepSpeed baseline is reported with how to get it (issue 16)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -55,3 +56,30 @@ def test_missing_deepspeed_venv_says_how_to_build_it(tmp_path, monkeypatch, caps
     assert _common.deepspeed_venv() == os.path.join(_common.ROOT, ".venv-deepspeed")
     monkeypatch.setenv("DSIO_BENCH_DIR", str(tmp_path))
     assert _common.scratch_dir() == str(tmp_path)
+
+
+def test_peak_rss_is_read_and_reset():
+    # one fresh process (a small baseline): 256 MiB written then freed stays in the peak until
+    # reset_peak, and rss_now reads what rss does (the drivers' peak-RSS figures rest on these)
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(_common.ROOT)!r})\n"
+        "from bench._common import reset_peak, rss, rss_now\n"
+        "now, peak = rss()\n"
+        "assert 0 < now <= peak and abs(rss_now() - now) < 16 << 20, (now, peak, rss_now())\n"
+        "x = b'\\x01' * (256 << 20)\n"
+        "del x\n"
+        "now, peak = rss()\n"
+        "assert peak - now > 200 << 20, (now, peak)\n"
+        "if not reset_peak():\n"
+        "    print('no reset')\n"
+        "    sys.exit()\n"
+        "now, peak = rss()\n"
+        "assert peak - now < 64 << 20, (now, peak)\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    if r.stdout.strip() == "no reset":
+        pytest.skip("this kernel cannot reset VmHWM (/proc/self/clear_refs)")
+    assert r.stdout.strip() == "ok"
