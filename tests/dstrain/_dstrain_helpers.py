@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -18,6 +19,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)  # appended: the installed dsio stays the one imported
+# this process's (VmRSS, VmHWM) and the VmHWM reset: the benchmark drivers' readers, one copy for both
+from bench._common import reset_peak, rss  # noqa: E402
 
 VOCAB, SEQ, DIM = 32, 8, 16
 
@@ -428,27 +435,6 @@ def spawn_bounded(
         if missing:
             raise RuntimeError(f"ranks {missing} died without a result")
         return [loaded[r]["ok"] for r in range(world)]
-
-
-def rss() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                k, v = line.split(":")
-                out[k] = int(v.split()[0]) * 1024
-    return out["VmRSS"], out["VmHWM"]
-
-
-def reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def least_peak_growth(
