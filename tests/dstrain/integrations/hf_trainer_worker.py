@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, TrainingArguments
+from _hf_models import VOCAB, tiny_gpt2, tiny_llama
+from transformers import GPT2LMHeadModel, LlamaForCausalLM, TrainingArguments
 from transformers import Trainer as HFTrainer
 
 from dstrain.integrations.transformers import Trainer
@@ -23,7 +24,7 @@ STEPS = 4
 class Tokens(torch.utils.data.Dataset):
     """Deterministic token sequences (labels = inputs: causal LM)."""
 
-    def __init__(self, n: int = 32, seq: int = 8, vocab: int = 64) -> None:
+    def __init__(self, n: int = 32, seq: int = 8, vocab: int = VOCAB) -> None:
         self.x = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
 
     def __len__(self) -> int:
@@ -34,34 +35,11 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def gpt2() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=64,
-            n_positions=16,
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            resid_pdrop=0,
-            embd_pdrop=0,
-            attn_pdrop=0,
-        )
-    )
+    return tiny_gpt2(positions=16)
 
 
 def llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=16,
-        )
-    )
+    return tiny_llama(positions=16)
 
 
 def arguments(out: str, **extra: object) -> TrainingArguments:

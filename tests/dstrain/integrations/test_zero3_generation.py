@@ -25,26 +25,10 @@ PROMPTS = ([[5, 9, 1]], [[7, 3, 3, 8, 2, 11]])  # rank 0's and rank 1's: differe
 
 
 def _model(kind: str) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from _hf_models import tiny_gpt2, tiny_llama  # imports transformers: after the importorskip
 
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        cfg: Any = GPT2Config(
-            vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, initializer_range=0.5
-        )
-        cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
-        return GPT2LMHeadModel(cfg).eval()
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        initializer_range=0.5,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    build = tiny_gpt2 if kind == "gpt2" else tiny_llama
+    return build(positions=32, initializer_range=0.5).eval()
 
 
 def _eos(ref: torch.nn.Module) -> int:
