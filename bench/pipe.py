@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -36,8 +35,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 OUR_PYTHON = sys.executable
 
+from bench._common import rss  # noqa: E402
 
 # -- the shared model and data (imported by every worker) ------------------------------------------------
 
@@ -64,7 +66,11 @@ def make_data(n: int, micro: int, dim: int, seed: int = 1) -> list[Any]:
 
 
 def _rss_kib() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    """This rank's peak RSS (VmHWM), KiB, as the other drivers read it. (getrusage's ru_maxrss, read
+    before, also keeps the peak of the process that exec'ed this one: a child of a 300 MiB parent
+    reads 321,156 KiB where its VmHWM is 13,604; under torchrun, whose process is smaller than a
+    rank's, the two agree.)"""
+    return rss()[1] // 1024
 
 
 def _optimizer_cfg() -> dict[str, Any]:
