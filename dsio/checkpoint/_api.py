@@ -115,7 +115,10 @@ async def load(
     """Read a state written by ``save`` (same structure back) or any safetensors file (a dict).
 
     ``verify`` checks each tensor's crc32c where the file records one (dsio's files);
-    a mismatch is ``ChecksumError`` naming the tensor and the file. A malformed or truncated
+    a mismatch is ``ChecksumError`` naming the tensor and the file. The CPU tensors returned are
+    views of one allocation holding the file's tensors (any one of them keeps all of that memory
+    alive: ``clone()`` one to keep it alone); a tensor stored at an offset its dtype cannot be
+    viewed at (a foreign file) is copied out instead. A malformed or truncated
     file is ``CheckpointFormatError``. Nothing is unpickled unless ``allow_pickle``.
 
     ``lazy_from`` (with ``handle``, which they read with): tensors of at least that many bytes stay

@@ -456,6 +456,11 @@ class Checkpointer:
     ) -> Any:
         """The state saved at ``step`` (default: the latest committed) by this rank.
 
+        The loaded CPU tensors are views of one allocation per file (read in a few large requests,
+        like a raw read of the file): any one of them keeps the memory of all of them alive, so
+        ``clone()`` a tensor you keep once the rest is dropped (e.g. a ``step`` counter kept after
+        the parameters were copied into a model).
+
         ``lazy_from``: tensors of at least that many bytes stay on disk, as
         `dsio.checkpoint.StoredTensor`s that their consumer reads piece by piece (checksums checked
         as it reads; the file stays open until they are all gone). CPU only.

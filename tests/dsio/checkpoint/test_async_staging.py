@@ -131,7 +131,7 @@ def test_a_big_tensor_is_verified_piece_by_piece_as_it_is_read(tmp_path, monkeyp
     catch one flipped byte anywhere (and pass a clean file)."""
     from dsio.checkpoint import _read
 
-    monkeypatch.setattr(_read, "VERIFY_PIECE", 64 << 10)
+    monkeypatch.setattr(_read, "PIECE_BYTES", 64 << 10)
     g = torch.Generator().manual_seed(3)
     big = torch.randn(300_001, generator=g)  # 1.2 MB: 19 pieces, the tensor starts mid-page
     state = {"a": torch.randn(5, generator=g), "big": big}

@@ -1,0 +1,175 @@
+"""Loads read back-to-back tensors into one span of memory: the tensors are views of it.
+
+What that must keep: a tensor's bytes live as long as the tensor (whatever happened to the other
+views), files whose tensors sit at any byte offset (foreign safetensors files) load exactly, every
+request is page-aligned in memory and in the file (O_DIRECT), and checksums are still checked
+tensor by tensor across the pieces a span is read in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import struct
+
+import pytest
+import safetensors.torch as st
+import torch
+
+import dsio
+import dsio.checkpoint as C
+from dsio.checkpoint import _read
+from dsio.file import AsyncFile
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {
+        "big": torch.randn(600_001, generator=g),  # 2.4 MB: several pieces at 64 KiB
+        "small": torch.randn(17, generator=g),
+        "half": torch.randn(33, generator=g).half(),
+        "bytes": torch.randint(0, 256, (5,), dtype=torch.uint8, generator=g),
+        "empty": torch.zeros(3, 0),
+    }
+
+
+def test_tensors_share_one_span_and_a_kept_view_outlives_the_others(tmp_path):
+    state = _state()
+    path = str(tmp_path / "s.safetensors")
+    run(C.save(state, path))
+    back = run(C.load(path))
+    storages = {t.untyped_storage().data_ptr() for k, t in back.items() if t.numel()}
+    assert len(storages) == 1  # one allocation for the whole file (the documented lifetime)
+    kept = back["small"]
+    del back
+    gc.collect()
+    junk = [torch.full((1 << 20,), 3.0) for _ in range(8)]  # reuse freed memory if any was freed
+    assert torch.equal(kept, state["small"])
+    del junk
+
+
+def _foreign_file(path: str) -> dict[str, torch.Tensor]:
+    """A safetensors file whose header length is odd and whose tensors start at odd offsets."""
+    g = torch.Generator().manual_seed(9)
+    tensors = {
+        "a_u8": torch.randint(0, 256, (3,), dtype=torch.uint8, generator=g),
+        "b_f32": torch.randn(5000, generator=g),  # at byte 3 of the data: misaligned for float32
+        "c_f64": torch.randn(7, generator=g, dtype=torch.float64),
+        "d_big": torch.randn(300_000, generator=g),  # 1.2 MB over several pieces
+    }
+    header: dict[str, object] = {}
+    blobs, pos = [], 0
+    for name, t in tensors.items():
+        raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+        dt = {torch.uint8: "U8", torch.float32: "F32", torch.float64: "F64"}[t.dtype]
+        header[name] = {"dtype": dt, "shape": list(t.shape), "data_offsets": [pos, pos + len(raw)]}
+        blobs.append(raw)
+        pos += len(raw)
+    text = json.dumps(header).encode()
+    if (8 + len(text)) % 2 == 0:
+        text += b" "  # an odd data start: no tensor is aligned to its element size in the file
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    return tensors
+
+
+def test_a_file_with_unaligned_offsets_loads_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(_read, "PIECE_BYTES", 64 << 10)
+    path = str(tmp_path / "foreign.safetensors")
+    tensors = _foreign_file(path)
+    ref = st.load_file(path)  # the real safetensors reads it too
+    back = run(C.load(path))
+    assert set(back) == set(tensors)
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t) and torch.equal(ref[k], t), k
+        esize = t.element_size()
+        assert back[k].data_ptr() % esize == 0, k  # usable memory, copied out where misaligned
+
+
+def test_every_read_of_a_span_is_page_aligned_and_direct(tmp_path, monkeypatch):
+    monkeypatch.setattr(_read, "PIECE_BYTES", 64 << 10)
+    path = str(tmp_path / "s.safetensors")
+    for name, make in (
+        ("dsio", lambda: run(C.save(_state(), path))),
+        ("foreign", lambda: _foreign_file(path)),
+    ):
+        make()
+        size = os.path.getsize(path)
+        reads: list[tuple[int, int, int, bool]] = []
+        real = AsyncFile.pread
+
+        async def pread(self, tensor, offset=0, _real=real, reads=reads):
+            reads.append((tensor.data_ptr(), offset, tensor.numel(), self.direct))
+            return await _real(self, tensor, offset)
+
+        monkeypatch.setattr(AsyncFile, "pread", pread)
+
+        async def load():
+            async with dsio.AsyncIOHandle(C.DEFAULT_IO) as h:
+                return await C.load(path, handle=h)
+
+        run(load())
+        monkeypatch.setattr(AsyncFile, "pread", real)
+        if not reads[0][3]:
+            pytest.skip(f"{tmp_path} does not take O_DIRECT: the alignment would not be exercised")
+        data = reads[1:]  # reads[0]: the header's first 64 KiB
+        assert len(data) > 3, name
+        for ptr, off, n, direct in data:
+            assert direct and ptr % 4096 == 0 and off % 4096 == 0, (name, ptr, off)
+            assert n % 4096 == 0 or off + n == size, (name, off, n)  # only the file's tail is partial
+        covered = sorted((off, off + n) for _, off, n, _ in data)
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), name  # no byte read twice
+
+
+@pytest.mark.parametrize("victim", ["small", "half", "bytes", "big_start", "big_piece_edge"])
+def test_a_flipped_byte_in_any_tensor_of_a_span_is_caught(tmp_path, monkeypatch, victim):
+    monkeypatch.setattr(_read, "PIECE_BYTES", 64 << 10)
+    path = str(tmp_path / "s.safetensors")
+    run(C.save(_state(), path))
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    ds = 8 + n
+    name, at = {
+        "big_start": ("big", 0),
+        "big_piece_edge": ("big", (64 << 10) * 5 - ds % (64 << 10)),  # the last byte before a piece ends
+    }.get(victim, (victim, 1))
+    pos = ds + header[name]["data_offsets"][0] + at
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(C.ChecksumError):
+        run(C.load(path))
+    run(C.load(path, verify=False))  # the caller's explicit choice: no check, no error
+
+
+def test_reads_stop_once_a_piece_fails_its_check(tmp_path, monkeypatch):
+    monkeypatch.setattr(_read, "PIECE_BYTES", 64 << 10)
+    path = str(tmp_path / "s.safetensors")
+    run(C.save({"a": torch.randn(1000), "big": torch.randn(1 << 20)}, path))  # 4 MiB: 65 pieces
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    assert header["a"]["data_offsets"][0] == 0  # "a" is checked whole after the first piece
+    with open(path, "r+b") as f:
+        f.seek(8 + n + 10)
+        f.write(b"\xff\xff")
+    offsets = []
+    real = AsyncFile.pread
+
+    async def pread(self, tensor, offset=0):
+        offsets.append(offset)
+        return await real(self, tensor, offset)
+
+    monkeypatch.setattr(AsyncFile, "pread", pread)
+    with pytest.raises(C.ChecksumError):
+        run(C.load(path))
+    assert len(offsets) < 1 + 16  # the header, the pieces in flight, not all 65
