@@ -68,8 +68,8 @@ class Checkpointer:
     ``load`` reads the calling rank's file and refuses a checkpoint of another world size.
 
     ``copy_threads`` threads copy the state into the pinned staging region (what ``save()``
-    blocks for); ``preallocate`` reserves each file's blocks first, so a full disk fails before
-    any copy.
+    blocks for); ``preallocate`` reserves each file's blocks (while the first tensors are copied)
+    before any byte is written, so a full disk fails before the writes.
 
     ``keep_last`` keeps that many newest committed steps: after each commit older ones are
     renamed away at once (``steps()`` no longer lists them) and deleted on a worker thread,

@@ -158,3 +158,45 @@ def test_a_big_tensor_is_verified_piece_by_piece_as_it_is_read(tmp_path, monkeyp
                 assert torch.equal(back["big"], big) and torch.equal(back["a"], state["a"])
 
     asyncio.run(main())
+
+
+def test_blocks_are_reserved_while_the_first_tensors_are_copied_and_before_any_write(tmp_path, monkeypatch):
+    """posix_fallocate overlaps the first copies (it is off the save's critical path), and no byte
+    reaches the file before its blocks are reserved (a full disk fails before any write)."""
+    import threading
+
+    from dsio.file import AsyncFile
+
+    events: list[tuple[str, bool]] = []
+    copied = threading.Event()
+    real_copy, real_pre, real_pwrite = _write._copy_and_crc, _write._preallocate, AsyncFile.pwrite
+
+    def copy(*a):
+        out = real_copy(*a)
+        copied.set()
+        return out
+
+    def preallocate(path, size):
+        events.append(("a copy ran before the reserve ended", copied.wait(10)))
+        real_pre(path, size)
+        events.append(("reserved", True))
+
+    async def pwrite(self, tensor, offset=0):
+        events.append(("write", True))
+        return await real_pwrite(self, tensor, offset)
+
+    monkeypatch.setattr(_write, "_copy_and_crc", copy)
+    monkeypatch.setattr(_write, "_preallocate", preallocate)
+    monkeypatch.setattr(AsyncFile, "pwrite", pwrite)
+    state = {"w": torch.randn(3 << 20), "b": torch.randn(7)}  # 12 MiB: two copy segments
+
+    async def main() -> None:
+        async with C.Checkpointer(tmp_path) as ck:
+            await (await ck.save(1, state))
+            back = await ck.load()
+        assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
+
+    asyncio.run(main())
+    assert events[0] == ("a copy ran before the reserve ended", True)
+    names = [n for n, _ in events]
+    assert names.index("reserved") < names.index("write")
