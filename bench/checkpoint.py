@@ -199,6 +199,8 @@ class Bench:
         self.ckpt = C.Checkpointer(self.p("ckpt"))
         self.step = 0
         self.raw: torch.Tensor | None = None  # the Checkpointer's staging region, once it exists
+        self.order: list[list[str]] = []
+        """The methods in the order each rep ran them (`rep_order`)."""
 
     def p(self, name: str) -> str:
         return os.path.join(self.dir, name)
@@ -375,6 +377,38 @@ LOADS: list[tuple[str, str]] = [
 ]
 
 
+#: Each ceiling and the dsio method measured against it: they swap places every other rep (ABBA), so
+#: that neither always runs right after the other (a 2.84 GiB write just before a write, or a read
+#: just before a read, is not the same disk).
+PAIRS: list[tuple[str, str]] = [
+    ("dsio raw write (new file, ceiling)", "dsio Checkpointer save (durable)"),
+    ("dsio raw read (ceiling)", "dsio Checkpointer load (crc32c verified)"),
+]
+
+
+def rep_order(steps: list[tuple[str, Callable]], rep: int) -> list[tuple[str, Callable]]:
+    """The methods of rep ``rep`` in the order they run: ``steps``, with each pair of `PAIRS`
+    swapped on odd reps."""
+    out = list(steps)
+    if rep % 2:
+        names = [n for n, _ in out]
+        for a, b in PAIRS:
+            if a in names and b in names:
+                i, j = names.index(a), names.index(b)
+                out[i], out[j] = out[j], out[i]
+                names[i], names[j] = names[j], names[i]
+    return out
+
+
+def paired_ratios(T: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per rep, ceiling seconds / dsio seconds of each pair (the two ran side by side in that rep)."""
+    return {
+        f"{b} vs {a}": [x / y for x, y in zip(T[a], T[b], strict=False)]
+        for a, b in PAIRS
+        if T.get(a) and T.get(b)
+    }
+
+
 def cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -525,6 +559,8 @@ def to_json(
         "seconds": dict(T),
         "targets": targets(T),
         "other_ratios": other_ratios(T),
+        "paired_ratios": paired_ratios(T),
+        "order": b.order,
     }
 
 
@@ -583,7 +619,9 @@ def report(
         "(streams from the tensors). `save()` returns before the state is copied; the caller changes nothing until "
         "`await ckpt.wait_staged()` returns (the 'until the state may change' row: a training loop overlaps it "
         "with its next forward and backward). DCP loads go into the preallocated state (DCP loads in place). "
-        "The raw write writes the Checkpointer's staging region (the file's bytes).",
+        "The raw write writes the Checkpointer's staging region (the file's bytes). Each raw ceiling and the "
+        "dsio method it bounds swap places every other rep (ABBA: raw write / Checkpointer save, raw read / "
+        "Checkpointer load), so neither always runs right after the other.",
         "",
         f"crc32c (`crc32c` package) over the state: {crc / GB:.1f} GB/s on one core; on 256 MiB, best of 3: "
         + ", ".join(f"{k} {v:.1f} GB/s" for k, v in cores.items())
@@ -630,6 +668,10 @@ def report(
         f"Other ratios: dsio durable save vs torch.save + fsync {o['durable save vs torch.save + fsync']:.2f}x, "
         f"vs DCP save {o['durable save vs DCP save']:.2f}x; dsio load vs torch.load {o['load vs torch.load']:.2f}x, "
         f"vs DCP load {o['load vs DCP load']:.2f}x.",
+        "",
+        "Per-rep ratios of each pair (ceiling seconds / dsio seconds, the two side by side in that rep): "
+        + "; ".join(f"{k}: {', '.join(f'{x:.2f}' for x in v)}" for k, v in paired_ratios(T).items())
+        + ".",
         "",
         "## Where the time goes",
         "",
@@ -695,7 +737,9 @@ async def main_async(args: argparse.Namespace) -> None:
     steps: list[tuple[str, Callable]] = saves + loads
     with tqdm(total=args.reps * len(steps), desc="checkpoint bench", unit="op") as bar:
         for rep in range(args.reps):
-            for name, fn in steps:
+            order = rep_order(steps, rep)
+            b.order.append([name for name, _ in order])
+            for name, fn in order:
                 bar.set_postfix_str(f"rep {rep + 1}: {name[:40]}")
                 cpu0 = cpu_seconds()
                 b.times[name].append(await fn())

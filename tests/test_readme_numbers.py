@@ -162,6 +162,7 @@ def test_bench_checkpoint_writes_the_schema_the_readme_reads():
         nbytes=3 << 30,
         flat={f"t{i}": None for i in range(7)},
         ckpt=SimpleNamespace(copy_threads=2),
+        order=[["dsio raw write (new file, ceiling)", "dsio Checkpointer save (durable)"]],
     )
     args = SimpleNamespace(layers=2, dim=64, vocab=128, label="")
     cores = {"crc32c": 12.0, "memcpy": 6.0, "fresh memory first touch": 3.0}
@@ -179,6 +180,10 @@ def test_bench_checkpoint_writes_the_schema_the_readme_reads():
     assert data["rows"]["dsio Checkpointer save (durable)"]["gbps_median"] == pytest.approx(
         (3 << 30) / 1.1 / 1e9
     )
+    # each rep's pair side by side: the raw write's 2.0, 2.2, 2.1 s over the save's 1.0, 1.2, 1.1 s
+    paired = data["paired_ratios"]["dsio Checkpointer save (durable) vs dsio raw write (new file, ceiling)"]
+    assert paired == pytest.approx([2.0, 2.2 / 1.2, 2.1 / 1.1])
+    assert data["order"] == b.order
 
 
 # -- bench/summary.py ------------------------------------------------------------------------------
@@ -210,3 +215,18 @@ def test_io_seq_block_says_warm_when_the_run_could_not_drop_the_cache():
     assert "WARM reads" in rn.render_io_seq(src, "x.json")
     src["cold"] = True
     assert "page cache dropped before every read" in rn.render_io_seq(src, "x.json")
+
+
+def test_bench_checkpoint_swaps_each_ceiling_and_its_dsio_method_every_other_rep():
+    ck = pytest.importorskip("bench.checkpoint")
+    steps = [(n, None) for n, _ in ck.SAVES + ck.LOADS]
+    even, odd = ck.rep_order(steps, 0), ck.rep_order(steps, 1)
+    assert even == steps
+    names = [n for n, _ in odd]
+    for a, b in ck.PAIRS:
+        i, j = [n for n, _ in steps].index(a), [n for n, _ in steps].index(b)
+        assert names[i] == b and names[j] == a  # swapped in place
+    assert sorted(names) == sorted(n for n, _ in steps)  # nothing else moved or lost
+    assert [n for n in names if n not in {x for p in ck.PAIRS for x in p}] == [
+        n for n, _ in steps if n not in {x for p in ck.PAIRS for x in p}
+    ]
