@@ -260,6 +260,10 @@ def render(data: dict[str, Any], commit: str, warmup: int = 1) -> str:
             f"- probe {p['at']}: write {p['write_gbps']:.2f} GB/s, read {p['read_gbps']:.2f} GB/s{size}"
         )
     lines += ["", "Targets (issue 32):", "", *targets(data, warmup)]
+    failed = [(k, v) for k, v in data.items() if isinstance(v, dict) and "traceback" in v]
+    for name, r in failed:  # (DeepSpeed's runs keep their traceback: its last lines say where)
+        tail = [x for x in r["traceback"].splitlines() if x.strip()][-8:]
+        lines += ["", f"Traceback of {name} (last lines):", "", "```", *tail, "```"]
     return "\n".join(lines) + "\n"
 
 

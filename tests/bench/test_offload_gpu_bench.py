@@ -131,7 +131,11 @@ def test_side_by_side_table_targets(tmp_path: Path) -> None:
         {"name": "dstrain-both", "data": _dstrain_run(160.0, 2.0, swap_bytes=swap, losses=[10.0, 9.0])},
         {
             "name": "deepspeed-both",
-            "data": {"error": "AssertionError: Not enough buffers", "steps_s": [20.5]},
+            "data": {
+                "error": "AssertionError: Not enough buffers",
+                "steps_s": [20.5],
+                "traceback": "Traceback:\n  File swap_in\nAssertionError: x",
+            },
         },
         {"name": "dstrain-cpu", "data": _dstrain_run(140.0, 4.0, placement=cpu_where, losses=[10.0, 9.0])},
         {"name": "deepspeed-cpu", "data": _ds_run(100.0, 3.0, losses=[10.0, 9.009])},
@@ -163,6 +167,10 @@ def test_side_by_side_table_targets(tmp_path: Path) -> None:
     assert "| dstrain big | skipped: 100 s left, BIG_MIN_S 240 |" in text
     assert "largest model the disk holds (dstrain alone): not measured (skipped, 100 s left" in text
     assert "probe 0: write 2.00 GB/s, read 1.00 GB/s (1 GiB)" in text and "probe 1:" in text
+    tb = (
+        "Traceback of deepspeed-both (last lines):\n\n```\nTraceback:\n  File swap_in\nAssertionError: x\n```"
+    )
+    assert tb in text
     # every table row has the header's cell count
     rows = [x for x in text.splitlines() if x.startswith("| ")]
     assert len({x.count("|") for x in rows}) == 1, rows
