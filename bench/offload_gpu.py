@@ -200,6 +200,19 @@ def block_bytes(path: str) -> tuple[int, int] | None:
     return int(fields[2]) * 512, int(fields[6]) * 512
 
 
+def budget_stop(times: list[float], steps: int, warmup: int, spent: float, budget: float) -> str:
+    """Why to stop before the next step ('' to go on): it would end past ``budget`` seconds of steps,
+    the last step's time saying how long one takes; never before a step after the warm-up is timed.
+    (DeepSpeed's twin, bench/baselines/deepspeed_offload_gpu.py, stops by the same rule.)"""
+    done = len(times)
+    if done >= steps or done <= warmup or spent + times[-1] <= budget:
+        return ""
+    return (
+        f"stopped after {done} of {steps} steps: --time-budget-s {budget:.0f} would be passed by another "
+        f"{times[-1]:.0f} s step"
+    )
+
+
 def _swap_counters(sources: tuple[Any, ...]) -> dict[str, float]:
     from bench.offload_worker import offload_counters
 
@@ -351,14 +364,10 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
             _sync(args.device)
             times.append(time.perf_counter() - t)
             print(f"offload_gpu: step {i + 1}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", flush=True)
-            spent = time.perf_counter() - start
-            # stop before a step that would end past the budget (the last step's time says how long one
-            # takes), once one step is timed
-            if i + 1 < args.steps and i >= args.warmup and spent + times[-1] > args.time_budget_s:
-                stopped = (
-                    f"stopped after {i + 1} of {args.steps} steps: --time-budget-s {args.time_budget_s:.0f} "
-                    f"would be passed by another {times[-1]:.0f} s step"
-                )
+            stopped = budget_stop(
+                times, args.steps, args.warmup, time.perf_counter() - start, args.time_budget_s
+            )
+            if stopped:
                 break
         _sync(args.device)
         timed_s = time.perf_counter() - timed_start if timed_start else 0.0

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.offload_gpu import BudgetKilled, block_bytes, host_peak_mib  # noqa: E402  (as dstrain's run)
+from bench.offload_gpu import BudgetKilled, block_bytes, budget_stop, host_peak_mib  # noqa: E402  (as dstrain's)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -141,13 +141,8 @@ def _run(a: argparse.Namespace, res: dict) -> None:
         sync()
         times.append(time.perf_counter() - t)
         print(f"deepspeed {a.offload} step {i + 1}: {times[-1]:.2f} s loss {losses[-1]:.4f}", flush=True)
-        spent = time.perf_counter() - start
-        # stop before a step that would end past the budget (as bench/offload_gpu.py), once one is timed
-        if i + 1 < a.steps and i >= a.warmup and spent + times[-1] > a.time_budget_s:
-            stopped = (
-                f"stopped after {i + 1} of {a.steps} steps: --time-budget-s {a.time_budget_s:.0f} would be "
-                f"passed by another {times[-1]:.0f} s step"
-            )
+        stopped = budget_stop(times, a.steps, a.warmup, time.perf_counter() - start, a.time_budget_s)
+        if stopped:
             break
     io1, blk1, end = _io(), block_bytes(swap_dir), time.perf_counter()
     timed = times[a.warmup :]

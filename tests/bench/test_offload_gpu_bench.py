@@ -292,3 +292,14 @@ def test_targets_judge_the_step_against_the_io_floor() -> None:
     cpu = {**meta, "args": {"warmup": 1, "offload": "cpu"}}
     assert "nothing is swapped" in targets(cpu, {**result(4.2), "swap_bytes": {}})[0]
     assert any("DeepSpeed" in line and "not judged" in line for line in targets(meta, result(4.2)))
+
+
+def test_budget_stop_rule() -> None:
+    """Stop before a step the last one says would end past the budget; never before a timed step,
+    never after the last."""
+    from bench.offload_gpu import budget_stop
+
+    assert budget_stop([5.0], 4, 1, spent=100.0, budget=10.0) == ""  # only the warm-up is done
+    assert "stopped after 2 of 4 steps" in budget_stop([5.0, 4.0], 4, 1, spent=7.0, budget=10.0)
+    assert budget_stop([5.0, 4.0], 4, 1, spent=6.0, budget=10.0) == ""  # 6 + 4 s: exactly the budget
+    assert budget_stop([5.0, 4.0, 4.0, 4.0], 4, 1, spent=100.0, budget=10.0) == ""  # all steps done
