@@ -17,6 +17,7 @@ freed when the last of them is gone); ``clone()`` a tensor to keep it alone.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import os
 
@@ -136,7 +137,10 @@ def _piece_sums(
     """crc32c of each tensor's bytes within data bytes ``[lo, hi)`` of a span (``base``: the address
     of data byte 0): ``(entry, offset in the tensor, crc32c, bytes)``; runs on a worker thread."""
     out = []
-    for e in run:
+    # the first tensor ending after lo (the run is in file order): not a walk over every tensor per piece
+    for e in run[bisect.bisect_right(run, lo, key=lambda e: e.end) :]:
+        if e.begin >= hi:
+            break
         a, b = max(lo, e.begin), min(hi, e.end)
         if a < b:
             out.append((e, a - e.begin, crc_of(base + a, b - a), b - a))
