@@ -33,7 +33,7 @@ OUT=${OUT:-/tmp/offload-h200-out}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/run.log") 2>&1
 T0=$SECONDS
-TOTAL_S=${TOTAL_S:-530}; MIN_RUN_S=${MIN_RUN_S:-30}; BIG_MIN_S=${BIG_MIN_S:-240}
+TOTAL_S=${TOTAL_S:-530}; MIN_RUN_S=${MIN_RUN_S:-30}; BIG_MIN_S=${BIG_MIN_S:-240}; BUILD_MAX_S=${BUILD_MAX_S:-240}
 MODES=${MODES:-both cpu optimizer big}
 DEVICE=${DEVICE:-cuda}; NVME=${NVME:-/var/tmp/offload-h200}; PROBE_GIB=${PROBE_GIB:-1}
 # steps (warm-up 1 each) and caps per run; measured on the H200 (2026-12-01): dstrain both ~13 s a step after a
@@ -162,8 +162,12 @@ run() {
     rm -rf "${NVME:?}"/*
 }
 
-built() {  # DeepSpeed's ops JIT-built (before its runs, and before a run that needs the CPU cores)
-    [ -z "$BUILD" ] && return
+built() {  # DeepSpeed's ops JIT-built (before its runs, and before a run that needs the CPU cores), waited
+    [ -z "$BUILD" ] && return  # for until BUILD_MAX_S after the start at most (then stopped: its runs record why)
+    while kill -0 "$BUILD" 2>/dev/null && [ $(( SECONDS - T0 )) -lt "$BUILD_MAX_S" ]; do sleep 1; done
+    if kill -0 "$BUILD" 2>/dev/null; then
+        kill "$BUILD"; echo "deepspeed op build still running at ${BUILD_MAX_S} s: stopped"
+    fi
     wait "$BUILD"; echo "deepspeed op build rc=$? at $(( SECONDS - T0 )) s"; tail -n 3 "$LOGS/ds-build.log"; BUILD=
 }
 
