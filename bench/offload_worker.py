@@ -106,6 +106,10 @@ def offload_counters(*sources: Any) -> dict[str, float] | None:
         out[f"stall_s_{kind}"] = out.get(f"stall_s_{kind}", 0.0) + float(s.stall_seconds)
         out[f"hits_{kind}"] = out.get(f"hits_{kind}", 0) + int(s.prefetch_hits)
         out[f"misses_{kind}"] = out.get(f"misses_{kind}", 0) + int(s.prefetch_misses)
+        if kind == "param" and s.holds_master:  # master ranges assembled from the gathers' shards
+            out["master_from_gathers_bytes"] = out.get("master_from_gathers_bytes", 0) + int(
+                s.master_from_gathers_bytes
+            )
         if hasattr(s, "stepped_in_backward"):  # sub-groups stepped during backward (early_step)
             out["in_backward"] = out.get("in_backward", 0) + int(s.stepped_in_backward)
     return out

@@ -307,6 +307,12 @@ class Unit:
         """Elements of parameter storage this unit holds now: shard plus the full buffer if allocated."""
         return self.store.shard_numel(self) + self.full.untyped_storage().nbytes() // self.full.element_size()
 
+    @property
+    def holds_shard(self) -> bool:
+        """Whether ``full[layout.lo:layout.hi]`` holds this rank's shard now: gathered, or its gather
+        launched (the store filled that slot, the all-gather's input, before it started)."""
+        return self.gathered or self.handle is not None
+
     def start_gather(self) -> bool:
         """Allocate the full buffer and launch the all-gather asynchronously; False if nothing to do."""
         if self.gathered or self.handle is not None:

@@ -163,6 +163,7 @@ def test_counters_walk_nested_snapshots_once() -> None:
         stall_seconds: float
         prefetch_hits: int
         prefetch_misses: int
+        master_from_gathers_bytes: int = 0
 
     @dataclasses.dataclass(frozen=True)
     class Eng:
@@ -187,8 +188,9 @@ def test_counters_walk_nested_snapshots_once() -> None:
         "optimizer_read_bytes": 10, "optimizer_written_bytes": 20, "param_read_bytes": 100, "param_written_bytes": 50,
     }  # fmt: skip
     # the gathers' counters are kept apart from the optimizer's (and summed into the totals)
-    both = offload_counters(Src(opt), Src(Store(True, 0.25, 40, 60)))
+    both = offload_counters(Src(opt), Src(Store(True, 0.25, 40, 60, 4096)))
     assert both is not None and both["hits_param"] == 40 and both["misses_param"] == 60
+    assert both["master_from_gathers_bytes"] == 4096  # master bytes not read from the file
     assert both["hits_optimizer"] == 3 and both["hits"] == 43 and both["stall_s_param"] == 0.25
     assert offload_counters(object(), Src(None)) is None
     # gradient swaps are their own kind, not lumped into the optimizer's

@@ -4,11 +4,13 @@ sub-group by sub-group: at fp32 from the shard file (the master *is* the shard),
 the `MasterFile`, each stepped range then cast into the shard file (`ShardStream`).
 
 At fp32 a master range asked for during backward (a sub-group read ahead to step as its gradients
-become final) is usually the shards of units whose backward gathers are still to come in this pass,
-and those gathers read the very same bytes: such a range is assembled from the gathers' shards as
-they arrive (`capture`; units that stay gathered are copied at once) into a swap buffer taken only
-when the last piece is in, instead of being read from the file a third time. If the pass leaves the
-recorded order, a range still incomplete when the step needs it is read from the file (`settle`).
+become final) is the shards of units that backward's gathers have read already (their gathered
+buffers, prefetched ahead of backward's compute, hold them until released) or are still to read in
+this pass: those gathers read the very same bytes, so such a range is assembled from them (copied at
+once from the gathered buffers, `capture`d from the later gathers as they arrive) into a swap
+buffer taken only when the last piece is in, instead of being read from the file a third time. If
+the pass leaves the recorded order, a range still incomplete when the step needs it is read from the
+file (`settle`).
 
 Checkpoints stream it: `checkpoint_master` hands the writer a lazy source over the master's file
 region (``dstrain.checkpoint.SwapRegions``, read after this store's master writes in flight), and
@@ -125,14 +127,15 @@ class SwappedMaster:
 
     def _assemble(self, g: ShardGroup, start: int, numel: int, off: int, nbytes: int) -> _Assembly | None:
         """An assembly of master elements ``[start, start + numel)`` of ``g`` from the shards of the
-        units over them, if each is either still to be gathered in this pass or stays gathered
-        (copied now); else None (the range is read from the file)."""
+        units over them, if each either holds its shard in its gathered buffer now (gathered ahead
+        by backward's prefetch, or persistent: copied now) or is still to be gathered in this pass;
+        else None (the range is read from the file)."""
         parts = []
         for u in g.units:
             lo, hi = g.offsets[u.index], g.offsets[u.index] + u.layout.shard
             if hi <= start or start + numel <= lo:
                 continue
-            if u.persistent and u.gathered:
+            if u.holds_shard:  # the values of this pass: shards change only at the step
                 parts.append((u, True))
             elif self._will_gather(u):
                 parts.append((u, False))
