@@ -36,6 +36,7 @@ from types import MappingProxyType
 
 import torch
 
+from .._gather import wait_all
 from ..config import IOConfig
 from ..errors import (
     CheckpointMismatchError,
@@ -184,13 +185,9 @@ class SliceReader:
         todo = list(slices)
         self._check(todo, convert)
         gate = asyncio.Semaphore(CONVERT_PARALLEL)
-        tasks = [asyncio.ensure_future(self._one(s, gate, verify)) for s in todo if s.out.numel()]
-        if tasks:
-            await asyncio.wait(tasks)  # none left writing into a destination when this raises
-            for t in tasks:
-                if t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
-        return sum(t.result() for t in tasks)
+        # every slice reads to its end, past a failure or this call's cancellation: none is left
+        # writing into a destination when this raises (the first failure, in request order)
+        return sum(await wait_all([self._one(s, gate, verify) for s in todo if s.out.numel()], drain=True))
 
     async def _one(self, s: TensorSlice, gate: asyncio.Semaphore, verify: bool) -> int:
         e = self._entries[s.name]

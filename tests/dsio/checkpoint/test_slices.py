@@ -345,3 +345,32 @@ def test_cuda_destination(hf_file):
     out = torch.empty(3000, device="cuda")
     _run(read_slices(path, [TensorSlice("wte.weight", out, 11)]))
     assert torch.equal(out.cpu(), t["wte.weight"].reshape(-1)[11:3011])
+
+
+def test_a_cancelled_read_leaves_no_slice_reading(data_dir):
+    # read() raises only once every slice's reads ended, cancellation included: nothing is left
+    # writing into a destination the caller may free as soon as the CancelledError reaches it
+    path = os.path.join(data_dir, "big.safetensors")
+    big = {f"t{i}": torch.randn(2 << 20, generator=torch.Generator().manual_seed(i)) for i in range(8)}
+    save_file(big, path)  # 8 x 8 MiB
+
+    async def main():
+        async with (
+            dsio.AsyncIOHandle(dsio.checkpoint.DEFAULT_IO) as h,
+            await SliceReader.open(path, handle=h) as r,
+        ):
+            outs = [torch.empty(2 << 20) for _ in big]
+            task = asyncio.ensure_future(r.read([TensorSlice(n, o) for n, o in zip(big, outs)]))
+            while h.statistics().engine.in_flight == 0 and not task.done():
+                await asyncio.sleep(0)
+            assert not task.done(), "the reads finished before the test could cancel them"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            reading = [
+                t for t in asyncio.all_tasks() if not t.done() and "SliceReader._one" in repr(t.get_coro())
+            ]
+            return reading, h.statistics().engine.in_flight
+
+    reading, in_flight = _run(main())
+    assert reading == [] and in_flight == 0
