@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsio import wait_all
 from dsio.checkpoint import CheckpointFormatError, CheckpointNotFoundError, SliceReader, TensorSlice
 from dstrain.errors import InitError, PretrainedMismatchError
 
@@ -257,9 +258,7 @@ class _Loader:
             by_reader.setdefault(id(r), (r, []))[1].append(s)
 
         async def go() -> int:
-            import asyncio
-
-            counts = await asyncio.gather(*(r.read(ss, convert=True) for r, ss in by_reader.values()))
+            counts = await wait_all((r.read(ss, convert=True) for r, ss in by_reader.values()), drain=True)
             return sum(counts)
 
         self.bytes += int(self.run(go()))

@@ -17,7 +17,6 @@ from the file of rank ``rank % saved world size``.
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import json
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsio import wait_all
 from dsio.checkpoint import LazyTensor
 from dstrain.checkpoint.layout import Layout, Segment, check_same_model
 from dstrain.checkpoint.store import rank_file_name
@@ -77,8 +77,7 @@ class Assembled(LazyTensor):
                 dest.copy_(raw[there + lo - here : there + hi - here])
             else:
                 reads.append(src.read_into(io, there + lo - here, dest))
-        if reads:
-            await asyncio.gather(*reads)
+        await wait_all(reads, drain=True)  # all end (into ``out``) before this returns or raises
 
 
 @dataclass
@@ -187,13 +186,14 @@ def open_step(step_dir: Path, ranks: list[int] | None = None, *, allow_pickle: b
         async def open_all() -> tuple[Any, dict[int, Any]]:
             io = AsyncIOHandle(dsio.checkpoint.DEFAULT_IO)
             try:
-                loaded = await asyncio.gather(
-                    *(
+                loaded = await wait_all(
+                    (
                         dsio.checkpoint.load(p, handle=io, lazy_from=1, allow_pickle=allow_pickle)
                         for p in paths.values()
-                    )
+                    ),
+                    drain=True,
                 )
-            except BaseException:
+            except BaseException:  # every load has ended: none still reads through io
                 await io.aclose()
                 raise
             return io, dict(zip(paths, loaded, strict=True))

@@ -219,3 +219,35 @@ def test_resharded_into_stage3_with_parameters_and_optimizer_state_on_nvme(tmp_p
     other.load_checkpoint(tmp_path / "ck")
     assert engine_losses(other, AFTER, start=BEFORE) == pytest.approx(expected, rel=1e-6)
     other.close()
+
+
+def test_an_assembled_tensor_raises_only_once_every_piece_read_ended():
+    # a piece that fails at once must not leave another still reading into the caller's buffer
+    import asyncio
+
+    from dsio.checkpoint import LazyTensor
+    from dstrain.checkpoint.reshape import Assembled
+
+    class Failing(LazyTensor):
+        async def read_into(self, io: Any, offset: int, out: torch.Tensor) -> None:
+            raise OSError(5, "the disk said no")
+
+    class Slow(LazyTensor):
+        ended = False
+
+        async def read_into(self, io: Any, offset: int, out: torch.Tensor) -> None:
+            await asyncio.sleep(0.05)
+            out.fill_(7)
+            self.ended = True
+
+    slow = Slow(torch.uint8, (8,))
+    whole = Assembled(torch.uint8, (16,), [(0, 8, Failing(torch.uint8, (8,)), 0), (8, 8, slow, 0)])
+    out = torch.zeros(16, dtype=torch.uint8)
+
+    async def read() -> bool:
+        with pytest.raises(OSError):
+            await whole.read_into(None, 0, out)  # type: ignore[arg-type]
+        return slow.ended
+
+    assert asyncio.run(read()) is True
+    assert torch.equal(out[8:], torch.full((8,), 7, dtype=torch.uint8))
