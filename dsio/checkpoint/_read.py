@@ -35,10 +35,11 @@ __all__ = ["placed", "read_file", "read_header"]
 
 _ALIGN = 4096
 _FIRST_READ = 64 << 10
-#: A span is read in requests of this many bytes (page multiples), each checksummed as it lands.
-#: Half of `DEFAULT_IO`'s 64 MiB staging pool: a staged read takes every free pool buffer it can
-#: use, so two pieces in flight each hold half the pool and the next starts as one ends.
-PIECE_BYTES = 32 << 20
+#: A span is read in requests of this many bytes (page multiples), each checksummed as it lands;
+#: None: the handle's staging pool over `IN_FLIGHT` (32 MiB with `DEFAULT_IO`'s 64 MiB pool), at
+#: least one pool buffer. A staged read (fresh memory) takes every free pool buffer it can use, so
+#: the pieces in flight each hold their share of the pool and the next starts as one ends.
+PIECE_BYTES: int | None = None
 #: Pieces in flight at once (in file order): enough to keep the disk busy across a piece's end.
 IN_FLIGHT = 2
 
@@ -198,6 +199,8 @@ async def read_file(
                         block_bytes=block_bytes,
                     )
         # Every span's memory and its pieces, in file order.
+        cfg = handle.config
+        piece = PIECE_BYTES or max(cfg.staging_buffer_bytes, cfg.pool_bytes // IN_FLIGHT) // _ALIGN * _ALIGN
         pieces: list[tuple[torch.Tensor, int, int, int, list[TensorEntry], _Sums | None]] = []
         views: list[tuple[list[TensorEntry], torch.Tensor]] = []
         for run in spans(left):
@@ -205,8 +208,8 @@ async def read_file(
             io, io_off, raw = _enclosed(ds + begin, ds + end, size)
             views.append((run, raw))
             checks = _Sums(run, sums, path) if sums is not None else None
-            for a in range(0, io.numel(), PIECE_BYTES):
-                pieces.append((io, io_off, a, min(a + PIECE_BYTES, io.numel()), run, checks))
+            for a in range(0, io.numel(), piece):
+                pieces.append((io, io_off, a, min(a + piece, io.numel()), run, checks))
         ex = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dsio-ckpt-crc") if sums else None
         gate = asyncio.Semaphore(IN_FLIGHT)
         failed: list[BaseException] = []  # once a piece failed, the pieces not yet started are skipped

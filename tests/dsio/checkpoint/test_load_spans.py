@@ -173,3 +173,31 @@ def test_reads_stop_once_a_piece_fails_its_check(tmp_path, monkeypatch):
     with pytest.raises(C.ChecksumError):
         run(C.load(path))
     assert len(offsets) < 1 + 16  # the header, the pieces in flight, not all 65
+
+
+def test_the_piece_size_is_the_handles_pool_shared_by_the_pieces_in_flight(tmp_path, monkeypatch):
+    """A staged read takes every free buffer of the handle's pool it can use: each of the `IN_FLIGHT`
+    pieces is sized to its share of the pool (32 MiB with DEFAULT_IO's 64 MiB), whatever the config."""
+    path = str(tmp_path / "s.safetensors")
+    run(C.save({"w": torch.randn(10 << 20)}, path))  # 40 MiB of data
+    sizes: list[int] = []
+    real = AsyncFile.pread
+
+    async def pread(self, tensor, offset=0):
+        sizes.append(tensor.numel())
+        return await real(self, tensor, offset)
+
+    monkeypatch.setattr(AsyncFile, "pread", pread)
+    small = dsio.IOConfig(
+        block_size=1 << 20, queue_depth=8, pool_bytes=16 << 20, staging_buffer_bytes=4 << 20
+    )
+    for config, want in ((C.DEFAULT_IO, C.DEFAULT_IO.pool_bytes // _read.IN_FLIGHT), (small, 8 << 20)):
+        sizes.clear()
+
+        async def load(config=config):
+            async with dsio.AsyncIOHandle(config) as h:
+                return await C.load(path, handle=h)
+
+        back = run(load())
+        assert back["w"].numel() == 10 << 20
+        assert max(sizes[1:]) == want, (config, sizes)  # sizes[0]: the header's first read
