@@ -3,7 +3,7 @@
 # the 1.07B GPT of bench/offload_gpu.py, bf16, ZeRO-3, one pair (dstrain, then DeepSpeed) per mode, in the
 # order of MODES:
 #   both       parameters + optimizer state on NVMe (DeepSpeed with the settings that asserted last time,
-#              given BUDGET_DS_BOTH s: its failure and traceback are recorded)
+#              capped at CAP_DEEPSPEED_BOTH=80 s: its failure and traceback are recorded)
 #   cpu        optimizer state on the CPU (ZeRO-Offload)
 #   optimizer  optimizer state on NVMe, parameters on the GPU
 #   big        dstrain alone: parameters + optimizer on NVMe, the largest GPT (d=2560) the disk holds
