@@ -368,7 +368,7 @@ def _paramopt_targets(
     )
     if ratio > 1.15:
         line += "; " + _nvme_limit(po, disk)
-    lines = [line]
+    lines = [*_paramopt_bytes(po), line]
     if floor is None or stall is None:
         return [*lines, "- params + optimizer NVMe overlap: I/O floor unknown (no disk probe)"]
     if floor < cpu:
@@ -384,6 +384,24 @@ def _paramopt_targets(
             f"{step / floor:.2f}x the floor (target <= 1.1x: {'met' if ok else 'MISSED'})"
         )
     return lines
+
+
+def _paramopt_bytes(po: dict[str, Any]) -> list[str]:
+    """Parameter bytes per step (all ranks) against the formula's: the shard file read for the
+    forward and backward gathers and for each master range, less the master ranges assembled from
+    the backward gathers' shards (fp32: `dstrain.offload.param.swapped_master`), and written once."""
+    swap = po.get("swap_bytes_per_step") or {}
+    if "param_read" not in swap or not po.get("params"):
+        return []
+    shard = 4 * po["params"]  # fp32, every rank's shard
+    read, assembled = swap["param_read"], swap.get("master_from_gathers", 0.0)
+    return [
+        f"- params + optimizer NVMe, parameter bytes per step: read {_mb(read)} + master ranges assembled "
+        f"from the gathers' shards {_mb(assembled)} = {_mb(read + assembled)} = {(read + assembled) / shard:.2f}x "
+        f"the shards (formula: fwd + bwd gathers + master = 3.00x, {_mb(3 * shard)}; a tied weight "
+        f"used twice in forward is gathered once more); written {_mb(swap.get('param_written', 0.0))} = "
+        f"{swap.get('param_written', 0.0) / shard:.2f}x (formula 1.00x)"
+    ]
 
 
 def _nvme_limit(row: dict[str, Any], disk: dict[str, Any] | None) -> str:

@@ -261,3 +261,17 @@ def test_both_libraries_get_gradient_clipping_written_out(tmp_path: Path) -> Non
     for name in ("dstrain-nvme", "deepspeed-nvme", "deepspeed-cpu"):
         cfg = ds_config(SHAPES["gpt110m"], METHODS[name], str(tmp_path), 64 << 20)
         assert cfg["gradient_clipping"] == 0.0, name
+
+
+def test_paramopt_bytes_line_counts_assembled_master_ranges_as_reads_saved() -> None:
+    from bench.offload_report import _paramopt_bytes
+
+    params = 1_000_000  # 4 MB of fp32 shards over all ranks
+    row = {
+        "params": params,
+        "swap_bytes_per_step": {"param_read": 8e6, "master_from_gathers": 4e6, "param_written": 4e6},
+    }
+    (line,) = _paramopt_bytes(row)
+    assert "read 8 MB + master ranges assembled from the gathers' shards 4 MB = 12 MB = 3.00x" in line
+    assert "written 4 MB = 1.00x" in line
+    assert _paramopt_bytes({"params": params, "swap_bytes_per_step": {"optimizer_read": 1.0}}) == []
