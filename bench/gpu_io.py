@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dsio  # noqa: E402
 from bench._common import drop_caches, scratch_dir  # noqa: E402
-from dsio._native import native  # noqa: E402
+from dsio._memory import aligned_buffer  # noqa: E402
 
 
 def fsync_path(p: str) -> None:
@@ -55,7 +55,7 @@ def main() -> None:
     n = int(a.size_gib * (1 << 30))
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    pinned = torch.frombuffer(native().AlignedBuffer(n, True), dtype=torch.uint8)
+    pinned = torch.frombuffer(aligned_buffer(n), dtype=torch.uint8)
     torch.cuda.cudart().cudaHostRegister(pinned.data_ptr(), n, 0)
     pinned.copy_(src)
     path = os.path.join(a.dir, "gpu.bin")

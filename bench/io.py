@@ -62,7 +62,7 @@ from bench._common import (  # noqa: E402
 from bench._io_runners import COLD, DS_SCRIPT, DsioRunner, drop, fsync_path, unlink  # noqa: E402
 from bench.baselines import fio  # noqa: E402
 from bench.io_read_path import DeepSpeedServer  # noqa: E402
-from dsio._native import native  # noqa: E402
+from dsio._memory import aligned_buffer  # noqa: E402
 
 DS_PY: str | None = None  # set by main() from --ds-python / the environment
 Results = dict[str, dict[str, list[float]]]  # method -> case -> values
@@ -355,7 +355,7 @@ def run_tuned(
     """
     path = os.path.join(directory, "tuned.bin")
     if buf is None:
-        mem = native().AlignedBuffer(size, True)
+        mem = aligned_buffer(size)
         buf = torch.frombuffer(mem, dtype=torch.uint8)
         buf.fill_(5)
     elif buf.nbytes != size or buf.data_ptr() % 4096:
@@ -595,7 +595,7 @@ def tuned_points(points: str) -> list[Point]:
 def main_tuned(args: argparse.Namespace, meta: dict) -> None:
     """Only the sweep, with the main table's method as the reference next to dsio's default."""
     size = int(args.size_gib * (1 << 30)) // MIB * MIB
-    mem = native().AlignedBuffer(size, True)
+    mem = aligned_buffer(size)
     buf = torch.frombuffer(mem, dtype=torch.uint8)
     buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))  # as the main table's `locked`
     loop = asyncio.new_event_loop()
@@ -640,10 +640,10 @@ def main_io(args: argparse.Namespace, meta: dict) -> None:
 
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    locked = torch.frombuffer(native().AlignedBuffer(size, True), dtype=torch.uint8)
+    locked = torch.frombuffer(aligned_buffer(size), dtype=torch.uint8)
     locked.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
     plain = unaligned_tensor(size)  # an ordinary tensor: not 4096-aligned, not locked
-    ops_buf = torch.frombuffer(native().AlignedBuffer(args.ops << 20, True), dtype=torch.uint8)
+    ops_buf = torch.frombuffer(aligned_buffer(args.ops << 20), dtype=torch.uint8)
     ops_buf.fill_(7)
 
     default = dsio.IOConfig()

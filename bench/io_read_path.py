@@ -36,7 +36,7 @@ import torch
 
 import dsio
 from bench._common import drop_caches_verified, fmt
-from dsio._native import native
+from dsio._memory import aligned_buffer
 
 __all__ = ["DeepSpeedServer", "READ_CASES", "run_read_path", "report_read_path"]
 
@@ -129,7 +129,7 @@ def run_read_path(
     try:
         for size in sizes:
             ds = DeepSpeedServer(ds_python, ds_script, size) if ds_python else None
-            locked_mem = native().AlignedBuffer(size, True)
+            locked_mem = aligned_buffer(size)
             locked = torch.frombuffer(locked_mem, dtype=torch.uint8)
             locked.fill_(3)
             touched = torch.empty(size, dtype=torch.uint8)
@@ -187,7 +187,7 @@ def _one(loop, h, ds, case, src, dst, off, size, locked, touched) -> dict:
     elif case.endswith("touched"):
         dest = touched
     elif case.endswith("fresh aligned"):
-        dest = torch.frombuffer(native().AlignedBuffer(size, False), dtype=torch.uint8)
+        dest = torch.frombuffer(aligned_buffer(size, lock=False), dtype=torch.uint8)
     else:
         dest = torch.empty(size, dtype=torch.uint8)
     rec.update(_timed(loop, h, lambda: h.pread(dest, src, off), size))

@@ -61,7 +61,7 @@ async def _windows(path: str, pairs: int, window: float, port: int) -> dict[str,
 
     import dsio
     import dsio.metrics
-    from dsio import _C
+    from dsio._memory import aligned_buffer
 
     rates: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, list[float]] = {"off": [], "on": []}
@@ -70,7 +70,7 @@ async def _windows(path: str, pairs: int, window: float, port: int) -> dict[str,
     scrapes: list[int] = []
     async with dsio.AsyncIOHandle(queue_depth=BATCH) as h:
         dsio.metrics.track(h)  # what AsyncIOHandle does for itself: a weak reference, in both modes
-        bufs = [torch.frombuffer(_C.AlignedBuffer(OP, True), dtype=torch.uint8) for _ in range(BATCH)]
+        bufs = [torch.frombuffer(aligned_buffer(OP), dtype=torch.uint8) for _ in range(BATCH)]
         async with h.open(path, "w+") as f:
             f.truncate(OP * BATCH)
 
