@@ -187,11 +187,13 @@ def _train(engine: Any, x: torch.Tensor, steps: int) -> list[float]:
 def run_config(args: argparse.Namespace, offload: str, root: str) -> dict[str, Any]:
     import dstrain
     from dstrain.checkpoint.store import DsioStore
+    from dstrain.offload import OffloadAdam
 
     swap = os.path.join(root, f"swap-{offload}")
     os.makedirs(swap, exist_ok=True)
     engine, opt, _, _ = dstrain.initialize(model=_model(args.dim, args.layers), config=_config(offload, swap))
-    swapper = getattr(opt, "_swapper", None)
+    # the optimizer's swap files (offload_optimizer on NVMe); None in memory or on CPU
+    swapper = opt.swapped.swapper if isinstance(opt, OffloadAdam) else None
     methods = [m for m in METHODS if swapper is not None or m not in NVME_ONLY]
     store = engine.store
     assert isinstance(store, DsioStore), "this bench needs dsio's native core"
