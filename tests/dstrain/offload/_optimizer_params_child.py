@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 from _offload_helpers import param_config
+from test_offload_grads import _MLP, WIDTH  # 10 x Linear(256, 256): 2.6 MB of fp32 gradients
 
 import dstrain
 
-WIDTH, DEPTH = 256, 10
 SMALL_BUDGET = 1 << 20  # below the 2.6 MB of fp32 gradient shards: they go to NVMe too
 
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -29,17 +29,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "param-cpu-opt-cpu": {"param": "cpu", "optimizer": "cpu"},
     "opt-nvme": {"optimizer": "nvme"},
 }
-
-
-class _MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))  # (B, WIDTH)
-        return torch.nn.functional.mse_loss(x.float(), y.float())
 
 
 def _train(engine: Any, steps: int, start: int = 0) -> list[float]:
