@@ -236,7 +236,9 @@ def render(data: dict[str, Any], commit: str, warmup: int = 1) -> str:
         "one device call (bench/offload_gpu_h200.sh), methods interleaved (dstrain then DeepSpeed per mode), "
         "one run each, both models built on the training device. Swap GB/s: dstrain's swap counters, "
         "DeepSpeed's process I/O bytes (/proc/self/io); disk GB/s: the swap folder's block device's own "
-        "counters (/sys/dev/block/M:m/stat; nothing else runs meanwhile); all over the timed steps' wall time. "
+        "counters (/sys/dev/block/M:m/stat; nothing else runs meanwhile); all over the timed steps' wall time "
+        "(dstrain's state reads run ahead of the steps, so up to one step's worth of them can fall before the "
+        "window: reads per step, and the I/O floor from them, can be low by that much; writes are exact). "
         "GPU peak over the steps: torch's peak allocated bytes after `initialize` (reset there); whole run: "
         "with the fp32 model placed before `initialize` partitions it.",
         "",

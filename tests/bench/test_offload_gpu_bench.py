@@ -38,9 +38,13 @@ def _tiny(tmp_path: Path, device: str) -> dict[str, object]:
     assert r["timed_steps"] == 2 and r["tokens_per_s"] > 0 and not r["stopped"]
     shard = 2 * r["params"]  # bf16 parameters, world 1
     moved = r["swap_bytes"]
-    # Adam's m and v (fp32) read and written once per timed step
-    assert moved["optimizer_read_bytes"] >= 2 * 8 * r["params"]
-    assert moved["optimizer_written_bytes"] >= 2 * 8 * r["params"]
+    # Adam's m and v (fp32) read and written once per timed step. Reads are read ahead (a sub-group's
+    # state for the next step can be in flight when the window opens or closes), so the two timed steps'
+    # window holds between one and three steps' worth of them: the exact `>= 2 steps` failed now and then
+    # (one 16384-element sub-group short) once more of the state reads moved into backward.
+    per_step = 8 * r["params"]
+    assert 1 * per_step <= moved["optimizer_read_bytes"] <= 3 * per_step
+    assert moved["optimizer_written_bytes"] >= 2 * per_step
     # the parameter shards: read for the gathers, written once per step
     assert moved["param_read_bytes"] >= 2 * shard and moved["param_written_bytes"] >= 2 * shard
     assert r["swap_read_gbps"] > 0 and r["swap_write_gbps"] > 0
