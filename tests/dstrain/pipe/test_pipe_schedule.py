@@ -14,7 +14,12 @@ from dstrain.pipe.schedule import Instruction, Op, eval_schedule, train_schedule
 
 HERE = Path(__file__).parent
 FIXTURE = HERE / "pipe_ds_train_schedule.json"
-DS_PYTHON = Path(os.environ.get("DSTRAIN_DS_PYTHON", "/work/ds-venv/bin/python"))
+sys.path.append(str(HERE.parents[2]))  # appended: the installed dsio stays the one imported
+from bench._common import deepspeed_python  # noqa: E402  (the one way to find DeepSpeed's interpreter)
+
+#: ``DSTRAIN_DS_PYTHON``, else the benchmarks' lookup (``DSIO_DEEPSPEED_PYTHON``, ``DSIO_DEEPSPEED_VENV``, the
+#: checkout's ``.venv-deepspeed``); "" when there is none
+DS_PYTHON = deepspeed_python(os.environ.get("DSTRAIN_DS_PYTHON")) or ""
 
 
 def _as_ds(stages: int, micro: int, stage: int) -> dict[str, object]:
@@ -49,14 +54,14 @@ def test_equals_deepspeed_on_every_recorded_case() -> None:
 
 # os.access, not Path.exists: another user's venv (unreadable path) is "absent", not a collection error
 @pytest.mark.skipif(
-    not os.access(DS_PYTHON, os.X_OK),
-    reason=f"DeepSpeed's venv is not usable at {DS_PYTHON} by this user: "
-    "make one with bench/baselines/setup_deepspeed.sh and set DSTRAIN_DS_PYTHON to its python",
+    not (DS_PYTHON and os.access(DS_PYTHON, os.X_OK)),
+    reason=f"DeepSpeed's venv is not usable ({DS_PYTHON or 'none found'}) by this user: make one with "
+    "bench/baselines/setup_deepspeed.sh and point DSIO_DEEPSPEED_VENV (or DSTRAIN_DS_PYTHON) at it",
 )
 def test_fixture_is_what_deepspeed_produces_now() -> None:
     """Re-run the recorder with DeepSpeed itself: the fixture is not stale or hand-edited."""
     out = subprocess.run(
-        [str(DS_PYTHON), str(HERE / "pipe_record_ds_schedule.py"), "--file-only"],
+        [DS_PYTHON, str(HERE / "pipe_record_ds_schedule.py"), "--file-only"],
         env={**os.environ, "DS_ACCELERATOR": "cpu"},
         capture_output=True,
         text=True,
