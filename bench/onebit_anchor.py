@@ -3,14 +3,14 @@ losses of one small training run.
 
 Run under torchrun with 2 ranks, once per implementation, and compare the JSON they print:
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 ONEBIT_SRC=/work/onebit_0.16.5 \\
-        /work/ds-venv/bin/torchrun --standalone --nproc_per_node 2 bench/onebit_anchor.py deepspeed 40 10
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 ONEBIT_SRC=<the 0.16.5 files, below> \\
+        <a DeepSpeed venv>/bin/torchrun --standalone --nproc_per_node 2 bench/onebit_anchor.py deepspeed 40 10
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 2 bench/onebit_anchor.py dstrain 40 10
 
 A fourth argument ``lamb`` runs 1-bit LAMB (DeepSpeed's ``runtime/fp16/onebit/lamb.py``, unmodified, same
 shims; ``tests/dstrain/fixtures/onebit_lamb_deepspeed_0.16.5.json`` is ``... deepspeed 40 10 lamb``; put
 ``deepspeed-0.16.5/deepspeed/runtime/fp16/onebit/lamb.py`` from the same source distribution into ONEBIT_SRC
-next to the two files extract_onebit.sh takes).
+next to the other two).
 A fourth argument ``zeroone`` runs 0/1 Adam instead (DeepSpeed's ``runtime/fp16/onebit/zoadam.py``,
 unmodified, with the same shims); the third argument is then ``var_freeze_step``, and the scalers are
 small enough that 40 steps see every schedule: ``var_update_scaler=4`` (the variance interval doubles
@@ -19,7 +19,7 @@ small enough that 40 steps see every schedule: ``var_update_scaler=4`` (the vari
     ... bench/onebit_anchor.py deepspeed 40 20 zeroone     (tests/dstrain/fixtures/onebit_zeroone_deepspeed_0.16.5.json)
 
 ONEBIT_SRC holds DeepSpeed 0.16.5's ``runtime/fp16/onebit/adam.py`` (``lamb.py``, ``zoadam.py``) and ``runtime/comm/compressed.py``
-from its source distribution (DeepSpeed removed them after 0.16.5; see shared/anchors/extract_onebit.sh),
+from its source distribution (deepspeed-0.16.5.tar.gz; DeepSpeed removed them after 0.16.5),
 loaded unmodified, with the anchor's two shims: a CPU ``PackbitsBuilder`` (numpy packbits) and an
 all-gather that gives gloo the receive buffers' shape. Both runs: the same model (seed 0), the same
 per-rank data, lr 1e-2, gradients averaged by an all-reduce while the optimizer asks for it (what

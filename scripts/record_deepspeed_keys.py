@@ -2,7 +2,7 @@
 
 Run with a DeepSpeed installation (the reference venv)::
 
-    /work/venv-deepspeed/bin/python scripts/record_deepspeed_keys.py
+    $DSIO_DEEPSPEED_VENV/bin/python scripts/record_deepspeed_keys.py
 
 Top-level keys come from running ``DeepSpeedConfig`` over a dict that records each key looked up;
 nested keys from DeepSpeed's pydantic section models (``model_fields``, aliases included) and from

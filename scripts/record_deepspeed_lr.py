@@ -1,7 +1,7 @@
 """Record DeepSpeed's learning rates (and OneCycle's betas) step by step into
 tests/dstrain/fixtures/deepspeed_lr_schedules.json, the reference of tests/dstrain/test_lr_schedules.py.
 
-    /work/venv-deepspeed/bin/python scripts/record_deepspeed_lr.py
+    $DSIO_DEEPSPEED_VENV/bin/python scripts/record_deepspeed_lr.py
 
 Each case builds a torch optimizer over two param groups (lrs 0.01 and 0.002), DeepSpeed's schedule
 from ``deepspeed.runtime.lr_schedules`` with the case's params, and records the groups' lr (and

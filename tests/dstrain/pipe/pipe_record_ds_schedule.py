@@ -2,7 +2,7 @@
 
 Run with DeepSpeed's venv (it imports deepspeed; nothing else):
 
-    DS_ACCELERATOR=cpu /work/ds-venv/bin/python tests/dstrain/pipe/pipe_record_ds_schedule.py \
+    DS_ACCELERATOR=cpu $DSIO_DEEPSPEED_VENV/bin/python tests/dstrain/pipe/pipe_record_ds_schedule.py \
         > tests/dstrain/pipe/pipe_ds_train_schedule.json
 
 The fixture was produced this way from deepspeed 0.19.8. With ``--file-only`` the recorder executes
