@@ -15,7 +15,7 @@ import torch.distributed as dist
 from dstrain.dist.comm import all_gather_single
 from dstrain.onebit.compressed import CompressedAllReduce
 
-__all__ = ["OneBitAdam", "Partition"]
+__all__ = ["OneBitAdam", "Partition", "adam_defaults"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,28 @@ class Partition:
     flat: torch.Tensor | None = None
     """(padded,) the group's flat parameter buffer (the model's dtype; fp32 training: the master
     itself). 0/1 Adam writes its whole replica here after its freeze."""
+
+
+def adam_defaults(
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    *,
+    fused: bool,
+    partitions: list[Partition] | None,
+) -> dict[str, Any]:
+    """The param groups' defaults of the compressed Adams (`OneBitAdam`, 0/1 Adam), checked: a
+    ``ValueError`` names the argument; ZeRO stage 1 ``partitions`` need the fused step."""
+    if partitions is not None and not fused:
+        raise ValueError("fused must be True with ZeRO stage 1 partitions")
+    if lr < 0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"betas must be in [0, 1), got {betas!r}")
+    if eps < 0 or weight_decay < 0:
+        raise ValueError("eps and weight_decay must be >= 0")
+    return {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
 
 
 class OneBitAdam(torch.optim.Optimizer):
@@ -55,17 +77,9 @@ class OneBitAdam(torch.optim.Optimizer):
         group: dist.ProcessGroup | None = None,
         partitions: list[Partition] | None = None,
     ) -> None:
-        if partitions is not None and not fused:
-            raise ValueError("fused must be True with ZeRO stage 1 partitions")
-        if lr < 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
+        defaults = adam_defaults(lr, betas, eps, weight_decay, fused=fused, partitions=partitions)
         if not (isinstance(freeze_step, int) and freeze_step >= 1):
             raise ValueError(f"freeze_step must be an integer >= 1, got {freeze_step!r}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must be in [0, 1), got {betas!r}")
-        if eps < 0 or weight_decay < 0:
-            raise ValueError("eps and weight_decay must be >= 0")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.freeze_step = freeze_step
         self.bias_correction = bias_correction and not deepspeed_compat

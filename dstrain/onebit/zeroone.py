@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dstrain.dist.comm import all_gather_single
-from dstrain.onebit.adam import Partition
+from dstrain.onebit.adam import Partition, adam_defaults
 from dstrain.onebit.compressed import CompressedAllReduce
 
 __all__ = ["ZeroOneAdam"]
@@ -89,19 +89,11 @@ class ZeroOneAdam(torch.optim.Optimizer):
         group: dist.ProcessGroup | None = None,
         partitions: list[Partition] | None = None,
     ) -> None:
-        if partitions is not None and not fused:
-            raise ValueError("fused must be True with ZeRO stage 1 partitions")
-        if lr < 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must be in [0, 1), got {betas!r}")
-        if eps < 0 or weight_decay < 0:
-            raise ValueError("eps and weight_decay must be >= 0")
+        defaults = adam_defaults(lr, betas, eps, weight_decay, fused=fused, partitions=partitions)
         self.var_freeze_step = _check_int("var_freeze_step", var_freeze_step, 1)
         self.var_update_scaler = _check_int("var_update_scaler", var_update_scaler, 1)
         self.local_step_scaler = _check_int("local_step_scaler", local_step_scaler, 1)
         self.local_step_clipper = _check_int("local_step_clipper", local_step_clipper, 1)
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.bias_correction = bias_correction and not deepspeed_compat
         self.deepspeed_compat = deepspeed_compat
