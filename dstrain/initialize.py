@@ -34,7 +34,7 @@ from dstrain.moe import compose as moe
 from dstrain.monitor import compose as monitors
 from dstrain.offload import compose as offload
 from dstrain.onebit import compose as onebit
-from dstrain.optim.build import ClientOptimizer, build_optimizer, client_param_groups
+from dstrain.optim.build import ClientOptimizer, build_optimizer, client_param_groups, stepped_groups
 from dstrain.optim.stepper import NoOptimizer, Stepper, TorchStepper, WrapsOptimizer
 from dstrain.pipe import compose as pipeline
 from dstrain.precision import Precision
@@ -193,14 +193,7 @@ def build_stepper(zero: ZeroStrategy, config: DSConfig, client: ClientOptimizer 
         raise TypeError(
             f"optimizer= callable returned {type(made).__name__}: expected a torch optimizer or a dstrain Stepper"
         )
-    groups = zero.param_groups()
-    lamb = client is None and config.optimizer is not None and config.optimizer.name == "Lamb"
-    if lamb and isinstance(zero, DataParallelZero) and zero.stage == 0:
-        from dstrain.optim.lamb import per_parameter_groups
-
-        groups = per_parameter_groups(
-            zero.groups
-        )  # LAMB's trust ratio is per parameter (dstrain/optim/lamb.py)
+    groups = stepped_groups(zero, config.optimizer, client)  # (LAMB at stage 0: per parameter)
     return TorchStepper(build_optimizer(groups, config.optimizer, client))
 
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dstrain.config_sections import OptimizerConfig
 from dstrain.errors import ConfigError, UnsupportedOptimizerError
+
+if TYPE_CHECKING:
+    from dstrain.zero.base import ZeroStrategy
 
 __all__ = [
     "ClientOptimizer",
@@ -25,6 +28,7 @@ __all__ = [
     "group_options",
     "rebuild_client",
     "repoint_client",
+    "stepped_groups",
 ]
 
 ClientOptimizer = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -103,6 +107,23 @@ def repoint_client(
     client.state = made.state
     client.defaults = made.defaults
     return client
+
+
+def stepped_groups(
+    zero: ZeroStrategy, config: OptimizerConfig | None, client: ClientOptimizer | None = None
+) -> list[dict[str, Any]]:
+    """The param groups the config's optimizer steps: ZeRO's, except LAMB over ZeRO stage 0's flat
+    masters, which steps per-parameter views of them (its trust ratio is per parameter:
+    `dstrain.optim.lamb.per_parameter_groups`)."""
+    groups = zero.param_groups()
+    if client is None and config is not None and config.name == "Lamb":
+        from dstrain.zero.dp import DataParallelZero
+
+        if isinstance(zero, DataParallelZero) and zero.stage == 0:
+            from dstrain.optim.lamb import per_parameter_groups
+
+            return per_parameter_groups(zero.groups)
+    return groups
 
 
 def build_optimizer(
