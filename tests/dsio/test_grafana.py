@@ -14,7 +14,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _ports import free_port  # tests/_ports.py: a port no concurrent launch picks
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"
@@ -259,12 +259,6 @@ def _prometheus_binary() -> str:
     raise AssertionError("unreachable")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _get(url: str, timeout: float = 10) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read().decode())
@@ -322,7 +316,7 @@ def test_every_dashboard_query_returns_data_from_a_live_process(tmp_path):
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
             f"scrape_configs:\n  - job_name: dsio\n    static_configs:\n      - targets: ['{target}']\n"
         )
-        web = f"127.0.0.1:{_free_port()}"
+        web = f"127.0.0.1:{free_port()}"
         prom = subprocess.Popen(
             [
                 exe,

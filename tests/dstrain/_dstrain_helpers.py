@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -132,12 +131,6 @@ def scratch_dir(prefix: str) -> Iterator[str]:
         yield root
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(
     rank: int,
     world: int,
@@ -195,6 +188,9 @@ def start_processes(
         raise ValueError("start_method='forkserver' is for gloo ranks; NCCL ranks are spawned")
     if os.environ.get("DSTRAIN_TESTS_SPAWN_ONLY") == "1":  # every rank a new interpreter (to compare, or
         start_method = "spawn"  # to rule the fork server out when a multi-rank test fails)
+    # tests/ modules, imported here: this module is imported standalone too (a child's sys.path: tests/dstrain)
+    from _ports import free_port  # a rendezvous port no concurrent launch picks
+
     if start_method == "forkserver":
         import _forkserver
 

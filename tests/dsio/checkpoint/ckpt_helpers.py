@@ -98,14 +98,6 @@ def assert_same(a: Any, b: Any, where: str = "state") -> None:
 # -- multi-process: real torch.distributed groups (gloo) on this machine ------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _entry(rank: int, world: int, port: int, fn: Any, args: tuple, out_dir: str, env: dict[str, str]) -> None:
     import os
     import traceback
@@ -139,12 +131,13 @@ def spawn(fn: Any, *args: Any, world: int = 2) -> list[Any]:
 
     import _forkserver
     import torch.multiprocessing as mp
+    from _ports import free_port  # tests/_ports.py: a rendezvous port no concurrent launch picks
 
     _forkserver.context()  # fixes the one fork server's preload list before torch starts it
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _entry,
-            args=(world, _free_port(), fn, args, out_dir, dict(os.environ)),
+            args=(world, free_port(), fn, args, out_dir, dict(os.environ)),
             nprocs=world,
             join=False,
             start_method="forkserver",
