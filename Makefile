@@ -60,8 +60,13 @@ demo-io: setup
 prometheus:
 	@bash scripts/install_prometheus.sh >/dev/null || echo "make: no Prometheus here; tests/dsio/test_grafana.py will skip"
 
+# The suite on TEST_WORKERS pytest-xdist workers (0: in this one process). Whole files go to a worker
+# (loadfile: a module's fixture, e.g. a checkpoint trained once for its tests, is made once). In one
+# process the suite keeps about one core busy (~555 CPU-s over its ~547 s on this 2-core machine, much
+# of the wall spent waiting on launched ranks and interpreters): two workers fill the second core.
+TEST_WORKERS ?= 2
 test: setup prometheus
-	PATH="$(PROMETHEUS_DIR)/bin:$$PATH" $(BIN)/python -m pytest -q
+	PATH="$(PROMETHEUS_DIR)/bin:$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check dsio dstrain tests bench examples demo scripts/readme_numbers.py

@@ -17,7 +17,9 @@ the end (`finish`), entries still there after a short grace (a child's atexit cl
 fail the session with their names and tests; the directory is removed either way.
 
 A pytest plugin (tests/conftest.py loads it; ``-p _tmp_guard`` loads it anywhere): the hooks at the
-bottom call the functions above.
+bottom call the functions above. Under pytest-xdist each worker is a session of its own (its own
+directory beside the controller's, in the temp directory the controller was started with); a
+worker's leaks travel to the controller (``workeroutput``), which fails the run and names them.
 """
 
 from __future__ import annotations
@@ -47,11 +49,15 @@ class _Session:
 _session: _Session | None = None
 
 
-def start() -> str:
-    """Make the session's directory and point ``TMPDIR`` at it; returns it. Idempotent."""
+def start(outer: str | None = None) -> str:
+    """Make the session's directory in ``outer`` (default: the temp directory now) and point ``TMPDIR``
+    at it; returns it. Idempotent."""
     global _session
     if _session is not None:
         return _session.base
+    if outer is not None:  # an xdist worker: started with its controller's TMPDIR, given the real one
+        os.environ["TMPDIR"] = outer
+        tempfile.tempdir = None
     outer = tempfile.gettempdir()
     multiprocessing.util.get_temp_dir()  # this process's pymp-* stays outside (multiprocessing removes it)
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", outer)
@@ -110,8 +116,24 @@ def finish(grace: float = 2.0) -> list[str]:
 _LEAKS: list[str] = []
 
 
+_WORKER_KEY = "dsio_tmp_guard"  # workerinput: the controller's outer directory; workeroutput: leaks
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    start()  # before anything makes a temp file: TMPDIR is this session's directory
+    # before anything makes a temp file: TMPDIR is this session's directory
+    workerinput = getattr(config, "workerinput", None)  # set by xdist on its workers only
+    start(workerinput[_WORKER_KEY] if workerinput is not None and _WORKER_KEY in workerinput else None)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:  # xdist controller, before it starts a worker
+    assert _session is not None
+    node.workerinput[_WORKER_KEY] = _session.outer
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:  # xdist controller, a worker has finished
+    _LEAKS.extend(getattr(node, "workeroutput", {}).get(_WORKER_KEY, []))
 
 
 def pytest_runtest_logfinish(nodeid: str) -> None:
@@ -121,6 +143,9 @@ def pytest_runtest_logfinish(nodeid: str) -> None:
 @pytest.hookimpl(trylast=True)  # after the conftests' own clean-up at session end
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _LEAKS.extend(finish())
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its controller reports them
+        workeroutput[_WORKER_KEY] = list(_LEAKS)
     if _LEAKS and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

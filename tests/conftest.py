@@ -47,33 +47,43 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     _mount.deferred = False
 
 
-_NAMESPACE_RUN: dict[str, Any] = {}  # the one child run for every rerouted test: results, output, tmp dir
+# the child runs of rerouted tests, by scope (one per session; per file on an xdist worker): results, output
+_NAMESPACE_RUN: dict[str, dict[str, Any]] = {}
+
+
+def _reroute_scope(item: pytest.Item) -> str:
+    """The tests one ``unshare -Urm`` child runs: the session's; on an xdist worker, which gets whole
+    files (``--dist loadfile``), the file's (a worker's session lists every test, not just its own)."""
+    return item.path.as_posix() if hasattr(item.config, "workerinput") else ""
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     """A ``needs_mount`` test run by a user who cannot mount runs in a child under ``unshare -Urm``; the
-    first such test runs all of this session's in one child (one interpreter start), the rest read back."""
+    first such test runs all of its scope's in one child (one interpreter start), the rest read back."""
     if not _reroutes(pyfuncitem):
         return None
     _mount.require_namespace()
-    if "results" not in _NAMESPACE_RUN:
-        ids = [i.nodeid for i in pyfuncitem.session.items if _reroutes(i)]
+    scope = _reroute_scope(pyfuncitem)
+    run = _NAMESPACE_RUN.setdefault(scope, {})
+    if "results" not in run:
+        ids = [i.nodeid for i in pyfuncitem.session.items if _reroutes(i) and _reroute_scope(i) == scope]
         base = Path(tempfile.mkdtemp(prefix="dsio-mountns-"))
-        _NAMESPACE_RUN["base"] = base
+        run["base"] = base
         try:
-            _NAMESPACE_RUN["results"], _NAMESPACE_RUN["output"] = _mount.run_in_namespace(ids, base)
+            run["results"], run["output"] = _mount.run_in_namespace(ids, base)
         except BaseException:
-            _NAMESPACE_RUN.setdefault("results", {})
-            _NAMESPACE_RUN.setdefault("output", "")
+            run.setdefault("results", {})
+            run.setdefault("output", "")
             raise
-    _mount.mirror(pyfuncitem.nodeid, _NAMESPACE_RUN["results"], _NAMESPACE_RUN["output"])
+    _mount.mirror(pyfuncitem.nodeid, run["results"], run["output"])
     return True
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if "base" in _NAMESPACE_RUN:
-        shutil.rmtree(_NAMESPACE_RUN["base"], ignore_errors=True)
+    for run in _NAMESPACE_RUN.values():
+        if "base" in run:
+            shutil.rmtree(run["base"], ignore_errors=True)
 
 
 def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 _CASES = textwrap.dedent(
@@ -38,9 +40,14 @@ _CASES = textwrap.dedent(
 )
 
 
-def _session(tmp_path: Path, leak: bool) -> tuple[subprocess.CompletedProcess[str], Path]:
+# serially, and under pytest-xdist as `make test` runs (two workers: the tests, and their leaks, on both)
+WORKERS = [pytest.param([], id="serial"), pytest.param(["-n", "2"], id="xdist")]
+
+
+def _session(tmp_path: Path, leak: bool, workers: list[str]) -> tuple[subprocess.CompletedProcess[str], Path]:
     outer = tmp_path / "outer"
     outer.mkdir()
+    (tmp_path / "pytest-root").mkdir()  # PYTEST_DEBUG_TEMPROOT (an xdist controller makes its basetemp there)
     (tmp_path / "test_cases.py").write_text(_CASES)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     env = {
@@ -64,6 +71,7 @@ def _session(tmp_path: Path, leak: bool) -> tuple[subprocess.CompletedProcess[st
             "no:cacheprovider",
             "-p",
             "no:randomly",
+            *workers,
         ],
         cwd=tmp_path,
         env=env,
@@ -74,8 +82,9 @@ def _session(tmp_path: Path, leak: bool) -> tuple[subprocess.CompletedProcess[st
     return out, outer
 
 
-def test_a_clean_session_passes_and_its_directory_goes(tmp_path: Path) -> None:
-    out, outer = _session(tmp_path, leak=False)
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_clean_session_passes_and_its_directory_goes(tmp_path: Path, workers: list[str]) -> None:
+    out, outer = _session(tmp_path, leak=False, workers=workers)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "4 passed" in out.stdout
     assert "temp files left behind" not in out.stdout
@@ -83,8 +92,9 @@ def test_a_clean_session_passes_and_its_directory_goes(tmp_path: Path) -> None:
     assert sorted(p.name for p in outer.iterdir() if not p.name.startswith("pymp-")) == ["not-ours"]
 
 
-def test_a_leak_fails_the_session_and_names_the_test(tmp_path: Path) -> None:
-    out, outer = _session(tmp_path, leak=True)
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_leak_fails_the_session_and_names_the_test(tmp_path: Path, workers: list[str]) -> None:
+    out, outer = _session(tmp_path, leak=True, workers=workers)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "4 passed" in out.stdout  # the tests pass: the session fails
     section = out.stdout[out.stdout.index("temp files left behind") :]
