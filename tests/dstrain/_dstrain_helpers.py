@@ -47,6 +47,24 @@ class Tiny(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
+class TanhStack(nn.Module):
+    """``depth`` Linear(width, width) layers, each followed by tanh, and an MSE loss: the deep model of the
+    memory and offload tests (many equal units; the largest module, one layer, fixed by ``width``)."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))  # (B, width)
+        # the engine casts every floating input to the compute dtype, the target y too (bf16 under bf16):
+        # the loss is computed in fp32 from both (a no-op at fp32). A bf16 target beside an fp32
+        # prediction is a mixed-dtype loss that torch 2.11's mse_loss backward refuses ("Found dtype
+        # BFloat16 but expected Float"; 2.13 promotes), issue 27.
+        return F.mse_loss(x.float(), y.float())
+
+
 def make_model(seed: int = 0, dim: int = DIM) -> Tiny:
     torch.manual_seed(seed)
     return Tiny(dim)

@@ -11,8 +11,9 @@ import sys
 from typing import Any
 
 import torch
+from _dstrain_helpers import TanhStack
 from _offload_helpers import param_config
-from test_offload_grads import _MLP, WIDTH  # 10 x Linear(256, 256): 2.6 MB of fp32 gradients
+from test_offload_grads import DEPTH, WIDTH  # 10 x Linear(256, 256): 2.6 MB of fp32 gradients
 
 import dstrain
 
@@ -68,7 +69,7 @@ def run(root: str) -> None:
         print(f"# {name}", file=sys.stderr, flush=True)  # where a crash happened, for the parent
         cfg = param_config(root, **setting)
         torch.manual_seed(0)
-        engine, optimizer, _, _ = dstrain.initialize(model=_MLP(), config=cfg)
+        engine, optimizer, _, _ = dstrain.initialize(model=TanhStack(WIDTH, DEPTH), config=cfg)
         res: dict[str, Any] = {"initialized": _reads(optimizer)}
         res["losses"] = _train(engine, 2)
         res["trained"] = _reads(optimizer)

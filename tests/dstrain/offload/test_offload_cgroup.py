@@ -34,24 +34,13 @@ from typing import Any
 
 import pytest
 import torch
-from _dstrain_helpers import scratch_dir, spawn
+from _dstrain_helpers import TanhStack, scratch_dir, spawn
 
 STEPS = 3
 WIDTH = 512
 DEPTH = int(os.environ.get("DSTRAIN_CGROUP_DEPTH", "24"))  # 24 layers of 512 x 512 (+ bias): 6.3M params
 LIMIT_PER_ELEMENT = 5.8  # memory limit = 5.8 bytes per parameter; params + Adam = 12 bytes per parameter
 PINNED = 3 << 20  # offload_pinned_bytes per rank: far below the 12.6 MB of gradient shards per rank
-
-
-class _Deep(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))  # (B, WIDTH)
-        return torch.nn.functional.mse_loss(x, y)
 
 
 def _numel() -> int:
@@ -109,9 +98,9 @@ def _train(root: str | None, procs: str | None) -> dict[str, Any]:
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
         with dstrain.zero.Init(config_dict_or_path=_config(root, world)):  # remote_device: the config's nvme
-            model = _Deep()
+            model = TanhStack(WIDTH, DEPTH)
     else:
-        model = _Deep()
+        model = TanhStack(WIDTH, DEPTH)
     engine, optimizer = dstrain.initialize(model=model, config=_config(root, world))[:2]
     del model
     losses = []

@@ -16,26 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from _dstrain_helpers import scratch_dir, spawn
+from _dstrain_helpers import TanhStack, scratch_dir, spawn
 
 WIDTH, DEPTH, STEPS, MICRO = 256, 10, 3, 2
 BUDGET = 1 << 20  # below the 4 B x 329k elements of gradient shards per rank
 EARLY_BUDGET = 1200 << 10  # still below them, and leaves two parameter swap buffers
-
-
-class _MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))  # (B, WIDTH)
-        # the engine casts every floating input to the compute dtype, the target y too (bf16 here):
-        # the loss is computed in fp32 from both. A bf16 target beside an fp32 prediction is a
-        # mixed-dtype loss that torch 2.11's mse_loss backward refuses ("Found dtype BFloat16 but
-        # expected Float"; 2.13 promotes), issue 27.
-        return torch.nn.functional.mse_loss(x.float(), y.float())
 
 
 def _config(
@@ -77,7 +62,7 @@ def _run(cfg: dict[str, Any], reads_in_first: bool = False) -> dict[str, Any]:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    engine, optimizer = dstrain.initialize(model=_MLP(), config=cfg)[:2]
+    engine, optimizer = dstrain.initialize(model=TanhStack(WIDTH, DEPTH), config=cfg)[:2]
     if reads_in_first:
         _complete_reads(optimizer)
     gas = engine.config.gradient_accumulation_steps

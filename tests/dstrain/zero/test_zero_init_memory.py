@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dstrain_helpers import reset_peak, rss, scratch_dir, spawn
+from _dstrain_helpers import TanhStack, reset_peak, rss, scratch_dir, spawn
 from safetensors.torch import save_file
 
 WIDTH = 512
@@ -32,17 +32,6 @@ SMALL, LARGE = 20 * SCALE, 160 * SCALE  # layers of 512 x 512 + bias: ~5.3M and 
 STEPS = 3
 MiB = 1 << 20
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-class _Deep(torch.nn.Module):
-    def __init__(self, depth: int) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(depth))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))  # (B, WIDTH)
-        return torch.nn.functional.mse_loss(x, y)
 
 
 def _config(root: str, world: int) -> dict[str, Any]:
@@ -101,7 +90,7 @@ def _peak_in(depth: int, init: bool, pretrained: str, root: str) -> dict[str, An
     cfg = _config(root, world)
     # warm-up: every code path once on a 2-layer model (imports, gloo, dsio's core and loop, Adam)
     with dstrain.zero.Init(config_dict_or_path=cfg):
-        warm = _Deep(2)
+        warm = TanhStack(WIDTH, 2)
     engine, opt = dstrain.initialize(model=warm, config=cfg)[:2]
     _train(engine, world, rank)
     engine.close()
@@ -114,12 +103,12 @@ def _peak_in(depth: int, init: bool, pretrained: str, root: str) -> dict[str, An
     torch.manual_seed(0)
     if init:
         with dstrain.zero.Init(config_dict_or_path=cfg):
-            model = _Deep(depth)
+            model = TanhStack(WIDTH, depth)
         load_pretrained(model, pretrained)
         engine, opt = dstrain.initialize(model=model, config=cfg)[:2]
         _train(engine, world, rank)
     else:
-        model = _Deep(depth)
+        model = TanhStack(WIDTH, depth)
         engine, opt = dstrain.initialize(model=model, config=cfg)[:2]
     peak = rss()[1] - base
     engine.close()
