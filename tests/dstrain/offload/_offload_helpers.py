@@ -5,10 +5,32 @@ parameterised parity run (once _offload_device_helpers.py)."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from typing import Any
 
 import torch
 from _dstrain_helpers import base_config, engine_losses, make_model, world_rank
+
+
+def kill_at(code: str, line: str, *, after: float = 0.0) -> None:
+    """Run ``code`` in a new interpreter (OMP_NUM_THREADS=1, this environment otherwise), wait until it
+    prints ``line``, SIGKILL it ``after`` seconds later, and check that the kill is what ended it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert child.stdout is not None
+        got = child.stdout.readline()
+        assert got.strip() == line, f"the child printed {got!r}, not {line!r}"
+        time.sleep(after)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == -signal.SIGKILL, f"the child ended with {child.returncode}, not the kill"
 
 
 def offload_config(

@@ -4,17 +4,13 @@ a kill -9 in the middle of a save leaves the previous checkpoint loadable, and i
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 from typing import Any
 
 import pytest
 import torch
 from _dstrain_helpers import spawn
-from _offload_helpers import resume_run
+from _offload_helpers import kill_at, resume_run
 
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 
@@ -63,6 +59,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_kill9_during_save_previous_checkpoint_resumes_bitwise(tmp_path) -> None:
     """A process training with NVMe optimizer offload is killed with SIGKILL while saving; a new
     process loads the last committed checkpoint and its losses equal an uninterrupted run's."""
@@ -70,25 +67,9 @@ def test_kill9_during_save_previous_checkpoint_resumes_bitwise(tmp_path) -> None
     swap.mkdir()
     helpers = os.path.dirname(os.path.abspath(__file__))
     code = CHILD.format(helpers=helpers, root=str(root), swap=str(swap))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env, text=True)
-    try:
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        assert line.strip() == "SAVING", line
-        time.sleep(0.3)  # inside the save loop by now (each save takes tens of ms)
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    assert child.returncode == -signal.SIGKILL
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in the child: float reductions must split the same way
-    try:
-        (resumed, resumed_at), whole = _resume_and_reference(str(root), str(swap))
-    finally:
-        torch.set_num_threads(threads)
+    kill_at(code, "SAVING", after=0.3)  # inside the save loop by then (each save takes tens of ms)
+    # one_thread: as in the child, so that float reductions split the same way
+    (resumed, resumed_at), whole = _resume_and_reference(str(root), str(swap))
     assert resumed_at >= 3  # the first save, or a later one that did commit before the kill
     assert resumed == whole[resumed_at:]
 
@@ -146,6 +127,7 @@ POINT_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("point", ["streaming", "before_commit"])
 def test_kill9_at_points_of_a_streamed_save_resumes_bitwise(tmp_path, point: str) -> None:
     """SIGKILL at a chosen point of a save whose Adam state streams from the NVMe swap file: the
@@ -155,25 +137,9 @@ def test_kill9_at_points_of_a_streamed_save_resumes_bitwise(tmp_path, point: str
     swap.mkdir()
     helpers = os.path.dirname(os.path.abspath(__file__))
     code = POINT_CHILD.format(helpers=helpers, root=str(root), swap=str(swap), point=point)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env, text=True)
-    try:
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        assert line.strip() == f"AT {point}", line
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    assert child.returncode == -signal.SIGKILL
+    kill_at(code, f"AT {point}")
     assert (root / "step-000000004.tmp").is_dir() and not (root / "step-000000004").exists()
     assert (root / "latest").read_text().strip() == "step-000000003"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        (resumed, resumed_at), whole = _resume_and_reference(str(root), str(swap))
-    finally:
-        torch.set_num_threads(threads)
+    (resumed, resumed_at), whole = _resume_and_reference(str(root), str(swap))  # one_thread, as above
     assert resumed_at == 3
     assert resumed == whole[3:]

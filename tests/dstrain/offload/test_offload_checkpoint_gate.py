@@ -27,7 +27,7 @@ READ_DELAY = 0.02  # seconds per swap-file read of the save: staging outlasts fo
 
 
 @pytest.fixture
-def slow_small_windows(monkeypatch):
+def slow_small_windows(monkeypatch, one_thread):
     slow_swap_reads(monkeypatch, READ_DELAY)
     sums = _stream.piece_sums
 
@@ -36,10 +36,6 @@ def slow_small_windows(monkeypatch):
         return sums(ptr, offset, nbytes)
 
     monkeypatch.setattr(_stream, "piece_sums", slow_sums)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _saved_state(root: str) -> Any:

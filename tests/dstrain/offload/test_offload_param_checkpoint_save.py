@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -19,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from _dstrain_helpers import engine_losses, least_peak_growth, make_model
-from _offload_helpers import param_config, slow_swap_reads
+from _offload_helpers import kill_at, param_config, slow_swap_reads
 
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 
@@ -100,12 +97,8 @@ def test_save_streams_the_offloaded_master_without_materializing_it(
 
 
 @pytest.fixture
-def slow_small_windows(monkeypatch):
+def slow_small_windows(monkeypatch, one_thread):
     slow_swap_reads(monkeypatch, READ_DELAY)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _async_save_then_step(tmp_path: Path, bf16: bool) -> dict[str, Any]:
@@ -264,6 +257,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_kill9_while_streaming_the_master_resumes_bitwise(tmp_path) -> None:
     """SIGKILL while a save streams the master from the shard file: the partial step stays
     uncommitted, and a new process resumes from step 3 exactly as an uninterrupted run."""
@@ -271,35 +265,20 @@ def test_kill9_while_streaming_the_master_resumes_bitwise(tmp_path) -> None:
     swap.mkdir()
     helpers = os.path.dirname(os.path.abspath(__file__))
     code = CHILD.format(helpers=helpers, root=str(root), swap=str(swap))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env, text=True)
-    try:
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        assert line.strip() == "AT master", line
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    assert child.returncode == -signal.SIGKILL
+    kill_at(code, "AT master")
     assert (root / "step-000000004.tmp").is_dir() and not (root / "step-000000004").exists()
     assert (root / "latest").read_text().strip() == "step-000000003"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in the child: float reductions must split the same way
+    # one_thread: as in the child, so that float reductions split the same way
+    engine = _engine(swap, dim=TINY, seed=5, **BOTH)
     try:
-        engine = _engine(swap, dim=TINY, seed=5, **BOTH)
-        try:
-            engine.load_checkpoint(root)
-            assert engine.global_steps == 3
-            resumed = engine_losses(engine, 3, start=3)
-        finally:
-            engine.close()
-        engine = _engine(swap, dim=TINY)
-        try:
-            whole = engine_losses(engine, 6)
-        finally:
-            engine.close()
+        engine.load_checkpoint(root)
+        assert engine.global_steps == 3
+        resumed = engine_losses(engine, 3, start=3)
     finally:
-        torch.set_num_threads(threads)
+        engine.close()
+    engine = _engine(swap, dim=TINY)
+    try:
+        whole = engine_losses(engine, 6)
+    finally:
+        engine.close()
     assert resumed == whole[3:]
