@@ -78,6 +78,27 @@ def shared_runs(name: str) -> list[Any]:
     return [res["ok"] for res in results]
 
 
+# -- in-process behaviours every optimizer of the family has ---------------------------------------------
+
+
+def check_first_step(make_opt: Callable[[list[nn.Parameter], bool], torch.optim.Optimizer]) -> None:
+    """``make_opt(params, deepspeed_compat)`` at lr 0.1: by default the first step moves every weight by
+    ~lr (bias-corrected Adam); with DeepSpeed's behaviour (``deepspeed_compat=True``) it only fills the
+    moments (counts), so nothing moves."""
+    for compat, moved in ((False, True), (True, False)):
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4)
+        before = lin.weight.detach().clone()
+        opt = make_opt(list(lin.parameters()), compat)
+        lin(torch.randn(8, 4)).pow(2).sum().backward()
+        opt.step()
+        delta = (lin.weight.detach() - before).abs()
+        if moved:
+            assert torch.allclose(delta, torch.full_like(delta, 0.1), rtol=1e-3), (compat, delta)
+        else:
+            assert torch.equal(delta, torch.zeros_like(delta)), (compat, delta)
+
+
 # -- the anchors' harness (bench/onebit_anchor.py ran DeepSpeed 0.16.5 through the same loop) ----------
 
 
