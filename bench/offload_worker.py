@@ -110,6 +110,10 @@ def offload_counters(*sources: Any) -> dict[str, float] | None:
             out["master_from_gathers_bytes"] = out.get("master_from_gathers_bytes", 0) + int(
                 s.master_from_gathers_bytes
             )
+            # and the pass's first shard, copied from the master ranges the step stored
+            out["gather_from_step_bytes"] = out.get("gather_from_step_bytes", 0) + int(
+                s.gathers_from_step_bytes
+            )
         if hasattr(s, "stepped_in_backward"):  # sub-groups stepped during backward (early_step)
             out["in_backward"] = out.get("in_backward", 0) + int(s.stepped_in_backward)
     return out

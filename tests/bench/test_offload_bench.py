@@ -164,6 +164,7 @@ def test_counters_walk_nested_snapshots_once() -> None:
         prefetch_hits: int
         prefetch_misses: int
         master_from_gathers_bytes: int = 0
+        gathers_from_step_bytes: int = 0
 
     @dataclasses.dataclass(frozen=True)
     class Eng:
@@ -269,9 +270,17 @@ def test_paramopt_bytes_line_counts_assembled_master_ranges_as_reads_saved() -> 
     params = 1_000_000  # 4 MB of fp32 shards over all ranks
     row = {
         "params": params,
-        "swap_bytes_per_step": {"param_read": 8e6, "master_from_gathers": 4e6, "param_written": 4e6},
+        "swap_bytes_per_step": {
+            "param_read": 7e6,
+            "master_from_gathers": 4e6,
+            "gather_from_step": 1e6,
+            "param_written": 4e6,
+        },
     }
     (line,) = _paramopt_bytes(row)
-    assert "read 8 MB + master ranges assembled from the gathers' shards 4 MB = 12 MB = 3.00x" in line
+    assert (
+        "read 7 MB + master ranges assembled from the gathers' shards 4 MB + the pass's first shard" in line
+    )
+    assert "kept from the step 1 MB = 12 MB = 3.00x" in line
     assert "written 4 MB = 1.00x" in line
     assert _paramopt_bytes({"params": params, "swap_bytes_per_step": {"optimizer_read": 1.0}}) == []

@@ -41,8 +41,10 @@ class TraceReadAhead:
         unit_of: Callable[[int], Unit | None],
         capacity: Callable[[], int],
         cost: Callable[[Unit], int] = lambda unit: 1,
+        served: Callable[[Unit], bool] = lambda unit: False,
     ) -> None:
         self._read = read
+        self._served = served  # the unit's next gather takes its shard from elsewhere: no read ahead
         self._discard = discard
         self._unit_of = unit_of
         self._capacity = capacity
@@ -102,10 +104,35 @@ class TraceReadAhead:
         assert self._trace is not None
         while pos < len(self._trace):
             unit = self._unit_of(self._trace[pos])
-            if unit is not None and not (unit.persistent and unit.gathered):
+            if unit is not None and not (unit.persistent and unit.gathered) and not self._served(unit):
                 break
             pos += 1
         return pos
+
+    def first(self) -> Unit | None:
+        """The unit whose shard the next pass reads first (the trace `begin_pass` will adopt), None
+        before a pass was recorded."""
+        trace = (
+            self._recording if self._recording and (self._trace is None or self._deviated) else self._trace
+        )
+        for index in trace or ():
+            unit = self._unit_of(index)
+            if unit is not None and not (unit.persistent and unit.gathered):
+                return unit
+        return None
+
+    def passed(self, unit: Unit) -> None:
+        """``unit``'s gather took its shard from elsewhere, without a read (it is no longer
+        ``served``): record it and move past its trace position."""
+        if self._in_pass:
+            self._recording.append(unit.index)
+        if self._following and self._trace is not None:
+            self._cursor = self._skip(self._cursor)
+            if self._cursor < len(self._trace) and self._trace[self._cursor] == unit.index:
+                self._cursor += 1
+            else:
+                self._following = False
+                self._deviated = True
 
     def top_up(self) -> None:
         """Keep reads submitted for the next trace positions, as many as their buffers fit (off the

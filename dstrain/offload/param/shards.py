@@ -11,7 +11,11 @@ end to end (the group's ``offsets``), as in the resident layout:
   own order, whatever the gather prefetch depth, a unit used in forward and backward once per
   use); a gather copies the shard out of its buffer, which goes back to the pool unwritten at
   once. Each read-ahead buffer is consumed by exactly one gather, so a shard is read once per
-  gather. Shards are written once per step, after the optimizer.
+  gather. Shards are written once per step, after the optimizer. With `holds_master` at fp32 the
+  pass's first gather is the exception: the step's last master writes are its shard's (a GPT's
+  embedding is final last in backward and gathered first in forward), so that shard is kept as
+  the step stores it (`_stepped_range`) and the gather copies it instead of waiting for those
+  writes and reading the bytes back (``gathers_from_step``).
 
 The fp32 master: resident (a tensor of the group) unless `holds_master` (parameters and optimizer
 state both on NVMe): then `OffloadAdam` reads and writes it sub-group by sub-group through the
@@ -91,6 +95,11 @@ class ParamStoreStatistics:
     the file (fp32 with `holds_master`, during backward: `SwappedMaster.capture`)."""
     master_from_gathers_bytes: int = 0
     """Their page-rounded bytes: what reading them would have cost."""
+    gathers_from_step: int = 0
+    """Of ``prefetch_hits``, gathers that copied their shard from the master ranges the step before
+    had just stored (the pass's first unit, fp32 with `holds_master`) instead of reading it back."""
+    gathers_from_step_bytes: int = 0
+    """Their shards' page-rounded bytes: what reading them would have cost."""
 
 
 class OffloadedShards(ShardStore):
@@ -149,12 +158,17 @@ class OffloadedShards(ShardStore):
                 self._swapper.buffers - (self._lent if self._ahead.in_pass else 0) if self._swapper else 0
             ),
             lambda unit: len(self._pieces(unit)),
+            self._kept_whole,
         )
+        # fp32 with `holds_master`: the shard of the unit the next pass gathers first, as the step
+        # stored it (`_stepped_range`): (unit index, (shard,) values, {range start: elements kept})
+        self._kept: tuple[int, torch.Tensor, dict[int, int]] | None = None
         self._lent = 0  # shard-pool buffers the read-ahead leaves to the optimizer (`_lend`)
         self._unit_group: dict[int, ShardGroup] = {}
         self._stall = 0.0
         self._hits = self._misses = 0
         self._shard_writes = 0
+        self._from_step = self._from_step_bytes = 0
         self.buffer_bytes = 0
         from dstrain.offload.metrics import register_offload
 
@@ -282,6 +296,7 @@ class OffloadedShards(ShardStore):
                 release_reads=self._release_reads,
                 lend=self._lend,
                 will_gather=self._ahead.will_read,
+                on_stored=self._stepped_range if self._mfile is None else None,
             )
 
     def _pieces_pool(self, units: Sequence[Unit], room: int, size: int, count: int) -> tuple[int, int]:
@@ -309,6 +324,30 @@ class OffloadedShards(ShardStore):
     def _master_stored(self, group: int, start: int, values: torch.Tensor) -> None:
         assert self.master is not None
         self.master.stream_shard(group, start, values)
+
+    def _stepped_range(self, group: int, start: int, values: torch.Tensor) -> None:
+        """fp32 with `holds_master`: master elements ``[start, start + values.numel())`` of ``group``,
+        just stepped, are about to be written. Keep the part in the shard of the unit the next pass
+        gathers first: the forward's first gather would otherwise wait for the step's last writes
+        and read those bytes back (the 110M GPT's tied embedding: 49 MB per rank, most of the
+        gathers' stall), where it copies them from here (`_kept_whole`)."""
+        unit = self._ahead.first()
+        if unit is None or self._unit_group[unit.index].index != group:
+            return
+        off, n = self._unit_group[unit.index].offsets[unit.index], unit.layout.shard
+        lo, hi = max(start, off), min(start + values.numel(), off + n)
+        if lo >= hi:
+            return
+        if self._kept is None or self._kept[0] != unit.index:
+            self._kept = (unit.index, torch.empty(n, dtype=torch.float32), {})
+        self._kept[1][lo - off : hi - off].copy_(values[lo - start : hi - start])
+        self._kept[2][start] = hi - lo  # a sub-group's range: the same start, step after step
+
+    def _kept_whole(self, unit: Unit) -> bool:
+        """Whether `_stepped_range` kept every element of ``unit``'s shard (its next gather copies
+        them, the read-ahead skips its read)."""
+        kept = self._kept
+        return kept is not None and kept[0] == unit.index and sum(kept[2].values()) == unit.layout.shard
 
     def _lend(self, buffers: int) -> None:
         """The shard read-ahead counts ``buffers`` fewer pool buffers as its own (the optimizer's
@@ -344,6 +383,7 @@ class OffloadedShards(ShardStore):
         behind (later reads of those pages wait for the writes, on the loop thread)."""
         assert self._swapper is not None
         self._cancel_queue()  # read-ahead left over from the last pass must not hold the buffers
+        self._kept = None  # the shards change: a kept shard is stale
         per = (self.buffer_bytes // ALIGN) * ALIGN // self._esize
         futs = []
         for start in range(0, group.total, per):
@@ -420,19 +460,30 @@ class OffloadedShards(ShardStore):
             own.copy_(self._host[group.index][off : off + unit.layout.shard])
             return own
         assert self._swapper is not None
-        fut = self._ahead.take(unit)  # read ahead along the recorded order, or now
-        if fut.done():
+        kept, whole = self._kept, self._kept_whole(unit)
+        if kept is not None and kept[0] == unit.index:
+            self._kept = None  # used once (the file has the same values for the later gathers)
+        if whole:
+            assert kept is not None
+            own.copy_(kept[1])  # as the step stored it, no read
             self._hits += 1
+            self._from_step += 1
+            self._from_step_bytes += sum(p[1] for p in self._pieces(unit))
+            self._ahead.passed(unit)
         else:
-            self._misses += 1
-            t0 = time.perf_counter()
-            concurrent.futures.wait([fut])
-            self._stall += time.perf_counter() - t0
-        leases = fut.result()
-        for lease, (p, _, e0, n) in zip(leases, self._pieces(unit), strict=True):
-            at = self._base[group.index] + (off + e0) * self._esize - p  # its first byte in the buffer
-            own[e0 : e0 + n].copy_(lease.view(self.dtype, at, n))
-        self._discard(leases)  # unchanged: back to the pool without a write
+            fut = self._ahead.take(unit)  # read ahead along the recorded order, or now
+            if fut.done():
+                self._hits += 1
+            else:
+                self._misses += 1
+                t0 = time.perf_counter()
+                concurrent.futures.wait([fut])
+                self._stall += time.perf_counter() - t0
+            leases = fut.result()
+            for lease, (p, _, e0, n) in zip(leases, self._pieces(unit), strict=True):
+                at = self._base[group.index] + (off + e0) * self._esize - p  # its first byte in the buffer
+                own[e0 : e0 + n].copy_(lease.view(self.dtype, at, n))
+            self._discard(leases)  # unchanged: back to the pool without a write
         if self.master is not None and self.master.file is None:  # fp32: the shard is master too
             self.master.capture(group.index, off, own, unit.index)
         self._ahead.top_up()  # its buffers are free again: read the next shards of the trace into them
@@ -479,6 +530,7 @@ class OffloadedShards(ShardStore):
             return
         self._ahead.end_pass()
         self._cancel_queue()  # the shard buffers are the load's now
+        self._kept = None
         assert self.master is not None and self._swapper is not None
         if self.master.file is None:
             self._write_group(group, fill)  # at fp32 the shards are the master
@@ -494,6 +546,7 @@ class OffloadedShards(ShardStore):
         old values and go back to the pool unused."""
         start, n = group.offsets[unit.index], unit.layout.shard
         self._cancel_queue()
+        self._kept = None  # a kept shard holds the values before this write
         if not self.holds_master:
             group.master.detach()[start : start + n].copy_(values)  # resident
         if self.device == "cpu":
@@ -536,6 +589,8 @@ class OffloadedShards(ShardStore):
             master_reads=self.master.reads if self.master is not None else 0,
             master_from_gathers=self.master.from_gathers if self.master is not None else 0,
             master_from_gathers_bytes=self.master.from_gathers_bytes if self.master is not None else 0,
+            gathers_from_step=self._from_step,
+            gathers_from_step_bytes=self._from_step_bytes,
             master_writes=self.master.writes if self.master is not None else 0,
             shard_writes=self._shard_writes + (self.master.shard_writes if self.master is not None else 0),
             pinned_budget=self._budget

@@ -68,6 +68,7 @@ class SwappedMaster:
         release_reads: Callable[[], None],
         lend: Callable[[int], None],
         will_gather: Callable[[Unit], bool] = lambda unit: False,
+        on_stored: Callable[[int, int, torch.Tensor], None] | None = None,
     ) -> None:
         self.file = file
         self._swapper = swapper
@@ -79,6 +80,7 @@ class SwappedMaster:
         self._release_reads = release_reads
         self._lend = lend
         self._will_gather = will_gather
+        self._on_stored = on_stored  # fp32: (group, start, new values) of a range about to be written
         self._assembling: list[_Assembly] = []  # master ranges waiting for the gathers' shards
         self._unfinished: set[concurrent.futures.Future[Any]] = set()  # their results, until set
         self._streams: dict[int, ShardStream] = {}  # group -> its shard file rewrite in progress
@@ -123,7 +125,7 @@ class SwappedMaster:
             assembly = self._assemble(g, start, numel, off, nbytes)
             if assembly is not None:
                 return assembly.result
-        return self._swapper.fetch_view(off, nbytes, at, numel, key=(g.index, off, nbytes))
+        return self._swapper.fetch_view(off, nbytes, at, numel, key=(g.index, off, nbytes, start, numel, at))
 
     def _assemble(self, g: ShardGroup, start: int, numel: int, off: int, nbytes: int) -> _Assembly | None:
         """An assembly of master elements ``[start, start + numel)`` of ``g`` from the shards of the
@@ -186,7 +188,8 @@ class SwappedMaster:
         while self._assembling:
             a = self._assembling.pop(0)
             g = self._groups[a.group]
-            a.instead(self._swapper.fetch_view(a.off, a.nbytes, 0, a.numel, key=(g.index, a.off, a.nbytes)))
+            key = (g.index, a.off, a.nbytes, a.start, a.numel, 0)
+            a.instead(self._swapper.fetch_view(a.off, a.nbytes, 0, a.numel, key=key))
 
     def lend_master_buffers(self) -> int:
         """Set aside buffers for the master ranges read and written during backward (stepping during
@@ -213,7 +216,9 @@ class SwappedMaster:
         if self.file is not None:
             fut = self.file.store(lease)  # and the half-precision shard, via `stream_shard`
         else:
-            key: Any = lease.key  # (group, file offset, bytes), set by fetch_master
+            key: Any = lease.key  # (group, file offset, bytes, first element, elements, byte in buffer)
+            if self._on_stored is not None:
+                self._on_stored(int(key[0]), int(key[3]), lease.view(torch.float32, int(key[5]), int(key[4])))
             fut = self._swapper.store_range(lease, int(key[1]), int(key[2]))
         # a checkpoint reads the master's region after these (`checkpoint_master`)
         self._stores = [f for f in self._stores if not f.done()]
@@ -318,7 +323,7 @@ class _Assembly:
                 self.result.set_exception(exc)
                 return
             lease = f.result()
-            lease.key = (self.group, self.off, self.nbytes)
+            lease.key = (self.group, self.off, self.nbytes, self.start, self.numel, 0)
             view = lease.view(torch.float32, 0, self.numel)
             view.copy_(self.values)
             lease.tensor[self.numel * 4 : self.nbytes].zero_()

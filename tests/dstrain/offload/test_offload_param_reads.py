@@ -99,6 +99,7 @@ def _check_reads(root: str, prefetch: int, device: str) -> None:
         g = torch.Generator().manual_seed(0)
         per_step = []
         saved = 0
+        kept: list[int] = []
         for _ in range(STEPS):
             gathers.clear()
             before, b_st = store.statistics().swapper, store.statistics()
@@ -106,9 +107,13 @@ def _check_reads(root: str, prefetch: int, device: str) -> None:
             engine.backward(engine(x, y))
             engine.step()
             after, a_st = store.statistics().swapper, store.statistics()
-            # master ranges assembled from the backward gathers' shards are not read from the file
+            # master ranges assembled from the backward gathers' shards are not read from the file,
+            # nor the pass's first shard, copied from the master ranges the step before stored
             n_saved = a_st.master_from_gathers - b_st.master_from_gathers
             b_saved = a_st.master_from_gathers_bytes - b_st.master_from_gathers_bytes
+            kept.append(a_st.gathers_from_step - b_st.gathers_from_step)
+            n_saved += kept[-1]
+            b_saved += a_st.gathers_from_step_bytes - b_st.gathers_from_step_bytes
             saved += n_saved
             per_step.append(
                 (after.read_bytes - before.read_bytes + b_saved, after.reads - before.reads + n_saved)
@@ -123,6 +128,7 @@ def _check_reads(root: str, prefetch: int, device: str) -> None:
         st = store.statistics()
         assert st.prefetch_hits > 0  # the read-ahead was used
         assert saved > 0  # some steps' master ranges came from the gathers (the pass followed its order)
+        assert kept == [0] + [1] * (STEPS - 1)  # each pass after the first: its first gather
         assert st.pinned_bytes <= st.pinned_budget
     finally:
         engine.close()
@@ -171,12 +177,15 @@ def _train(
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
-            if offloaded:  # (read, master bytes assembled from gathers instead) this step
+            if offloaded:  # (read, bytes not read: master ranges from gathers, the first shard from the step)
                 st1 = store.statistics()
                 info["read_per_step"].append(
                     (
                         st1.swapper.read_bytes - st0.swapper.read_bytes,
-                        st1.master_from_gathers_bytes - st0.master_from_gathers_bytes,
+                        st1.master_from_gathers_bytes
+                        - st0.master_from_gathers_bytes
+                        + st1.gathers_from_step_bytes
+                        - st0.gathers_from_step_bytes,
                     )
                 )
         params = [t.clone() for t in engine.full_state_dict().values()]
@@ -421,3 +430,33 @@ def test_master_ranges_assemble_from_units_gathered_ahead_of_backward(tmp_path) 
     # the first step records the order, the second the order backward finishes the sub-groups in;
     # from then on most master bytes come from the gathered units (84-100% measured; 4% before)
     assert sum(saved[2:]) >= len(saved[2:]) * master_bytes // 2, (saved, master_bytes)
+
+
+def test_the_first_shard_kept_from_the_step_goes_when_a_checkpoint_replaces_the_shards(tmp_path) -> None:
+    """fp32, parameters + optimizer on NVMe: the pass's first gather copies its shard from the master
+    ranges the step before stored (`gathers_from_step`), not from the file. Loading a checkpoint
+    between steps rewrites the shard file: that kept copy holds the values before the load and must
+    not be used; the next forward computes the checkpoint's loss."""
+    torch.manual_seed(0)
+    engine, optimizer, _, _ = dstrain.initialize(model=_MLP(), config=_config(str(tmp_path / "swap"), 0))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, DIM, generator=g), torch.randn(4, DIM, generator=g)) for _ in range(4)]
+    try:
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            if i == 2:
+                engine.save_checkpoint(str(tmp_path / "ckpt"))
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        st = engine.zero.store.statistics()
+        assert st.gathers_from_step == len(batches) - 1  # each pass after the first
+        engine.load_checkpoint(str(tmp_path / "ckpt"))  # the values after step 1 again
+        with torch.no_grad():
+            again = float(engine(*batches[2]).detach())
+        assert again == losses[2]
+        assert engine.zero.store.statistics().gathers_from_step == st.gathers_from_step  # read from the file
+    finally:
+        engine.close()
+        optimizer.close()
