@@ -223,9 +223,9 @@ class Stage3Zero(ZeroStrategy):
         target = group.master_grad[off : off + n]
 
         def add() -> None:
-            # the gradient partition may live in host memory (ZeRO-Offload): copied out as it is
-            # reduced; on the same device .to() is the tensor itself (the same add_)
-            target.add_(out.to(target.device), alpha=1.0 / dp)
+            # the gradient partition may live in host memory (ZeRO-Offload): the store copies it out
+            # as it is reduced; on the same device the same add_
+            self.store.add_grad(target, out, 1.0 / dp)
             self._reduced(group.index, off, n)
 
         self._queue.push(handle, add)

@@ -141,6 +141,12 @@ class ShardStore:
         the last pass did, unless the model's control flow changed (a store may read ahead)."""
         return None
 
+    def add_grad(self, target: torch.Tensor, grad: torch.Tensor, alpha: float) -> None:
+        """``target += alpha * grad``: a unit's reduce-scattered gradient ``grad`` (the compute dtype,
+        on the training device) into its range ``target`` of a group's fp32 gradient partition
+        (`new_master_grad`'s, which a store may keep elsewhere: `HostMasterShards` stages the copy)."""
+        target.add_(grad.to(target.device), alpha=alpha)
+
     def after_step(self, group: ShardGroup) -> None:
         """The optimizer updated ``group.master``: make the shards match."""
         if not group.alias:

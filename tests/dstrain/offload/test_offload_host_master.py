@@ -105,3 +105,34 @@ def test_on_cuda_master_and_gradients_live_on_the_host(monkeypatch, tmp_path, bf
     assert ref["master_devices"] == ref["grad_devices"] == {"cuda"}
     assert got["gpu_peak"] < ref["gpu_peak"]
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-2 if bf16 else 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_staged_copies_between_host_and_device_are_exact(monkeypatch, dtype) -> None:
+    """The copies through page-locked staging (gradients out, stepped master back) in several pieces
+    each, both staging buffers in turn: the same values as the plain cross-device ops they replace."""
+    import dstrain.offload.param.host_master as hm
+    from dstrain.zero.units import ShardStore
+
+    monkeypatch.setattr(hm, "STAGE_BYTES", 4096)  # 1,024 fp32 / 2,048 half elements a piece
+    store = HostMasterShards(pin_memory=True)
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(10_001, generator=g).to(dtype).cuda()  # 10 pieces and a tail
+    target = torch.randn(10_001, generator=g).pin_memory()
+    want = target.clone()
+    ShardStore().add_grad(want, grad, 0.5)  # the plain path: .to() then add_
+    store.add_grad(target, grad, 0.5)
+    assert torch.equal(target, want)
+
+    class Group:  # what after_step reads of a ShardGroup
+        total = 10_001
+        shards = torch.zeros(10_001, dtype=dtype, device="cuda")
+        master = torch.randn(10_001, generator=g).pin_memory()
+        device = torch.device("cuda")
+        alias = False
+
+    store.after_step(Group)  # type: ignore[arg-type]
+    assert torch.equal(Group.shards.cpu(), Group.master.to(dtype))
+    assert store.pinned_bytes == 2 * 4096
