@@ -86,6 +86,30 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             shutil.rmtree(run["base"], ignore_errors=True)
 
 
+# Directories whose test files share one computation across modules (not a module fixture, which
+# --dist loadfile keeps on one worker): each goes to one xdist worker whole, or every worker that got
+# one of its files would compute it again.
+_ONE_WORKER_DIRS = (
+    "tests/dstrain/onebit/",  # _onebit_workers.shared_runs: ONE 2-rank group runs every module's workers
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist loadfile`` (`make test`): whole files to a worker, each of `_ONE_WORKER_DIRS` as one."""
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own scheduler for the mode asked for
+    from xdist.scheduler import LoadFileScheduling
+
+    class _Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return next((d for d in _ONE_WORKER_DIRS if nodeid.startswith(d)), None) or super()._split_scope(
+                nodeid
+            )
+
+    return _Scheduling(config, log)
+
+
 def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     try:
         import uvloop
