@@ -94,9 +94,32 @@ _ONE_WORKER_DIRS = (
 )
 
 
+# The longest files, handed out first so that no worker is left alone with one at the end (xdist's own
+# order is by number of tests, which puts test_demo's single 1-2 minute test last). Longest first, by
+# their seconds in a whole `make test` on 2 workers (2026-12-01, load ~12); the order only balances the
+# workers: a file missing here, or one no longer long, costs balance, never a result.
+_LONG_FILES = (
+    "tests/dstrain/zero/test_zero_parity.py",
+    "tests/dstrain/dist/test_exit_teardown.py",
+    "tests/dstrain/zero/test_zero_init_memory.py",
+    "tests/test_demo.py",
+    "tests/dstrain/checkpoint/test_checkpoint_reshape.py",
+    "tests/test_readme_blocks.py",
+    "tests/dstrain/onebit/",
+    "tests/dstrain/checkpoint/test_engine_checkpoint.py",
+    "tests/bench/test_activation_checkpointing_bench.py",
+    "tests/test_collection.py",
+    "tests/dstrain/offload/test_offload_grads.py",
+    "tests/dstrain/integrations/test_hf_trainer.py",
+    "tests/dstrain/offload/test_offload_param_reads.py",
+    "tests/dstrain/offload/test_offload_cgroup.py",
+)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under ``--dist loadfile`` (`make test`): whole files to a worker, each of `_ONE_WORKER_DIRS` as one."""
+    """Under ``--dist loadfile`` (`make test`): whole files to a worker, each of `_ONE_WORKER_DIRS` as one,
+    in the workers' collection order (`_LONG_FILES` first)."""
     if config.getvalue("dist") != "loadfile":
         return None  # xdist's own scheduler for the mode asked for
     from xdist.scheduler import LoadFileScheduling
@@ -107,7 +130,28 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                 nodeid
             )
 
+    config.option.loadscopereorder = False  # the workers' order (below); xdist's sorts by number of tests
     return _Scheduling(config, log)
+
+
+_LONG_FIRST = "dsio_long_files_first"  # workerinput: the controller schedules with _Scheduling above
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:  # xdist controller, before it starts a worker
+    node.workerinput[_LONG_FIRST] = node.config.getvalue("dist") == "loadfile"  # a worker's "dist" is "no"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker under ``--dist loadfile``: `_LONG_FILES` first (the controller hands the files
+    out in the order its workers collected them). A stable sort by file: a file's tests stay together
+    and in order; every worker sorts alike, as the controller requires."""
+    if getattr(config, "workerinput", {}).get(_LONG_FIRST):
+
+        def rank(item: pytest.Item) -> int:
+            return next((i for i, f in enumerate(_LONG_FILES) if item.nodeid.startswith(f)), len(_LONG_FILES))
+
+        items.sort(key=rank)
 
 
 def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
