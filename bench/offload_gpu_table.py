@@ -70,7 +70,8 @@ def _run(name: str, raw: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
         return raw  # DeepSpeed's JSON, or the driver's record of a run that wrote none
     r = dict(raw["result"])
     meta = raw.get("meta", {})
-    out["meta"] = out["meta"] or meta
+    if not out["meta"] or (out["meta"].get("sizing") and not meta.get("sizing")):
+        out["meta"] = meta  # the header describes the 1.07B GPT: a big run's sizing only if alone
     if meta.get("sizing"):
         r["sizing"] = meta["sizing"]
     if "params" in r and "gpu_peak_gib" in r:  # (older runs: bytes/param from the peak)
