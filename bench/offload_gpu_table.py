@@ -276,8 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit", default="?")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--json", default=None, help="also the loaded runs as JSON (README's offload-gpu block reads it)"
+    )
     a = p.parse_args(argv)
-    text = render(load(Path(a.dir)), a.commit, a.warmup)
+    data = load(Path(a.dir))
+    text = render(data, a.commit, a.warmup)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"commit": a.commit, "data": data}, indent=1, default=str))
     if a.out:
         Path(a.out).write_text(text)
     print(text)

@@ -447,7 +447,54 @@ def render_activation_checkpointing(src: dict[str, Any], source: str) -> str:
     )
 
 
+def render_offload_gpu(src: dict[str, Any], source: str) -> str:
+    """bench/offload_gpu_table.py --json: dstrain vs DeepSpeed per offload mode on one GPU."""
+    data, commit = _get(src, "data"), src.get("commit", "?")
+    meta = data.get("meta") or {}
+    modes = (
+        ("cpu", "optimizer state on the CPU"),
+        ("optimizer", "optimizer state on NVMe"),
+        ("both", "parameters + optimizer state on NVMe"),
+        ("big", "the largest model the disk holds, everything on NVMe"),
+    )
+
+    def peak(r: dict[str, Any]) -> str:
+        return f"{r['gpu_peak_gib']:.1f} ({r['gpu_bytes_per_param']:.2f})" if r.get("gpu_peak_gib") else "-"
+
+    def tok(r: dict[str, Any] | None) -> str:
+        if not r:
+            return "not run"
+        if r.get("tokens_per_s"):
+            return f"{r['tokens_per_s']:,.0f}"
+        return "failed" if r.get("error") else "not run"
+
+    lines = [
+        f"`{source}` ({meta.get('date', '?')}, {meta.get('gpu', 'GPU')}, code at {commit}): tokens/s and GPU peak "
+        "over the training steps, GiB (bytes per parameter), one run each, interleaved.",
+        "",
+        "| mode | params | dstrain tokens/s | DeepSpeed tokens/s | dstrain / DeepSpeed | dstrain GPU peak | DeepSpeed GPU peak |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, what in modes:
+        d, s = data.get(f"dstrain-{mode}"), data.get(f"deepspeed-{mode}")
+        if not (d and d.get("tokens_per_s")) and not (s and s.get("tokens_per_s")):
+            continue
+        ratio = (
+            f"{d['tokens_per_s'] / s['tokens_per_s']:.2f}x"
+            if d and s and d.get("tokens_per_s") and s.get("tokens_per_s")
+            else "-"
+        )
+        n = (d or s or {}).get("params", 0)
+        ds = "-" if mode == "big" else tok(s)
+        lines.append(
+            f"| {what} | {n / 1e9:.2f}B | {tok(d)} | {ds} | {ratio} | {peak(d or {})} | "
+            f"{peak(s or {}) if mode != 'big' else '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str], str]] = {
+    "offload-gpu": render_offload_gpu,
     "activation-checkpointing": render_activation_checkpointing,
     "io-read-path": render_io_read_path,
     "io-tuned": render_io_tuned,
