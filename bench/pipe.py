@@ -443,6 +443,11 @@ def main() -> None:
     if a.worker:
         res = WORKERS[a.worker](a)
         Path(f"{a.out}.{res['rank']}.json").write_text(json.dumps(res))
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # torch's DDP baseline has no close: a live gloo group at interpreter
+            dist.barrier()  # exit can abort ("terminate called without an active exception", seen in
+            dist.destroy_process_group()  # 1 of 4 --quick runs); dstrain's own exit hook does this itself
         return
     sys.path.insert(0, str(ROOT))  # the orchestrator imports bench._common
     from bench._common import deepspeed_python
