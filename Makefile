@@ -64,9 +64,14 @@ prometheus:
 # (loadfile: a module's fixture, e.g. a checkpoint trained once for its tests, is made once). In one
 # process the suite keeps about one core busy (~555 CPU-s over its ~547 s on this 2-core machine, much
 # of the wall spent waiting on launched ranks and interpreters): two workers fill the second core.
+# Then the tests marked `alone` (a latency they measure is what tests beside them would spoil) run by
+# themselves in one process; make fails if either part does.
 TEST_WORKERS ?= 2
 test: setup prometheus
-	PATH="$(PROMETHEUS_DIR)/bin:$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	export PATH="$(PROMETHEUS_DIR)/bin:$$PATH"; rc=0; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone" || rc=$$?; \
+	$(BIN)/python -m pytest -q -m alone || rc=$$?; \
+	exit $$rc
 
 lint: setup
 	$(BIN)/ruff check dsio dstrain tests bench examples demo scripts/readme_numbers.py
