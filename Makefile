@@ -61,9 +61,9 @@ prometheus:
 	@bash scripts/install_prometheus.sh >/dev/null || echo "make: no Prometheus here; tests/dsio/test_grafana.py will skip"
 
 # The suite on TEST_WORKERS pytest-xdist workers (0: in this one process). Whole files go to a worker
-# (loadfile: a module's fixture, e.g. a checkpoint trained once for its tests, is made once). In one
-# process the suite keeps about one core busy (~555 CPU-s over its ~547 s on this 2-core machine, much
-# of the wall spent waiting on launched ranks and interpreters): two workers fill the second core.
+# (loadfile: a module's fixture, e.g. a checkpoint trained once for its tests, is made once). Much of a
+# test's wall is spent waiting on launched 2-rank groups and interpreters: a second worker runs another
+# file meanwhile (~630 CPU-s for the whole suite; measured: bench/results/suite-time-2026-12-01.md).
 # Then the tests marked `alone` (a latency they measure is what tests beside them would spoil) run by
 # themselves in one process; make fails if either part does.
 TEST_WORKERS ?= 2
