@@ -10,11 +10,21 @@ gpu -> _op (types only).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 from ._backends import open_engine
 from ._dispatch import READ, Dispatcher
 from ._stats import HandleStatistics, IOEngineStatistics
-from ._transfer import FileRef, TransferCounters, check_readable, direct_whole, submit_one, transfer
+from ._transfer import (
+    DIRECT,
+    FRESH,
+    FileRef,
+    TransferCounters,
+    check_readable,
+    submit_one,
+    transfer,
+    whole_route,
+)
 from ._tuning import SWITCHES
 from .config import IOConfig
 from .errors import ClosedError, IOFailedError
@@ -77,21 +87,26 @@ class Operations:
         """Accounting of one user operation (in flight, counts, errors) as a cheap context manager."""
         return _OpScope(self, op, n)
 
-    def fast(self, op: int, ref: FileRef, ptr: int, n: int, off: int, keep: object) -> asyncio.Future | None:
-        """The common case as one O_DIRECT request with no coroutine of its own: memory, offset
-        and length 4096-aligned. None when the transfer needs the general path."""
-        if not direct_whole(ref, op, ptr, n, off):
-            return None  # unaligned, or fresh memory (staged, faulted in on the copier threads)
+    def start(self, op: int, ref: FileRef, ptr: int, n: int, off: int, keep: object) -> Awaitable[object]:
+        """One transfer, its route decided once (`whole_route`). The common case, memory, offset and
+        length 4096-aligned, is one O_DIRECT request submitted now with no coroutine of its own
+        (its future is returned); the others return the general path's coroutine, told whether the
+        aligned destination is fresh memory so it does not probe again."""
+        route = whole_route(ref, op, ptr, n, off)
+        if route != DIRECT:  # unaligned, or fresh memory (staged, faulted in on the copier threads)
+            return self._general(op, ref, ptr, n, off, keep, True if route == FRESH else None)
         if op == READ:
             check_readable(ref, n, off)
         fut = submit_one(self.disp, ref, op, ptr, n, off, keep)
         self.counters.direct += n
         return fut
 
-    async def general(self, op: int, ref: FileRef, ptr: int, n: int, off: int, keep: object) -> None:
+    async def _general(
+        self, op: int, ref: FileRef, ptr: int, n: int, off: int, keep: object, fresh: bool | None
+    ) -> None:
         if op == READ:
             check_readable(ref, n, off)
-        await transfer(self.disp, self.pool, ref, op, ptr, n, off, keep, self.counters)
+        await transfer(self.disp, self.pool, ref, op, ptr, n, off, keep, self.counters, fresh=fresh)
 
     def begin(self) -> None:
         self.in_flight += 1

@@ -43,6 +43,7 @@ __all__ = [
     "read_fresh",
     "submit_one",
     "transfer",
+    "whole_route",
 ]
 
 #: Reads of at least this many bytes have their destination populated ahead of the I/O by the
@@ -69,13 +70,19 @@ def fresh(ptr: int, nbytes: int) -> bool:
     return True
 
 
-def direct_whole(ref: FileRef, op: int, ptr: int, nbytes: int, offset: int) -> bool:
-    """Whether the whole transfer is one O_DIRECT request: memory, offset and length 4096-aligned,
-    and not a large read into fresh memory (that is staged: ``SWITCHES.fresh_staged``). The one place that
-    decides "direct or not" for a whole request; `transfer` splits the others."""
+DIRECT, FRESH, SPLIT = "direct", "fresh", "split"
+"""The routes of a whole request (`whole_route`)."""
+
+
+def whole_route(ref: FileRef, op: int, ptr: int, nbytes: int, offset: int) -> str:
+    """How a whole request goes, decided once (the one place that decides "direct or not"):
+    ``DIRECT``, one O_DIRECT request (memory, offset and length 4096-aligned); ``FRESH``, aligned
+    but a large read into fresh memory, staged (``SWITCHES.fresh_staged``): `transfer` is told so
+    (``fresh=True``) and does not probe again; ``SPLIT``, for `transfer` to split (unaligned,
+    buffered or empty)."""
     if not ref.direct or nbytes == 0 or (ptr | offset | nbytes) & (ALIGNMENT - 1):
-        return False
-    return not read_fresh(op, ptr, nbytes)
+        return SPLIT
+    return FRESH if read_fresh(op, ptr, nbytes) else DIRECT
 
 
 def read_fresh(op: int, ptr: int, nbytes: int) -> bool:
@@ -191,8 +198,14 @@ async def transfer(
     offset: int,
     keep: object,
     counters: TransferCounters,
+    *,
+    fresh: bool | None = None,
 ) -> None:
     """Move ``nbytes`` between memory at ``ptr`` and ``ref`` at ``offset``; raise if any part fails.
+
+    ``fresh``: `whole_route` already found this whole aligned request a read into fresh memory
+    (True) or not (False); None (unaligned requests, the GPU path's buffers): `transfer` probes the
+    aligned body itself.
 
     Returns or raises only when every request it submitted has finished (``_gather.wait_all``
     with ``drain``): after a failed piece, a refused submission or the caller's cancellation,
@@ -208,9 +221,11 @@ async def transfer(
     body_start = min(_align_up(offset), end)
     body_end = max(_align_down(end), body_start)
     body_ptr = ptr + (body_start - offset)
-    fresh_dst = body_ptr % ALIGNMENT == 0 and read_fresh(op, body_ptr, body_end - body_start)
-    # (a wholly aligned request is one O_DIRECT body below; handles take it without this coroutine:
-    # `direct_whole`, asked once by dsio._op.Operations.fast)
+    if fresh is None:
+        fresh = body_ptr % ALIGNMENT == 0 and read_fresh(op, body_ptr, body_end - body_start)
+    fresh_dst = fresh
+    # (a wholly aligned request that is not fresh is one O_DIRECT request that handles submit
+    # without this coroutine: `whole_route`, asked once by dsio._op.Operations.start)
 
     futs: list[asyncio.Future] = []
     failed: list[asyncio.Future] = []

@@ -62,8 +62,7 @@ class AsyncFile:
         h.ready()
         off = check_range(offset, n, path=self.path)
         with h.scope(WRITE, n):
-            fut = h.fast(WRITE, ref, ptr, n, off, tensor)
-            await (fut if fut is not None else h.general(WRITE, ref, ptr, n, off, tensor))
+            await h.start(WRITE, ref, ptr, n, off, tensor)
         return n
 
     async def pread(self, tensor: torch.Tensor, offset: int = 0) -> int:
@@ -76,8 +75,7 @@ class AsyncFile:
         h.ready()
         off = check_range(offset, n)
         with h.scope(READ, n):
-            fut = h.fast(READ, ref, ptr, n, off, tensor)
-            await (fut if fut is not None else h.general(READ, ref, ptr, n, off, tensor))
+            await h.start(READ, ref, ptr, n, off, tensor)
         return n
 
     async def fsync(self) -> None:

@@ -85,3 +85,22 @@ def test_switch_off_reads_fresh_memory_directly(data, monkeypatch) -> None:  # t
     direct, staged = _read(path, dst)
     assert torch.equal(dst, src)
     assert direct == N and staged == 0
+
+
+def test_a_fresh_aligned_read_is_probed_once(data, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The route of a whole aligned read is decided once (`whole_route`): the general path it hands
+    a fresh destination to is told so instead of probing (mincore) again."""
+    probes: list[int] = []
+    probe = _transfer.fresh
+
+    def counted(ptr: int, nbytes: int) -> bool:
+        probes.append(nbytes)
+        return probe(ptr, nbytes)
+
+    monkeypatch.setattr(_transfer, "fresh", counted)
+    path, src = data
+    mm, dst = _fresh_tensor()
+    direct, staged = _read(path, dst)
+    assert torch.equal(dst, src)
+    assert staged == N and direct == 0  # it was fresh, and staged
+    assert probes == [N]
