@@ -8,7 +8,7 @@ async with dsio.AsyncIOHandle(dsio.IOConfig(queue_depth=32)) as h:
 from typing import TYPE_CHECKING
 
 from ._backends import BackendStatus, backend_status
-from ._gather import wait_all, wait_all_futures
+from ._gather import all_done, wait_all, wait_all_futures
 from ._stats import LATENCY_BUCKET_BOUNDS_S, HandleStatistics, IOEngineStatistics, OpStatistics
 from .config import ALIGNMENT, IOConfig
 from .errors import (
@@ -71,6 +71,7 @@ __all__ = [
     "TensorNotFoundError",
     "UnsupportedStateError",
     "WrongLoopError",
+    "all_done",
     "backend_status",
     "LoopThread",
     "is_exiting",

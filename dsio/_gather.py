@@ -9,16 +9,22 @@ this right in some places and not in others. Here:
 - the first failure *in submission order* is raised (deterministic), after all are done;
 - if the waiting task is cancelled, the awaitables are cancelled and waited for before the
   cancellation propagates (structured concurrency: nothing outlives the call).
+
+Three shapes of the one rule: `wait_all` (awaitables known up front), `Started` (a producer that
+starts pieces one by one and stops starting them at the first failure, e.g. chunks that each need a
+buffer), and `all_done` / `wait_all_futures` for ``concurrent.futures`` (non-blocking / blocking).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Awaitable, Iterable
-from typing import Any, TypeVar
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager, suppress
+from typing import Any, Generic, TypeVar
 
-__all__ = ["first_error", "wait_all", "wait_all_futures"]
+__all__ = ["Started", "all_done", "first_error", "started", "wait_all", "wait_all_futures"]
 
 T = TypeVar("T")
 
@@ -68,6 +74,89 @@ async def wait_all(aws: Iterable[Awaitable[T]], *, drain: bool = False) -> list[
     if exc is not None:
         raise exc
     return [f.result() for f in futs]
+
+
+class Started(Generic[T]):
+    """The pieces a producer has started so far (`started`); ``failed`` says one ended in error,
+    the cue to start no more."""
+
+    def __init__(self) -> None:
+        self.futures: list[asyncio.Future[T]] = []
+
+    def start(self, aw: Awaitable[T]) -> asyncio.Future[T]:
+        fut = asyncio.ensure_future(aw)
+        self.futures.append(fut)
+        return fut
+
+    @property
+    def failed(self) -> bool:
+        return any(f.done() and not f.cancelled() and f.exception() is not None for f in self.futures)
+
+
+@asynccontextmanager
+async def started() -> AsyncIterator[Started[Any]]:
+    """Start pieces one by one and stop at the first failure, still joining every one started::
+
+        async with started() as work:
+            for piece in pieces:
+                if work.failed:
+                    break  # start no more; those running are still waited for
+                work.start(do(piece, await pool.acquire()))
+
+    On leaving, every started piece is waited for to its end (never cancelled: like
+    ``wait_all(drain=True)``, for work that cannot be recalled, such as I/O into a buffer), then
+    the block's own exception propagates (e.g. the caller's cancellation), else the first failure
+    in start order."""
+    work: Started[Any] = Started()
+    try:
+        yield work
+    except BaseException:
+        # every piece's error retrieved; the block's own exception wins
+        with suppress(BaseException):
+            await wait_all(work.futures, drain=True)
+        raise
+    await wait_all(work.futures, drain=True)
+
+
+def all_done(
+    futures: Sequence[concurrent.futures.Future[T]], *, discard: Callable[[T], Any] | None = None
+) -> concurrent.futures.Future[list[T]]:
+    """The non-blocking twin of `wait_all_futures`: one future, done when every one of
+    ``futures`` is done, with their results in order or the first failure in order. When one
+    failed (or was cancelled, the result is then a cancellation), ``discard`` is called with each
+    other one's result (e.g. a buffer read for nothing goes back to its pool)."""
+    out: concurrent.futures.Future[list[T]] = concurrent.futures.Future()
+    futs = list(futures)
+    left = [len(futs)]
+    lock = threading.Lock()
+
+    def finish() -> None:
+        exc = first_error(futs)
+        if exc is None and not any(f.cancelled() for f in futs):
+            out.set_result([f.result() for f in futs])
+            return
+        if discard is not None:
+            for f in futs:
+                if not f.cancelled() and f.exception() is None:
+                    discard(f.result())
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.cancel()
+            out.set_running_or_notify_cancel()
+
+    def done(_: concurrent.futures.Future[T]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        finish()
+
+    if not futs:
+        out.set_result([])
+    for f in futs:
+        f.add_done_callback(done)
+    return out
 
 
 def wait_all_futures(

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._dispatch import READ, WRITE, Dispatcher
-from ._gather import first_error
+from ._gather import started
 from ._native import native
 from ._transfer import FileRef, fsync, transfer
 from .config import ALIGNMENT
@@ -210,11 +210,12 @@ class GpuIO:
         n = flat.numel()
         if op == WRITE:
             stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the data must be produced
-        tasks: list[asyncio.Task[None]] = []
-        pos = 0
-        try:
+        # A failed chunk stops the chunks from starting; those started all end (their copies and
+        # I/O use the pool's buffers and the tensor) before this returns or raises the first error.
+        async with started() as work:
+            pos = 0
             while pos < n:
-                if any(t.done() and not t.cancelled() and t.exception() for t in tasks):
+                if work.failed:
                     break
                 phase = (offset + pos) % ALIGNMENT  # keep buffer and file in the same 4 KiB phase
                 size = min(n - pos, pool.buffer_bytes - phase)
@@ -225,24 +226,10 @@ class GpuIO:
                     with torch.cuda.stream(stream):
                         view.copy_(chunk, non_blocking=True)
                     copied = disp.after_stream(stream.cuda_stream)
-                    tasks.append(
-                        asyncio.ensure_future(
-                            self._chunk_write(copied, lease, phase, size, offset + pos, ref)
-                        )
-                    )
+                    work.start(self._chunk_write(copied, lease, phase, size, offset + pos, ref))
                 else:
-                    tasks.append(
-                        asyncio.ensure_future(
-                            self._chunk_read(lease, phase, size, offset + pos, ref, chunk, stream)
-                        )
-                    )
+                    work.start(self._chunk_read(lease, phase, size, offset + pos, ref, chunk, stream))
                 pos += size
-        finally:
-            if tasks:
-                await asyncio.wait(tasks)  # every chunk ends before the transfer does
-        exc = first_error(tasks)
-        if exc is not None:
-            raise exc
 
     async def _chunk_write(
         self, copied: asyncio.Future, lease: Any, phase: int, size: int, off: int, ref: FileRef

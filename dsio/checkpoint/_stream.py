@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._gather import wait_all
+from .._gather import started, wait_all
 from .._memory import aligned_buffer, memcpy
 from ._capture import Capture, TouchOrder, plan_windows
 from ._format import TensorEntry
@@ -193,26 +193,23 @@ async def write_streamed(
                 mine.exception()
             free.put_nowait(buf)
 
-    tasks: list[asyncio.Future[None]] = []
     turn: asyncio.Future[None] = loop.create_future()
     turn.set_result(None)
-    try:
+    # A failed window stops the windows from starting; those started all end before this returns
+    # or raises (they read into and write from the window buffers), then the first error in order.
+    async with started() as work:
         for w in plan.order:
             got = next_buffer(w)
             buf = got if got is not None else await free.get()
-            if any(t.done() and not t.cancelled() and t.exception() is not None for t in tasks):
+            if work.failed:
                 free.put_nowait(buf)
                 break  # a window failed: stop here, report it below
             mine: asyncio.Future[None] = loop.create_future()
-            tasks.append(asyncio.ensure_future(window(w, buf, turn, mine)))
+            work.start(window(w, buf, turn, mine))
             turn = mine
-    finally:
-        if tasks:
-            await asyncio.wait(tasks)
-    if counters is not None:
-        counters["window_bytes"] = len(mems) * chunk_bytes
-        counters["extra_windows"] = len(mems) - n_buf
-    await wait_all(tasks)  # the first error, in window order
+        if counters is not None:
+            counters["window_bytes"] = len(mems) * chunk_bytes
+            counters["extra_windows"] = len(mems) - n_buf
     for e in entries:  # a bug, never user input: every byte of every tensor is checksummed exactly once
         crcs[e.name].finish()
     return crcs

@@ -35,6 +35,7 @@ PUBLIC = {
     "TensorNotFoundError",
     "UnsupportedStateError",
     "WrongLoopError",
+    "all_done",
     "backend_status",
     "LoopThread",
     "is_exiting",

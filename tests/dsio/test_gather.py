@@ -8,7 +8,7 @@ import gc
 
 import pytest
 
-from dsio._gather import wait_all, wait_all_futures
+from dsio._gather import all_done, started, wait_all, wait_all_futures
 
 
 async def _ok(v: int, delay: float = 0.0) -> int:
@@ -125,3 +125,119 @@ async def test_drain_survives_repeated_cancellation_and_raises_it_after_errors()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert child.done() and not child.cancelled()
+
+
+async def test_started_stops_starting_at_the_first_failure_and_joins_those_running():
+    """``started()``: a producer stops starting pieces once one failed, and the block ends (raising
+    the first failure) only after every piece started ended: here piece 1 still writes into its
+    buffer when piece 0 fails, and that buffer must not be reused or freed before it is done."""
+    buffer = bytearray(4)
+    events: list[str] = []
+
+    async def piece(i: int) -> int:
+        if i == 0:
+            await asyncio.sleep(0.01)
+            events.append("0 failed")
+            raise OSError(5, "piece 0")
+        await asyncio.sleep(0.05)
+        buffer[i] = 1  # still writing into the caller's memory after piece 0 failed
+        events.append(f"{i} ended")
+        return i
+
+    n_started = 0
+    with pytest.raises(OSError):
+        async with started() as work:
+            for i in range(4):
+                if work.failed:
+                    break
+                work.start(piece(i))
+                n_started += 1
+                await asyncio.sleep(0.02 if i else 0)  # piece 1 starts before piece 0 fails
+    events.append("left")
+    assert n_started == 2  # piece 2 was never started: piece 0 had failed
+    assert events == ["0 failed", "1 ended", "left"]
+    assert buffer[1] == 1
+
+
+async def test_started_lets_the_blocks_own_error_win_once_the_pieces_ended(caplog):
+    ended: list[int] = []
+
+    async def piece(i: int) -> int:
+        await asyncio.sleep(0.02)
+        ended.append(i)
+        if i == 1:
+            raise OSError(5, "piece 1")
+        return i
+
+    with pytest.raises(KeyError):
+        async with started() as work:
+            work.start(piece(0))
+            work.start(piece(1))
+            raise KeyError("the producer's own failure")
+    assert sorted(ended) == [0, 1]  # both ran to their end, neither was cancelled
+    gc.collect()
+    await asyncio.sleep(0)
+    assert "never retrieved" not in caplog.text
+
+
+async def test_started_with_no_failure_and_a_cancelled_producer():
+    async with started() as work:
+        work.start(_ok(1, 0.01))
+        work.start(_ok(2))
+    assert [f.result() for f in work.futures] == [1, 2]
+
+    ended: list[str] = []
+
+    async def io() -> int:
+        await asyncio.sleep(0.05)
+        ended.append("io")
+        return 1
+
+    async def producer() -> None:
+        async with started() as w:
+            w.start(io())
+            await asyncio.sleep(10)  # e.g. waiting for a free buffer
+
+    task = asyncio.ensure_future(producer())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ended == ["io"]  # drained, not cancelled
+
+
+def test_all_done_waits_for_every_future_and_hands_back_the_rest():
+    """The non-blocking combinator: done only when every future is (piece 0 fails while piece 1 is
+    still reading into its buffer), the first failure in order, the other results discarded."""
+    a: concurrent.futures.Future[str] = concurrent.futures.Future()
+    b: concurrent.futures.Future[str] = concurrent.futures.Future()
+    discarded: list[str] = []
+    out = all_done([a, b], discard=discarded.append)
+    a.set_exception(OSError(5, "piece 0"))
+    assert not out.done()  # piece 1 still in flight: its buffer is not free yet
+    b.set_result("lease 1")
+    assert out.done() and isinstance(out.exception(), OSError)
+    assert discarded == ["lease 1"]
+
+    c: concurrent.futures.Future[str] = concurrent.futures.Future()
+    d: concurrent.futures.Future[str] = concurrent.futures.Future()
+    out = all_done([c, d], discard=discarded.append)
+    d.set_exception(ValueError("second in order, first in time"))
+    c.set_exception(KeyError("first in order"))
+    assert isinstance(out.exception(), KeyError)
+
+    e: concurrent.futures.Future[str] = concurrent.futures.Future()
+    f: concurrent.futures.Future[str] = concurrent.futures.Future()
+    out = all_done([e, f])
+    f.set_result("f")
+    e.set_result("e")
+    assert out.result() == ["e", "f"]
+    assert all_done([]).result() == []
+
+    g: concurrent.futures.Future[str] = concurrent.futures.Future()
+    h: concurrent.futures.Future[str] = concurrent.futures.Future()
+    out = all_done([g, h], discard=discarded.append)
+    g.cancel()
+    h.set_result("lease h")
+    assert out.cancelled() and discarded[-1] == "lease h"
+    concurrent.futures.wait([out], timeout=1)  # a waiter sees the cancellation

@@ -122,3 +122,69 @@ def test_cuda_request_without_cuda_is_clear():
     # A valid config everywhere; using it needs CUDA.
     with dsio.AsyncIOHandle(gpu_backend="cufile") as h, pytest.raises(BackendUnavailableError):
         GpuIO(h)
+
+
+def test_a_failed_bounce_chunk_raises_only_once_the_chunks_in_flight_ended():
+    """The bounce path's join (``dsio._gather.started``), without CUDA: chunk 0's read fails while
+    chunk 1 still reads into its pinned buffer; ``_bounce`` starts no further chunk and raises only
+    after chunk 1 ended and gave its buffer back (returning earlier would let the caller free or
+    reuse memory the I/O still writes)."""
+    from types import SimpleNamespace
+
+    from dsio._dispatch import READ
+    from dsio.gpu import GpuIO
+
+    events: list[str] = []
+
+    class Pool:
+        buffer_bytes = 4096
+
+        def __init__(self) -> None:
+            self.free = asyncio.Semaphore(2)
+            self.out = 0
+
+        async def acquire(self) -> SimpleNamespace:
+            await self.free.acquire()
+            self.out += 1
+            return SimpleNamespace(tensor=torch.zeros(4096, dtype=torch.uint8), release=self.release)
+
+        def release(self) -> None:
+            self.out -= 1
+            self.free.release()
+
+    pool = Pool()
+
+    async def chunk_read(lease, phase, size, off, ref, chunk, stream):  # type: ignore[no-untyped-def]
+        try:
+            if off == 0:
+                await asyncio.sleep(0.01)
+                events.append("chunk 0 failed")
+                raise OSError(5, "chunk 0")
+            events.append(f"chunk {off // 4096} started")
+            await asyncio.sleep(0.05)
+            chunk.copy_(lease.tensor[phase : phase + size])
+            events.append(f"chunk {off // 4096} ended")
+        finally:
+            lease.release()
+
+    fake = SimpleNamespace(
+        _ops=SimpleNamespace(pool=pool, disp=None), _stream=lambda device: None, _chunk_read=chunk_read
+    )
+    out = torch.ones(8 * 4096, dtype=torch.uint8)
+
+    async def go() -> None:
+        with pytest.raises(OSError):
+            await GpuIO._bounce(fake, READ, None, out, 0)  # type: ignore[arg-type]
+        events.append("raised")
+
+    asyncio.run(go())
+    # chunk 2 got chunk 0's buffer as it failed and was started; nothing after it
+    assert events == [
+        "chunk 1 started",
+        "chunk 0 failed",
+        "chunk 2 started",
+        "chunk 1 ended",
+        "chunk 2 ended",
+        "raised",
+    ]
+    assert pool.out == 0

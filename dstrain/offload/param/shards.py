@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsio import all_done
 from dstrain.errors import ConfigError
 from dstrain.offload.param.grads import GradStoreStatistics, OffloadedGrads
 from dstrain.offload.param.master_file import MasterFile
@@ -426,7 +426,9 @@ class OffloadedShards(ShardStore):
     def _read_unit(self, unit: Unit) -> concurrent.futures.Future[list[Lease]]:
         assert self._swapper is not None
         sw = self._swapper
-        return _all([sw.fetch_range(p, n) for p, n, _, _ in self._pieces(unit)], sw.discard)
+        # One future for the shard, done when every piece is (a failed piece: its error once all ended,
+        # the pieces read for nothing back to the pool)
+        return all_done([sw.fetch_range(p, n) for p, n, _, _ in self._pieces(unit)], discard=sw.discard)
 
     def _discard(self, leases: list[Lease]) -> None:
         assert self._swapper is not None
@@ -621,31 +623,3 @@ class OffloadedShards(ShardStore):
             if self._mfile is not None:
                 self._mfile.close()
         self._host.clear()
-
-
-def _all(
-    reads: list[concurrent.futures.Future[Lease]], discard: Callable[[Lease], Any]
-) -> concurrent.futures.Future[list[Lease]]:
-    """One future of every piece's lease, in file order, done when they all are; if a piece failed,
-    its error, and the pieces read go back to the pool (``discard``)."""
-    out: concurrent.futures.Future[list[Lease]] = concurrent.futures.Future()
-    left = [len(reads)]
-    lock = threading.Lock()
-
-    def done(_: concurrent.futures.Future[Lease]) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        errors = [e for e in (f.exception() for f in reads) if e is not None]
-        if errors:
-            for f in reads:
-                if f.exception() is None:
-                    discard(f.result())
-            out.set_exception(errors[0])
-        else:
-            out.set_result([f.result() for f in reads])
-
-    for f in reads:
-        f.add_done_callback(done)
-    return out

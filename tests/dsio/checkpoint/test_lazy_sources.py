@@ -115,3 +115,35 @@ def test_file_regions_validate() -> None:
         C.FileRegions([("x", 0, 12)], torch.float32, (4,))  # 12 bytes for a 16-byte tensor
     with pytest.raises(C.UnsupportedStateError):
         C.LazyTensor(torch.complex128, (1,))
+
+
+def test_a_failed_window_raises_only_once_the_windows_in_flight_ended(tmp_path, monkeypatch) -> None:
+    """The streamed writer's join (``dsio._gather.started``): the first lazy read fails while the
+    other windows' reads still write into their window buffers; no further window starts, and the
+    save raises only after every read in flight ended (the buffers are freed after it returns)."""
+    from dsio.checkpoint import _stream
+
+    chunk = 64 << 10
+    monkeypatch.setattr(_stream, "STREAM_CHUNK_BYTES", chunk)
+    events: list[str] = []
+
+    class Failing(C.LazyTensor):
+        async def read_into(self, io, offset, out):  # type: ignore[no-untyped-def]
+            first = not events
+            events.append("started")
+            if first:
+                await asyncio.sleep(0.01)
+                events.append("failed")
+                raise OSError(5, "the first read")
+            await asyncio.sleep(0.05)
+            out.fill_(1)  # still writing into the window buffer after the first read failed
+            events.append("ended")
+
+    n = 8
+    sources = {f"t{i}": Failing(torch.float32, (chunk // 4,)) for i in range(n)}
+    with pytest.raises(OSError):
+        asyncio.run(C.save(sources, tmp_path / "one.safetensors"))
+    events.append("raised")
+    started = events.count("started")
+    assert 1 < started < n  # reads ran concurrently, and the windows stopped starting
+    assert events.count("ended") == started - 1 and events[-1] == "raised"

@@ -460,3 +460,26 @@ def test_the_first_shard_kept_from_the_step_goes_when_a_checkpoint_replaces_the_
     finally:
         engine.close()
         optimizer.close()
+
+
+def test_a_failed_piece_of_a_shard_fails_the_read_only_once_every_piece_ended() -> None:
+    """A shard read in pieces is one future (``dsio.all_done``): when piece 0 fails while piece 1
+    still reads into its pool buffer, the shard's read is not done until piece 1 is; then it raises
+    piece 0's error and piece 1's buffer goes back to the pool (never handed to the gather)."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from dstrain.offload.param.shards import OffloadedShards
+
+    pieces: list[concurrent.futures.Future[Any]] = [concurrent.futures.Future() for _ in range(2)]
+    discarded: list[Any] = []
+    swapper = SimpleNamespace(fetch_range=lambda off, n: pieces[off // (1 << 20)], discard=discarded.append)
+    fake = SimpleNamespace(
+        _swapper=swapper, _pieces=lambda unit: [(0, 1 << 20, 0, 1), (1 << 20, 1 << 20, 1, 1)]
+    )
+    read = OffloadedShards._read_unit(fake, None)  # type: ignore[arg-type]
+    pieces[0].set_exception(OSError(5, "piece 0"))
+    assert not read.done()  # piece 1 still writes into its buffer
+    pieces[1].set_result("lease 1")
+    assert isinstance(read.exception(timeout=1), OSError)
+    assert discarded == ["lease 1"]
