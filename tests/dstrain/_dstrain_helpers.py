@@ -4,12 +4,16 @@ an engine loop, and a helper that runs a function on a real multi-process gloo g
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -475,3 +479,22 @@ def least_peak_growth(
         _, peak = rss()
         growths.append(peak - before)
     return min(growths)
+
+
+def run_child(script: Path, root: Path, paths: Sequence[Path], what: str) -> dict[str, dict[str, Any]]:
+    """Run ``script root`` in a fresh interpreter (a crash there is a failed test, not a dead test run)
+    with ``paths`` first on PYTHONPATH (the helper modules it imports) and OMP_NUM_THREADS=1 unless
+    set. Its stdout is one JSON object per line, each with a ``"name"``: returned by name. A SIGSEGV
+    fails naming ``what`` crashed and the child's last ``# `` progress line on stderr; any other
+    non-zero exit fails with the tail of its stderr."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [*map(str, paths), env.get("PYTHONPATH", "")] if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    child = subprocess.run(
+        [sys.executable, str(script), str(root)], env=env, capture_output=True, text=True, timeout=600
+    )
+    died = child.returncode < 0 and -child.returncode == signal.SIGSEGV
+    reached = [line for line in child.stderr.splitlines() if line.startswith("# ")]
+    assert not died, f"{what} crashed the process (SIGSEGV) in {reached[-1:]}"
+    assert child.returncode == 0, child.stderr[-4000:]
+    return {r["name"]: r for r in (json.loads(line) for line in child.stdout.splitlines() if line)}

@@ -8,14 +8,10 @@ state dict's shapes) run in a child process, so a crash is a failed test naming 
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _dstrain_helpers import run_child
 
 HERE = Path(__file__).resolve().parent
 EMPTIED = ["paramopt-fp32", "paramopt-bf16", "paramopt-fp32-grads", "paramopt-bf16-grads"]
@@ -25,22 +21,9 @@ RESIDENT = ["param-nvme-opt-cpu", "param-cpu-opt-cpu", "opt-nvme"]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("optparams")
-    env = dict(os.environ)
-    paths = [str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    child = subprocess.run(
-        [sys.executable, str(HERE / "_optimizer_params_child.py"), str(root)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = run_child(
+        HERE / "_optimizer_params_child.py", root, [HERE.parent, HERE], "reading the optimizer's parameters"
     )
-    died = child.returncode < 0 and -child.returncode == signal.SIGSEGV
-    reached = [line for line in child.stderr.splitlines() if line.startswith("# ")]
-    assert not died, f"reading the optimizer's parameters crashed the process (SIGSEGV) in {reached[-1:]}"
-    assert child.returncode == 0, child.stderr[-4000:]
-    out = {r["name"]: r for r in (json.loads(line) for line in child.stdout.splitlines() if line)}
     assert sorted(out) == sorted(EMPTIED + RESIDENT)
     return out
 

@@ -7,15 +7,11 @@ process, so a crash is a failed test naming the setting, not a dead test run."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _dstrain_helpers import run_child
 
 HERE = Path(__file__).resolve().parent
 SETTINGS = [
@@ -33,22 +29,12 @@ SETTINGS = [
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("released")
-    env = dict(os.environ)
-    paths = [str(HERE.parent), str(HERE.parent / "offload"), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    child = subprocess.run(
-        [sys.executable, str(HERE / "_released_child.py"), str(root)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = run_child(
+        HERE / "_released_child.py",
+        root,
+        [HERE.parent, HERE.parent / "offload"],
+        "reading a released parameter",
     )
-    died = child.returncode < 0 and -child.returncode == signal.SIGSEGV
-    reached = [line for line in child.stderr.splitlines() if line.startswith("# ")]
-    assert not died, f"reading a released parameter crashed the process (SIGSEGV) in {reached[-1:]}"
-    assert child.returncode == 0, child.stderr[-4000:]
-    out = {r["name"]: r for r in (json.loads(line) for line in child.stdout.splitlines() if line)}
     assert sorted(out) == sorted(SETTINGS)
     return out
 
