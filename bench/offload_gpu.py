@@ -288,6 +288,35 @@ def placement(engine: Any) -> dict[str, str]:
     }
 
 
+def config(args: argparse.Namespace, nvme_dir: str | None = None) -> dict[str, Any]:
+    """The DeepSpeed-style config this driver trains with: ZeRO-3, bf16, AdamW, ``--offload`` to
+    ``nvme_dir`` (or the optimizer on the CPU), ``--batch``, ``--sub-group``, ``--pinned-gib``. One copy:
+    bench/experiments/zero_offload_profile.py trains with it too."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": int(args.sub_group),
+            "offload_pinned_bytes": int(args.pinned_gib * 2**30),
+        },
+        "aio": {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 2, "overlap_events": True},
+    }
+    if nvme_dir is None and args.offload != "cpu":
+        raise GpuBenchError(f"--offload {args.offload} swaps to NVMe: a swap folder is needed")
+    nvme = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True}
+    if args.offload in ("both", "optimizer"):
+        cfg["zero_optimization"]["offload_optimizer"] = dict(nvme)
+    if args.offload in ("both", "param"):
+        cfg["zero_optimization"]["offload_param"] = dict(nvme)
+    if args.offload == "cpu":
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return cfg
+
+
 def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> dict[str, Any]:
     """Build, initialize and train; the measured numbers of this rank. ``progress`` holds what was
     measured so far (step times, losses) for a run that ends early (SIGTERM, an error)."""
@@ -310,26 +339,7 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
     params = sum(p.numel() for p in model.parameters())
     build_s = time.perf_counter() - t0
     progress.update(params=params, build_s=build_s, world=world, rank=rank)
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
-        "zero_optimization": {
-            "stage": 3,
-            "sub_group_size": args.sub_group,
-            "offload_pinned_bytes": int(args.pinned_gib * 2**30),
-        },
-        "aio": {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 2, "overlap_events": True},
-    }
-    nvme = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True}
-    if args.offload in ("both", "optimizer"):
-        cfg["zero_optimization"]["offload_optimizer"] = dict(nvme)
-    if args.offload in ("both", "param"):
-        cfg["zero_optimization"]["offload_param"] = dict(nvme)
-    if args.offload == "cpu":
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    cfg = config(args, nvme_dir)
     dstrain = _import_dstrain()
     t0 = time.perf_counter()
     engine, optimizer, _, _ = dstrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)

@@ -95,6 +95,7 @@ def pieces(args: argparse.Namespace) -> None:
 def train(args: argparse.Namespace, step_in_backward: bool) -> None:
     import torch
 
+    from bench.offload_gpu import config
     from bench.train import _import_dstrain, build_model
 
     cuda = args.device == "cuda"
@@ -102,18 +103,8 @@ def train(args: argparse.Namespace, step_in_backward: bool) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with device:
         model = build_model(args)
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
-        "zero_optimization": {
-            "stage": 3,
-            "sub_group_size": int(args.sub_group),
-            "offload_optimizer": {"device": "cpu", "pin_memory": True, "step_in_backward": step_in_backward},
-        },
-    }
+    cfg = config(argparse.Namespace(**{**vars(args), "offload": "cpu"}))  # the driver's --offload cpu
+    cfg["zero_optimization"]["offload_optimizer"]["step_in_backward"] = step_in_backward
     dstrain = _import_dstrain()
     engine, _, _, _ = dstrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     del model
@@ -159,6 +150,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument(
+        "--pinned-gib", type=float, default=4.0, help="offload_pinned_bytes, GiB (as bench/offload_gpu.py)"
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--parts", default="pieces,train-on,train-off")
     p.add_argument("--out", default=None)

@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.offload_gpu import GpuBenchError, check_nvme_path, parse_args, targets  # noqa: E402
+from bench.offload_gpu import GpuBenchError, check_nvme_path, config, parse_args, targets  # noqa: E402
 
 SCRIPT = str(ROOT / "bench" / "offload_gpu.py")
 
@@ -307,3 +307,16 @@ def test_budget_stop_rule() -> None:
     assert "stopped after 2 of 4 steps" in budget_stop([5.0, 4.0], 4, 1, spent=7.0, budget=10.0)
     assert budget_stop([5.0, 4.0], 4, 1, spent=6.0, budget=10.0) == ""  # 6 + 4 s: exactly the budget
     assert budget_stop([5.0, 4.0, 4.0, 4.0], 4, 1, spent=100.0, budget=10.0) == ""  # all steps done
+
+
+def test_config_places_what_offload_names() -> None:
+    """``config(args)``: the one DeepSpeed-style config of the driver (the ZeRO-Offload experiment
+    reuses it): ``--offload`` decides the sections, the sizes come from the arguments."""
+    zero = config(parse_args(["--tiny", "--offload", "both"]), "/swap")["zero_optimization"]
+    assert zero["offload_param"]["nvme_path"] == zero["offload_optimizer"]["nvme_path"] == "/swap"
+    assert zero["stage"] == 3 and zero["sub_group_size"] == 16384 and zero["offload_pinned_bytes"] == 1 << 26
+    assert "offload_param" not in config(parse_args(["--offload", "optimizer"]), "/swap")["zero_optimization"]
+    cpu = config(parse_args(["--offload", "cpu"]))["zero_optimization"]
+    assert cpu["offload_optimizer"]["device"] == "cpu" and "offload_param" not in cpu
+    with pytest.raises(GpuBenchError):
+        config(parse_args(["--offload", "param"]))  # NVMe without a swap folder
