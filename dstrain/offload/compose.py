@@ -215,7 +215,15 @@ def early_step_legal(
 
 def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> Any:
     """The stage-3 `ShardStore` ``offload_param`` asks for (`OffloadedShards`); with the optimizer alone
-    on the CPU, `HostMasterShards` (the fp32 master and gradients in host memory); else None (resident).
+    offloaded (``offload_optimizer.device`` "cpu" or "nvme", parameters not), `HostMasterShards` (the
+    fp32 master and gradients in host memory); else None (resident).
+
+    With the optimizer on NVMe the master stays in host memory rather than in a swap file of its own
+    (DeepSpeed swaps it with m and v): what the GPU saves is the same (the device keeps the
+    half-precision shards), host memory is bounded by the model at 8 bytes a parameter (master and
+    gradients, which live there either way), and each step's disk traffic stays m and v (8 bytes a
+    parameter each way) instead of 12. A model whose master does not fit in host memory offloads its
+    parameters too (``offload_param.device: "nvme"``): then the master is in the parameter file.
 
     Checks ``nvme_path`` first. The pinned budget is shared: the parameter pool takes half of
     ``offload_pinned_bytes`` when optimizer state is swapped too, else all of it; the optimizer gets
@@ -223,7 +231,7 @@ def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> 
     """
     param = zero_config.offload_param
     if not param.enabled:
-        if zero_config.offload_optimizer.device == "cpu":  # ZeRO-Offload: master + gradients on the host
+        if zero_config.offload_optimizer.enabled:  # ZeRO-Offload / -Infinity: master + gradients on the host
             from dstrain.offload.param.host_master import HostMasterShards
 
             return HostMasterShards(pin_memory=zero_config.offload_optimizer.pin_memory)

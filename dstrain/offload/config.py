@@ -51,7 +51,9 @@ class OffloadOptimizerConfig(Section):
     nvme_path: str | None = None
     """Directory of the swap files (``device: "nvme"``); must exist and be writable."""
     pin_memory: bool = False
-    """``device: "cpu"``: keep the offloaded state in page-locked memory (counts against the budget)."""
+    """``device: "cpu"``: keep the offloaded state in page-locked memory (counts against the budget).
+    At stage 3 with parameters not offloaded (``device`` "cpu" or "nvme"), also the fp32 master and
+    gradient partitions that live in host memory (`dstrain.offload.param.host_master`), where CUDA is."""
     buffer_count: int = 4
     """Hint: swap buffers for the sub-groups in flight. The pinned budget decides the real count."""
     pipeline_read: bool = False

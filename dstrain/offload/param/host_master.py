@@ -2,7 +2,9 @@
 
 With ``offload_optimizer.device: "cpu"`` (and parameters not offloaded), DeepSpeed keeps the fp32
 master, the gradient partitions and Adam's state in host memory; the GPU holds the half-precision
-shards (2 bytes a parameter) and what a step gathers. This store does the same for `Stage3Zero`:
+shards (2 bytes a parameter) and what a step gathers. This store does the same for `Stage3Zero`, for
+``"nvme"`` too (there `OffloadAdam` swaps m and v from its file; the master stays here, see
+`dstrain.offload.compose.build_param_store` for why not in a file):
 
 - the shards stay resident on the training device (the `ShardStore` default: gathers read them there);
 - the fp32 master is a host tensor (page-locked where ``pin_memory`` and CUDA), so `OffloadAdam`'s
