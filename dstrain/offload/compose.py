@@ -15,6 +15,7 @@ from dstrain.offload.config import OffloadOptimizerConfig, check_nvme_path
 from dstrain.offload.optimizer.adam import CUT, OffloadAdam
 from dstrain.offload.optimizer.early_step import KEY as EARLY_KEY
 from dstrain.offload.optimizer.early_step import EarlyStep
+from dstrain.offload.optimizer.step_thread import StepThread
 from dstrain.zero.base import ReportsUnitReduced
 from dstrain.zero.flat import STEP_CHUNK
 from dstrain.zero.units import HoldsShards
@@ -148,7 +149,9 @@ def build_offload_optimizer(
 
     Where legal (`early_step_legal`: stage 3, no clipping, not fp16; with the master or the
     gradients in swap files, pools of at least two buffers) and ``offload.step_in_backward`` is on,
-    sub-groups are stepped during the boundary backward as their gradients become final (`dstrain.offload.optimizer.early_step.EarlyStep`).
+    sub-groups are stepped during the boundary backward as their gradients become final (`dstrain.offload.optimizer.early_step.EarlyStep`);
+    with the master and gradients in memory and ``offload.step_thread`` on, on a thread of their own
+    (`dstrain.offload.optimizer.step_thread.StepThread`).
     """
     if not offload.enabled:
         raise ValueError("build_offload_optimizer needs offload_optimizer.device 'cpu' or 'nvme'")
@@ -191,7 +194,9 @@ def build_offload_optimizer(
         if grads < 1:
             why_not = "the gradient swap pool has one buffer: the accumulation needs it during backward"
     if why_not is None:
-        optimizer.attach_early_step(EarlyStep(optimizer, zero), masters=masters, grads=grads)
+        # the host step off the backward thread, where nothing it touches is swapped by the pass
+        thread = StepThread() if offload.step_thread and master_store is None and grad_store is None else None
+        optimizer.attach_early_step(EarlyStep(optimizer, zero), masters=masters, grads=grads, thread=thread)
     else:
         log.info("%s: sub-groups are stepped in engine.step(), not during backward: %s", _FIELD, why_not)
     return optimizer

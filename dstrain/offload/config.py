@@ -70,6 +70,12 @@ class OffloadOptimizerConfig(Section):
     the gradients (`dstrain.offload.optimizer.early_step`); bitwise the same result. Used only where legal:
     no gradient clipping, no fp16, master and gradients in memory; ``false`` steps everything in
     ``engine.step()``."""
+    step_thread: bool = True
+    """dstrain extension: with ``step_in_backward``, run those sub-group steps on one thread of their
+    own (`dstrain.offload.optimizer.step_thread`), so the host Adam overlaps backward instead of
+    delaying the kernels the backward thread launches; bitwise the same result. Used where the master
+    and gradients are in memory (not with parameters and optimizer state both on NVMe); ``false``
+    steps them on the backward thread."""
 
     _NO_EFFECT: ClassVar[dict[str, str]] = {
         "pipeline_read": "dstrain always reads the state ahead, in step order",
@@ -87,7 +93,7 @@ class OffloadOptimizerConfig(Section):
     def __post_init__(self) -> None:
         p = "zero_optimization.offload_optimizer"
         _check_common(p, self.device, self.nvme_path, self.pin_memory, self.buffer_count)
-        for name in ("pipeline_read", "pipeline_write", "fast_init", "step_in_backward"):
+        for name in ("pipeline_read", "pipeline_write", "fast_init", "step_in_backward", "step_thread"):
             check_bool(p, name, getattr(self, name))
         check_float(p, "ratio", self.ratio, min_value=0.0, max_value=1.0)
         if self.ratio != 1.0:

@@ -4,6 +4,7 @@
 - `sub_groups`: `SubGroup` and the sub-group plan; `state_reads`: `StateReads`, the reads ahead;
 - `swapped_state`: torch's Adam state-dict format over the offloaded state (checkpoints);
 - `early_step`: `EarlyStep`, stepping sub-groups during the boundary backward;
+- `step_thread`: `StepThread`, those steps run on a thread of their own, beside backward;
 - `device_stager`: `DeviceStager`, state to the master's device and back; `statistics`.
 """
 

@@ -18,6 +18,7 @@ from dstrain.offload.optimizer.device_stager import DeviceStager
 from dstrain.offload.optimizer.early_step import KEY as EARLY_KEY
 from dstrain.offload.optimizer.early_step import EarlyStep, EarlyStepError
 from dstrain.offload.optimizer.statistics import OffloadOptimizerStatistics
+from dstrain.offload.optimizer.step_thread import StepThread
 from dstrain.offload.optimizer.sub_groups import CUT, SubGroup, master_numel, plan_sub_groups
 from dstrain.offload.optimizer.swapped_state import (
     SwappedState,
@@ -154,6 +155,7 @@ class OffloadAdam(torch.optim.Optimizer):
             None  # stepping during backward (dstrain.offload.optimizer.early_step)
         )
         self._hold_early = False  # an async save gates the next step: no stepping during its backward
+        self._thread: StepThread | None = None  # runs the early steps off the backward thread
         self._touch_pos: dict[int, int] = {}  # sub-group -> its touch set in the last touch order
         self._early_steps = 0
         self._early_s = 0.0
@@ -199,11 +201,19 @@ class OffloadAdam(torch.optim.Optimizer):
         """Whether sub-groups are stepped during the boundary backward (`dstrain.offload.optimizer.early_step`)."""
         return self._early is not None
 
-    def attach_early_step(self, early: EarlyStep, *, masters: int = 0, grads: int = 0) -> None:
+    def attach_early_step(
+        self, early: EarlyStep, *, masters: int = 0, grads: int = 0, thread: StepThread | None = None
+    ) -> None:
         """Let ``early`` step sub-groups during the boundary backward (`step_ready`); with the master
         or the gradients swapped, at most ``masters`` / ``grads`` of their ranges are read at once
-        during backward (buffers their pools can spare then)."""
+        during backward (buffers their pools can spare then). ``thread``: run those steps there, off
+        the backward thread (`dstrain.offload.optimizer.step_thread`; this optimizer closes it); only
+        where the master and gradients are in memory (their swapped ranges are read and written back
+        by the caller's bookkeeping)."""
+        if thread is not None and (self.swapped.master is not None or self._grads is not None):
+            raise ValueError("the step thread steps sub-groups whose master and gradients are in memory")
         self._early = early
+        self._thread = thread
         if self.swapped.reads is not None:
             self.swapped.reads.in_pass = (masters, grads)
 
@@ -230,8 +240,11 @@ class OffloadAdam(torch.optim.Optimizer):
         self.swapped.stores = []
         self._hyper = self._hyperparameters()
 
-    def _step_one(self, sg: SubGroup, gate: Callable[[int], float] | None) -> None:
-        """One Adam(W) step of ``sg``: take its state (waiting if the read is late), step, write back."""
+    def _step_one(
+        self, sg: SubGroup, gate: Callable[[int], float] | None, thread: StepThread | None = None
+    ) -> None:
+        """One Adam(W) step of ``sg``: take its state (waiting if the read is late), step, write back.
+        With ``thread`` the taking is done here and the step and write-back there."""
         g = self.param_groups[sg.group]
         lease = master = swapped = None
         if self.swapped.swapper is not None:
@@ -257,33 +270,42 @@ class OffloadAdam(torch.optim.Optimizer):
         # stepped there by that device's fused kernel, copied back (nothing moves on a CPU run)
         if gate is not None:  # an async save may still be reading this sub-group's bytes
             gate(self._touch_pos.get(sg.index, sg.index))
-        p_d, m_d, v_d = self._stager.to_device(grad.device, [p, m, v])
         beta1, beta2 = g["betas"]
-        kernel = torch._fused_adamw_ if self.adamw else torch._fused_adam_
-        kernel(
-            [p_d],
-            [grad],
-            [m_d],
-            [v_d],
-            [],
-            [self.swapped.steps[sg.group]],
-            lr=float(g["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            weight_decay=float(g["weight_decay"]),
-            eps=float(g["eps"]),
-            amsgrad=False,
-            maximize=False,
-        )
-        self._stager.back([(p, p_d), (m, m_d), (v, v_d)])
-        if swapped is not None:
-            self._grads.discard(swapped[0])  # read-only: back to the pool unwritten
-        if master is not None:
-            self.swapped.stores.append(self.swapped.master.store_master(master[0]))  # written once per step
-        if lease is not None:
-            assert self.swapped.swapper is not None
-            self.swapped.stores.append(self.swapped.swapper.store(lease))
-        self._stepped.add(sg.index)
+        lr, wd, eps = float(g["lr"]), float(g["weight_decay"]), float(g["eps"])
+        step_count = self.swapped.steps[sg.group]
+
+        def run() -> None:
+            p_d, m_d, v_d = self._stager.to_device(grad.device, [p, m, v])
+            kernel = torch._fused_adamw_ if self.adamw else torch._fused_adam_
+            kernel(
+                [p_d],
+                [grad],
+                [m_d],
+                [v_d],
+                [],
+                [step_count],
+                lr=lr,
+                beta1=float(beta1),
+                beta2=float(beta2),
+                weight_decay=wd,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
+            )
+            self._stager.back([(p, p_d), (m, m_d), (v, v_d)])
+            if swapped is not None:
+                self._grads.discard(swapped[0])  # read-only: back to the pool unwritten
+            if master is not None:
+                self.swapped.stores.append(self.swapped.master.store_master(master[0]))  # once per step
+            if lease is not None:
+                assert self.swapped.swapper is not None
+                self.swapped.stores.append(self.swapped.swapper.store(lease))
+
+        self._stepped.add(sg.index)  # (before it runs: a late reduction of it is an error either way)
+        if thread is None:
+            run()
+        else:
+            thread.submit(run)
 
     @torch.no_grad()
     def step_ready(self, ready: set[int]) -> int:
@@ -296,7 +318,7 @@ class OffloadAdam(torch.optim.Optimizer):
             for sg in self._order:
                 if sg.index in ready and sg.index not in self._stepped:
                     self._begin()
-                    self._step_one(sg, None)
+                    self._step_one(sg, None, self._thread)
                     done += 1
         else:  # only those whose reads are done: backward never waits for the disk
             while True:
@@ -304,7 +326,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 if (sg_in := self.swapped.reads.read_in(ready)) is None:
                     break
                 self._begin()
-                self._step_one(sg_in, None)
+                self._step_one(sg_in, None, self._thread)
                 done += 1
         self._early_steps += done
         self._early_s += time.perf_counter() - t0
@@ -317,6 +339,8 @@ class OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             raise NotImplementedError("OffloadAdam.step takes no closure")
         t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()  # the steps handed over during backward (raises if one failed)
         gate, self._gate = self._gate, None
         if self._begun and self._hyperparameters() != self._hyper:
             raise EarlyStepError(
@@ -455,6 +479,7 @@ class OffloadAdam(torch.optim.Optimizer):
             prefetch_misses=self.swapped.reads.misses if self.swapped.reads is not None else 0,
             stepped_in_backward=self._early_steps,
             backward_step_seconds=self._early_s,
+            stepped_on_thread=self._thread.jobs_done if self._thread is not None else 0,
             pinned_budget=self._budget,
             pinned_bytes=sw.pinned_bytes if sw is not None else 0,
             swapper=sw,
@@ -465,6 +490,8 @@ class OffloadAdam(torch.optim.Optimizer):
         from dstrain.offload.metrics import unregister_offload
 
         unregister_offload(self)
+        if self._thread is not None:
+            self._thread.close()  # a step in flight finishes first (its writes are drained below)
         if self.swapped.swapper is not None:
             try:
                 self.swapped.cancel_ahead()

@@ -28,7 +28,10 @@ class OffloadOptimizerStatistics:
     stepped_in_backward: int
     """Sub-groups stepped during the boundary backward (`dstrain.offload.optimizer.early_step`), not in `step`."""
     backward_step_seconds: float
-    """Time spent stepping sub-groups during backward (not in ``step_seconds``)."""
+    """Time spent stepping sub-groups during backward (not in ``step_seconds``); with the step
+    thread, the backward thread's part: taking their state and handing them over."""
+    stepped_on_thread: int
+    """Of ``stepped_in_backward``, those stepped on the step thread (`dstrain.offload.optimizer.step_thread`)."""
     pinned_budget: int
     pinned_bytes: int
     """Pinned bytes allocated for this optimizer's swapping (never above ``pinned_budget``)."""

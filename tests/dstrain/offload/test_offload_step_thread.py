@@ -1,0 +1,219 @@
+"""The step thread (`dstrain.offload.optimizer.step_thread`): sub-group steps taken during the boundary
+backward run on one thread of their own, beside backward.
+
+- Training with it is bitwise the training with the same steps on the backward thread
+  (``step_thread: false``), fp32 and bf16, optimizer state on the CPU or on NVMe, with the host master
+  separated (the GPU code path) and every sub-group stepped on the thread.
+- A step that fails on the thread surfaces as `StepThreadError` (its cause the original error) from the
+  backward or the optimizer step that follows: not swallowed, no hang; so does a worker that ended.
+- close() while a step is in flight waits for it, and leaves no thread behind.
+- The queue is bounded and ordered.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from _dstrain_helpers import engine_losses, make_model
+from _offload_helpers import final_params, offload_config
+
+pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
+
+import dstrain  # noqa: E402
+import dstrain.offload.compose as compose  # noqa: E402
+from dstrain.offload.optimizer.step_thread import StepThread, StepThreadError  # noqa: E402
+from dstrain.offload.param.host_master import HostMasterShards  # noqa: E402
+
+STEPS = 4
+NAME = "dstrain-offload-step"
+
+
+def _step_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == NAME]
+
+
+def _config(tmp_path: Any, optimizer: str, bf16: bool, thread: bool) -> dict[str, Any]:
+    cfg = offload_config(3, optimizer, str(tmp_path), sub_group=1024, bf16=bf16)
+    cfg["zero_optimization"]["offload_optimizer"]["step_thread"] = thread
+    return cfg
+
+
+def _train(cfg: dict[str, Any], monkeypatch: Any) -> dict[str, Any]:
+    monkeypatch.setattr(compose, "build_param_store", lambda *a, **k: HostMasterShards(separate=True))
+    engine, opt = dstrain.initialize(model=make_model(), config=cfg)[:2]
+    try:
+        # the reads ahead done before each backward (on NVMe a sub-group steps early only if its
+        # state is in memory: this makes that so on a loaded machine too)
+        losses = engine_losses(engine, STEPS, hook=lambda step, micro: opt.drain())
+        s = opt.statistics()
+        return {
+            "losses": losses,
+            "params": final_params(engine),
+            "early": s.stepped_in_backward,
+            "on_thread": s.stepped_on_thread,
+            "sub_groups": s.sub_groups,
+        }
+    finally:
+        engine.close()
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_steps_on_the_thread_train_bitwise_like_on_the_backward_thread(
+    monkeypatch, tmp_path, bf16, optimizer
+) -> None:
+    serial = _train(_config(tmp_path, optimizer, bf16, False), monkeypatch)
+    threaded = _train(_config(tmp_path, optimizer, bf16, True), monkeypatch)
+    assert serial["on_thread"] == 0 and serial["early"] > 0
+    # every sub-group stepped during backward was stepped on the thread (the first step only records)
+    assert threaded["on_thread"] == threaded["early"] == serial["early"]
+    assert serial["early"] == (STEPS - 1) * serial["sub_groups"]  # all but the first step's
+    assert threaded["losses"] == serial["losses"]
+    assert serial["losses"][-1] < serial["losses"][0]  # it trained
+    for a, b in zip(threaded["params"], serial["params"], strict=True):
+        assert torch.equal(a, b)
+    assert not _step_threads()  # close() ended it
+
+
+def _failing_kernel(monkeypatch: Any, *, block: threading.Event | None = None) -> dict[str, int]:
+    """Make the fused AdamW kernel fail (or, with ``block``, wait for it) when run on the step thread."""
+    real = torch._fused_adamw_
+    seen = {"calls": 0, "done": 0}
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == NAME:
+            seen["calls"] += 1
+            if block is None:
+                raise RuntimeError("injected failure on the step thread")
+            assert block.wait(30)
+            time.sleep(0.2)  # still running when close() is called
+            out = real(*args, **kwargs)
+            seen["done"] += 1
+            return out
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", kernel)
+    return seen
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_a_failure_on_the_thread_surfaces_typed(monkeypatch, tmp_path, optimizer) -> None:
+    cfg = _config(tmp_path, optimizer, False, True)
+    cfg["optimizer"]["type"] = "AdamW"
+    engine, opt = dstrain.initialize(model=make_model(), config=cfg)[:2]
+    try:
+        engine_losses(engine, 1)  # the first armed pass only records; nothing on the thread yet
+        seen = _failing_kernel(monkeypatch)
+        with pytest.raises(StepThreadError) as info:  # (reads done first: on NVMe the steps go early)
+            engine_losses(engine, 1, start=1, hook=lambda step, micro: opt.drain())
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert seen["calls"] >= 1
+    finally:
+        monkeypatch.undo()
+        engine.close()
+    assert not _step_threads()
+
+
+def test_close_during_an_in_flight_step_joins_it(monkeypatch, tmp_path) -> None:
+    from _dstrain_helpers import global_batch
+
+    # room for every sub-group of a step: backward hands them all over and returns while they wait
+    monkeypatch.setattr(compose, "StepThread", lambda: StepThread(depth=1 << 20))
+    cfg = _config(tmp_path, "cpu", False, True)
+    cfg["optimizer"]["type"] = "AdamW"
+    engine = dstrain.initialize(model=make_model(), config=cfg)[0]
+    release = threading.Event()
+    try:
+        engine_losses(engine, 1)
+        seen = _failing_kernel(monkeypatch, block=release)
+        idx, targets = global_batch(1, engine.config.train_batch_size)
+        mb = engine.config.train_micro_batch_size_per_gpu
+        engine.backward(engine(idx[:mb], targets[:mb]))  # the first step waits on the thread
+        deadline = time.monotonic() + 30
+        while not seen["calls"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen["calls"] == 1 and seen["done"] == 0  # one running, the others queued behind it
+        threading.Timer(0.3, release.set).start()
+    finally:
+        release_at = time.monotonic()
+        engine.close()  # while that step is in flight: returns once every step handed over is done
+        monkeypatch.undo()
+    assert time.monotonic() - release_at >= 0.2
+    assert seen["done"] == seen["calls"] > 1
+    assert not _step_threads()
+
+
+def test_jobs_run_in_order_and_the_queue_is_bounded() -> None:
+    thread = StepThread(depth=2)
+    order: list[int] = []
+    gate = threading.Event()
+    thread.submit(lambda: (gate.wait(30), order.append(0)))
+    thread.submit(lambda: order.append(1))
+    third = threading.Thread(target=thread.submit, args=(lambda: order.append(2),))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive()  # two queued or running: the third waits for room
+    gate.set()
+    third.join(30)
+    thread.join()
+    assert order == [0, 1, 2] and thread.jobs_done == 3
+    seen: list[bool] = []
+    thread.submit(lambda: seen.append(torch.is_grad_enabled()))
+    thread.join()
+    assert seen == [False]  # jobs run with gradients off
+    thread.close()
+    assert not thread.alive
+    with pytest.raises(StepThreadError):
+        thread.submit(lambda: None)
+
+
+def test_a_failed_job_is_raised_once_and_drops_what_is_queued_behind_it() -> None:
+    thread = StepThread(depth=3)
+    gate = threading.Event()
+    ran: list[int] = []
+
+    def fail() -> None:
+        gate.wait(30)
+        raise ValueError("boom")
+
+    thread.submit(fail)
+    thread.submit(lambda: ran.append(1))
+    gate.set()
+    with pytest.raises(StepThreadError) as info:
+        thread.join()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert ran == []  # dropped: the step it belonged to is incomplete anyway
+    thread.join()  # raised once
+    thread.submit(lambda: ran.append(2))  # and the thread still works
+    thread.join()
+    assert ran == [2]
+    thread.close()
+
+
+class _Fatal(BaseException):
+    pass
+
+
+def test_a_worker_that_ends_does_not_hang_its_callers() -> None:
+    thread = StepThread(depth=1)
+
+    def die() -> None:
+        raise _Fatal
+
+    thread.submit(die)
+    t0 = time.monotonic()
+    with pytest.raises(StepThreadError) as info:
+        thread.join()  # the worker is gone: raised, not waited for forever
+    assert isinstance(info.value.__cause__, _Fatal)
+    assert time.monotonic() - t0 < 30
+    assert not thread.alive
+    ran: list[int] = []
+    thread.submit(lambda: ran.append(1))  # another worker takes over
+    thread.join()
+    assert ran == [1]
+    thread.close()
