@@ -251,6 +251,7 @@ class Stage3Zero(ZeroStrategy):
             return
         for g in self.groups:
             self.store.after_step(g)
+        self.store.step_done()
         for unit in self.units:
             unit.regather()  # persistent units stay gathered: refresh them
 

@@ -153,6 +153,11 @@ class ShardStore:
             assert group.shards is not None  # set by `place`
             group.shards.copy_(group.master.detach())
 
+    def step_done(self) -> None:
+        """Every group's `after_step` of this optimizer step has been called: the shards must be whole
+        before anything reads them (a store whose copies are asynchronous waits here, once a step)."""
+        return None
+
     def read_master(self, group: ShardGroup) -> torch.Tensor:
         """``group``'s fp32 master (for checkpoints)."""
         return group.master.detach()

@@ -86,6 +86,7 @@ class HostMasterShards(ShardStore):
         self._pin = pin_memory and torch.cuda.is_available()
         self._separate = separate
         self._staging: _Staging | None = None  # made at the first copy between devices
+        self._cast_on: torch.device | None = None  # copies into these shards are queued, not waited
 
     def _stage(self) -> _Staging:
         if self._staging is None:
@@ -142,7 +143,8 @@ class HostMasterShards(ShardStore):
         target.add_(buf, alpha=alpha)
 
     def after_step(self, group: ShardGroup) -> None:
-        """The stepped host master cast into the device shards through page-locked staging."""
+        """The stepped host master cast into the device shards through page-locked staging (queued:
+        `step_done` waits for the copies once, after the last group)."""
         shards = group.shards
         assert shards is not None  # set by ShardStore.place
         if not self._apart(group) or shards.device.type != "cuda":  # (a CPU run with separate=True)
@@ -155,6 +157,12 @@ class HostMasterShards(ShardStore):
             buf, slot = stage.take(shards.dtype, hi - lo)
             buf.copy_(master[lo:hi])  # the cast on the host (fp32 -> bf16/fp16), into page-locked memory
             shards[lo:hi].copy_(buf, non_blocking=True)
+            self._cast_on = shards.device
             stage.copied(slot)
-        # the shards are whole before another stream (a gather's) reads them
-        torch.cuda.current_stream(shards.device).synchronize()
+
+    def step_done(self) -> None:
+        """The shards are whole before another stream (a gather's) reads them: one wait per step for
+        every group's copies (each staging buffer's reuse already waits for its own last copy)."""
+        device, self._cast_on = self._cast_on, None
+        if device is not None:
+            torch.cuda.current_stream(device).synchronize()

@@ -148,3 +148,48 @@ def test_staged_copies_between_host_and_device_are_exact(monkeypatch, dtype) -> 
     store.after_step(Group)  # type: ignore[arg-type]
     assert torch.equal(Group.shards.cpu(), Group.master.to(dtype))
     assert store.pinned_bytes == 2 * 4096
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_cast_back_waits_once_a_step(monkeypatch) -> None:
+    """Each group's cast back is queued (`after_step`); the stream is waited once, at `step_done`, after
+    the last group, and then every group's shards hold its master."""
+    import dstrain.offload.param.host_master as hm
+
+    monkeypatch.setattr(hm, "STAGE_BYTES", 4096)
+    waits = {"n": 0}
+    real = torch.cuda.current_stream
+
+    class Counting:
+        def __init__(self, stream: Any) -> None:
+            self._s = stream
+
+        def synchronize(self) -> None:
+            waits["n"] += 1
+            self._s.synchronize()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Counting(real(*a)))
+    store = HostMasterShards(pin_memory=True)
+    g = torch.Generator().manual_seed(1)
+
+    def group() -> Any:
+        class Group:
+            total = 5_000
+            shards = torch.zeros(5_000, dtype=torch.bfloat16, device="cuda")
+            master = torch.randn(5_000, generator=g).pin_memory()
+            device = torch.device("cuda")
+            alias = False
+
+        return Group
+
+    groups = [group() for _ in range(3)]
+    for gr in groups:
+        store.after_step(gr)  # type: ignore[arg-type]
+    assert waits["n"] == 0
+    store.step_done()
+    assert waits["n"] == 1
+    for gr in groups:
+        assert torch.equal(gr.shards.cpu(), gr.master.to(torch.bfloat16))
+    store.step_done()  # nothing queued: no wait
+    assert waits["n"] == 1
