@@ -109,6 +109,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-params", type=float, default=3.2e9, help="--fit-disk's upper bound")
     p.add_argument(
+        "--memory-breakdown",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CUDA: record the allocator's history during initialize and one extra step after the "
+        "timed ones, and report the GPU memory at that step's peak by allocation site (bench/gpu_memory.py)",
+    )
+    p.add_argument(
         "--out", default=None, help="result stem (default $OUT/offload-gpu-<date>, else $DSIO_BENCH_RESULTS)"
     )
     args = p.parse_args(argv)
@@ -317,6 +324,43 @@ def config(args: argparse.Namespace, nvme_dir: str | None = None) -> dict[str, A
     return cfg
 
 
+def gpu_memory(engine: Any, history: bool, step: Any, device: Any) -> dict[str, Any]:
+    """The GPU memory breakdown (bench/gpu_memory.py): ``known`` bytes always (zero off CUDA); with
+    ``history``, one more ``step()`` recorded and its peak broken down (``at_peak``), with torch's
+    allocator counters; an error is recorded, never raised (the run's numbers are kept)."""
+    import torch
+
+    from bench.gpu_memory import known_bytes, peak_breakdown
+
+    out: dict[str, Any] = {"known": known_bytes(engine)}
+    if not history:
+        return out
+    try:
+        stats = torch.cuda.memory_stats(device)
+        out["allocator"] = {
+            k: stats.get(k, 0)
+            for k in (
+                "allocated_bytes.all.peak",
+                "reserved_bytes.all.peak",
+                "active_bytes.all.peak",
+                "requested_bytes.all.peak",
+                "inactive_split_bytes.all.peak",
+            )
+        }
+        baseline = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        try:
+            out["extra_step"] = True
+            step()
+        finally:
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+        out["at_peak"] = peak_breakdown(snap, baseline)
+    except Exception as e:  # noqa: BLE001 - the breakdown is extra; the run's numbers stay
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> dict[str, Any]:
     """Build, initialize and train; the measured numbers of this rank. ``progress`` holds what was
     measured so far (step times, losses) for a run that ends early (SIGTERM, an error)."""
@@ -341,10 +385,15 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
     progress.update(params=params, build_s=build_s, world=world, rank=rank)
     cfg = config(args, nvme_dir)
     dstrain = _import_dstrain()
+    history = args.device == "cuda" and args.memory_breakdown
+    if history:  # the shards and buffers initialize makes carry their allocation sites
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     t0 = time.perf_counter()
     engine, optimizer, _, _ = dstrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     del model  # (the engine holds the module; the fp32 tensors it replaced are freed)
     init_s = time.perf_counter() - t0
+    if history:
+        torch.cuda.memory._record_memory_history(enabled=None)  # off for the timed steps
     if args.device == "cuda":
         init_peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)  # from here: the training steps' peak
@@ -360,20 +409,26 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
     timed_start = 0.0
     start = time.perf_counter()
     stopped = ""
+
+    def one_step(i: int) -> None:
+        b = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)  # (B, T+1)
+        t = time.perf_counter()
+        loss = engine(b[:, :-1].contiguous(), b[:, 1:].contiguous())  # (B, T) each
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.item()))
+        _sync(args.device)
+        times.append(time.perf_counter() - t)
+        print(f"offload_gpu: step {i + 1}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", flush=True)
+
+    memory: dict[str, Any] = {}
+    peak = 0
     try:
         for i in range(args.steps):
             if i == args.warmup:
                 _sync(args.device)
                 c0, b0, timed_start = _swap_counters(sources), block_bytes(nvme_dir), time.perf_counter()
-            b = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)  # (B, T+1)
-            t = time.perf_counter()
-            loss = engine(b[:, :-1].contiguous(), b[:, 1:].contiguous())  # (B, T) each
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.item()))
-            _sync(args.device)
-            times.append(time.perf_counter() - t)
-            print(f"offload_gpu: step {i + 1}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", flush=True)
+            one_step(i)
             stopped = budget_stop(
                 times, args.steps, args.warmup, time.perf_counter() - start, args.time_budget_s
             )
@@ -382,6 +437,12 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
         _sync(args.device)
         timed_s = time.perf_counter() - timed_start if timed_start else 0.0
         c1, b1 = _swap_counters(sources), block_bytes(nvme_dir)
+        if args.device == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)  # the timed steps' (before the extra one)
+        done = len(times)
+        # (not past the time budget: a run it stopped has no room for another step)
+        memory = gpu_memory(engine, history and not stopped, lambda: one_step(done), device)
+        del times[done:], losses[done:]  # the recorded extra step is not one of the measured ones
     finally:
         for obj in (engine, optimizer):
             close = getattr(obj, "close", None)
@@ -415,8 +476,8 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
     if b0 is not None and b1 is not None and timed_s:  # the disk's own counters (the whole machine's)
         out["block_read_gbps"] = (b1[0] - b0[0]) / timed_s / 1e9
         out["block_write_gbps"] = (b1[1] - b0[1]) / timed_s / 1e9
+    out["gpu_memory"] = memory
     if args.device == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
         out["gpu_peak_gib"] = peak / 2**30
         out["gpu_bytes_per_param"] = peak / params
         out["gpu_peak_run_gib"] = max(peak, init_peak) / 2**30
@@ -501,6 +562,7 @@ def render(meta: dict[str, Any], result: dict[str, Any]) -> str:
             f"Placement ({pl['store']}): fp32 master {pl['master']}, gradient partitions {pl['grads']}, "
             f"shards {pl['shards']}; sub-groups stepped during backward: {result.get('stepped_in_backward', 0)}.",
         ]
+    lines += _memory_lines(result.get("gpu_memory") or {}, result["params"])
     if meta.get("sizing"):
         lines += ["", f"Sized to the disk (--fit-disk): {meta['sizing']}."]
     if result["stopped"]:
@@ -508,6 +570,36 @@ def render(meta: dict[str, Any], result: dict[str, Any]) -> str:
     lines += ["", "Targets (issue 32):", "", *targets(meta, result)]
     lines += ["", f"Command: `{meta['command']}`"]
     return "\n".join(lines) + "\n"
+
+
+def _memory_lines(mem: dict[str, Any], params: int) -> list[str]:
+    """The GPU memory breakdown's lines (bytes per parameter beside GiB)."""
+
+    def b(n: float) -> str:
+        return f"{n / 2**30:.2f} GiB ({n / params:.2f} B/param)"
+
+    out = []
+    if mem.get("known"):
+        out += [
+            "",
+            "GPU memory held by design: "
+            + ", ".join(f"{k.replace('_', ' ')} {b(v)}" for k, v in mem["known"].items())
+            + ".",
+        ]
+    at = mem.get("at_peak")
+    if at:
+        out += [
+            "",
+            f"GPU memory at the peak of one recorded step after the timed ones ({b(at['peak_bytes'])}; "
+            f"{b(at['start_bytes'])} live when it began), by category: "
+            + ", ".join(f"{k} {b(v)}" for k, v in at["by_category"].items())
+            + "; by allocation site: "
+            + ", ".join(f"`{k}` {b(v)}" for k, v in at["by_site"].items())
+            + ".",
+        ]
+    if mem.get("error"):
+        out += ["", f"GPU memory breakdown failed: `{mem['error']}`"]
+    return out
 
 
 def targets(meta: dict[str, Any], result: dict[str, Any]) -> list[str]:

@@ -55,6 +55,9 @@ def _tiny(tmp_path: Path, device: str) -> dict[str, object]:
     assert "tokens/s" in md and "before training" in md
     assert "Targets (issue 32):" in md and "x the I/O floor" in md
     assert not any(swap.iterdir())  # swap files and the probe file removed
+    known = r["gpu_memory"]["known"]
+    assert set(known) == {"shards", "fp32_master", "gradient_partitions", "gathered_parameters_peak"}
+    assert known["gathered_parameters_peak"] > 0  # (what the GPU would hold of them; the rest is 0 on CPU)
     return r
 
 
@@ -90,6 +93,10 @@ def test_refuses_bad_arguments_and_memory_folders(tmp_path: Path) -> None:
 def test_cuda_tiny_run(tmp_path: Path) -> None:
     r = _tiny(tmp_path, "cuda")
     assert r["gpu_peak_gib"] > 0
+    mem = r["gpu_memory"]
+    assert "error" not in mem, mem.get("error")
+    assert mem["at_peak"]["peak_bytes"] > 0 and mem["at_peak"]["by_site"] and mem["known"]["shards"] > 0
+    assert len(r["steps_s"]) == 3  # the recorded extra step is not among the measured ones
 
 
 def _ds_run(tps: float, peak: float, **extra: object) -> dict[str, object]:
@@ -320,3 +327,54 @@ def test_config_places_what_offload_names() -> None:
     assert cpu["offload_optimizer"]["device"] == "cpu" and "offload_param" not in cpu
     with pytest.raises(GpuBenchError):
         config(parse_args(["--offload", "param"]))  # NVMe without a swap folder
+
+
+def test_gpu_memory_breakdown_replays_the_trace_to_its_peak() -> None:
+    """bench/gpu_memory.py on a made-up allocator snapshot: the blocks live before the step (with their
+    sites) plus the step's allocations, minus its frees, at the point where the sum peaked; summed by
+    allocation site (innermost dstrain/ or bench/ frame) and by category."""
+    from bench.gpu_memory import UNRECORDED, category, peak_breakdown, site
+
+    def fr(path: str, name: str) -> list[dict[str, object]]:
+        return [{"filename": "/x/torch/nn/functional.py", "name": "linear"}, {"filename": path, "name": name}]
+
+    shards = fr("/repo/dstrain/zero/units.py", "place")
+    baseline = {
+        "segments": [
+            {
+                "blocks": [
+                    {"address": 0, "size": 100, "state": "active_allocated", "frames": shards},
+                    {"address": 100, "size": 50, "state": "inactive"},
+                    {"address": 200, "size": 7, "state": "active_allocated", "frames": []},
+                ]
+            }
+        ]
+    }
+    act = fr("/repo/bench/train.py", "forward")
+    gather = fr("/repo/dstrain/zero/gather.py", "start")
+    events = [
+        {"action": "alloc", "addr": 1000, "size": 40, "frames": act},
+        {"action": "alloc", "addr": 2000, "size": 30, "frames": gather},
+        {"action": "free_requested", "addr": 1000, "size": 40},
+        {"action": "free_completed", "addr": 1000, "size": 40},  # 137 live after the peak of 177
+        {"action": "alloc", "addr": 3000, "size": 20, "frames": act},
+        {"action": "free_completed", "addr": 9999, "size": 500},  # a block it never saw: not counted
+    ]
+    got = peak_breakdown({"device_traces": [events]}, baseline)
+    assert got["start_bytes"] == 107 and got["peak_bytes"] == 177 and got["events"] == 6
+    assert got["by_site"] == {
+        "dstrain/zero/units.py:place": 100,
+        "bench/train.py:forward": 40,
+        "dstrain/zero/gather.py:start": 30,
+        UNRECORDED: 7,
+    }
+    assert got["by_category"]["gathered parameters"] == 30
+    assert got["by_category"]["model activations (bench/train.py's GPT)"] == 40
+    assert sum(got["by_category"].values()) == 177
+    assert site([{"filename": "/usr/lib/torch/autograd/graph.py", "name": "backward"}]).endswith(
+        "graph.py:backward"
+    )
+    assert category("torch (no Python frame)").startswith("autograd")
+    top = peak_breakdown({"device_traces": [events]}, baseline, top=2)["by_site"]
+    assert list(top) == ["dstrain/zero/units.py:place", "bench/train.py:forward", "(the rest)"]
+    assert top["(the rest)"] == 37
