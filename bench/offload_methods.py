@@ -149,6 +149,9 @@ class Method:
     step_in_backward: bool = True
     """dstrain: ``offload_optimizer.step_in_backward`` (sub-groups stepped during backward where
     legal); False is the same run with every sub-group stepped in ``engine.step()``."""
+    step_thread: bool = True
+    """dstrain: ``offload_optimizer.step_thread`` (those sub-group steps on a thread of their own);
+    False is the same run with them on the backward thread (`dstrain.offload.optimizer.step_thread`)."""
 
     def __post_init__(self) -> None:
         if self.impl not in ("dstrain", "deepspeed"):
@@ -165,6 +168,7 @@ class Method:
     @property
     def label(self) -> str:
         late = "" if self.step_in_backward else " (stepped after backward)"
+        late += "" if self.step_thread else " (early steps on the backward thread)"
         if self.param == "none":
             return f"{self.impl} optimizer {self.optimizer}{late}"
         return f"{self.impl} param {self.param} + optimizer {self.optimizer}{late}"
@@ -181,6 +185,8 @@ METHODS: dict[str, Method] = {
         _m("dstrain-cpu", "cpu"),
         _m("dstrain-nvme", "nvme"),
         dataclasses.replace(_m("dstrain-nvme-late", "nvme"), step_in_backward=False),
+        dataclasses.replace(_m("dstrain-cpu-serial", "cpu"), step_thread=False),
+        dataclasses.replace(_m("dstrain-nvme-serial", "nvme"), step_thread=False),
         _m("dstrain-param-cpu", "cpu", "cpu"),
         _m("dstrain-paramopt-nvme", "nvme", "nvme"),
         _m("deepspeed-none", "none"),
@@ -192,9 +198,11 @@ METHODS: dict[str, Method] = {
 the weights to bf16 at initialize (anchors/ds_param_nvme_rounding.py), below ``max_in_cpu`` (1e9
 parameters) it silently keeps them in memory, and with ``max_in_cpu: 0`` its prefetcher asserts."""
 
-DEFAULT_METHODS = [m for m in METHODS if m != "dstrain-nvme-late"]
+DEFAULT_METHODS = [m for m in METHODS if not m.endswith(("-late", "-serial"))]
 """What a plain run measures; ``dstrain-nvme-late`` (stepping during backward off, the before/after
-of `dstrain.offload.optimizer.early_step`) runs when named in ``--methods``."""
+of `dstrain.offload.optimizer.early_step`) and ``dstrain-cpu-serial`` / ``dstrain-nvme-serial`` (the
+early steps on the backward thread, the before/after of `dstrain.offload.optimizer.step_thread`) run
+when named in ``--methods``."""
 
 
 def expected_bytes(

@@ -169,6 +169,8 @@ def ds_config(shape: Shape, method: Method, nvme_dir: str, pinned: int) -> dict[
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 4}
     if method.impl == "dstrain" and not method.step_in_backward:
         zero["offload_optimizer"]["step_in_backward"] = False
+    if method.impl == "dstrain" and not method.step_thread:
+        zero["offload_optimizer"]["step_thread"] = False
     if method.param == "cpu":
         zero["offload_param"] = {"device": "cpu"}
     elif method.param == "nvme":
