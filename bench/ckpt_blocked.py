@@ -100,12 +100,19 @@ def _config(offload: str, swap: str) -> dict[str, Any]:
     }
 
 
-class _StageAtCall:
-    """The store as it was: ``save`` returns once dsio staged the state (the memcpy blocks the caller)."""
+class _OlderStore:
+    """dstrain's store as it was, through public pieces only: one ``dsio.checkpoint.Checkpointer`` of
+    its own per directory (the store's ``keep_last`` and ``allow_pickle``; world size 1) and a
+    `PendingSave` built as `DsioStore` builds it, but either staged at the call (``stage_at_call``:
+    ``save`` returns once dsio staged the state, the memcpy blocks the caller) or staged in the
+    background without a touch order or per-set capture (the next step waits for the whole
+    staging, pinned bytes too: the engine's behaviour before per-sub-group gating)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, *, stage_at_call: bool) -> None:
         self.inner = inner
         self.suffix = inner.suffix
+        self.stage_at_call = stage_at_call
+        self._ckpts: dict[str, Any] = {}
 
     def save(
         self,
@@ -117,23 +124,37 @@ class _StageAtCall:
         background: bool,
         touch_order: Any = None,
     ) -> Any:
+        import dsio.checkpoint
+        from dsio import run_sync
         from dstrain.checkpoint.sources import release_sources
         from dstrain.checkpoint.store import PendingSave, rank_file_in, step_name
 
-        ckpt = self.inner._checkpointer(directory)
+        key = os.path.abspath(directory)
+        ckpt = self._ckpts.get(key)
+        if ckpt is None:
+            ckpt = dsio.checkpoint.Checkpointer(
+                key, keep_last=self.inner.keep_last, allow_pickle=self.inner.allow_pickle
+            )
+            self._ckpts[key] = ckpt
+        in_background = background and not self.stage_at_call
         try:
-            task = self.inner._run(ckpt.save(step, state, background_staging=False))  # staged here
-        finally:
-            release_sources(state)  # staged (or failed): swap versions pinned for it can go
+            task = run_sync(ckpt.save(step, state, background_staging=in_background))
+        except BaseException:
+            release_sources(state)
+            raise
+        ckpt.staging_capture.when_over(lambda: release_sources(state))  # swap versions pinned for it go
         expected = directory / step_name(step) / f"rank-{world.rank:05d}{self.suffix}"
 
         async def committed() -> Any:
             return await task
 
         def finish() -> Path:
-            return rank_file_in(Path(self.inner._run(committed()).path), world.rank) or expected
+            return rank_file_in(Path(run_sync(committed()).path), world.rank) or expected
 
-        pending = PendingSave(expected, finish)
+        def staged() -> float:
+            return float(run_sync(ckpt.wait_staged()))
+
+        pending = PendingSave(expected, finish, staged if in_background else None)  # no per-set capture
         if not background:
             pending.wait()
         return pending
@@ -142,35 +163,12 @@ class _StageAtCall:
         return self.inner.load(*a, **k)
 
     def close(self) -> None:
-        self.inner.close()
+        """Close this store's own Checkpointers (the inner store is the engine's to close)."""
+        from dsio import run_sync
 
-
-class _WholeFence:
-    """The store with the touch order dropped: the next step waits for the whole staging."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.suffix = inner.suffix
-
-    def save(
-        self,
-        directory: Path,
-        step: int,
-        state: dict[str, Any],
-        world: Any,
-        *,
-        background: bool,
-        touch_order: Any = None,
-    ) -> Any:
-        pending = self.inner.save(directory, step, state, world, background=background)
-        pending._capture = None  # wait_staged then waits for the whole staging, pinned bytes too
-        return pending
-
-    def load(self, *a: Any, **k: Any) -> Any:
-        return self.inner.load(*a, **k)
-
-    def close(self) -> None:
-        self.inner.close()
+        for ckpt in self._ckpts.values():
+            run_sync(ckpt.aclose())
+        self._ckpts.clear()
 
 
 def _train(engine: Any, x: torch.Tensor, steps: int) -> list[float]:
@@ -200,16 +198,17 @@ def run_config(args: argparse.Namespace, offload: str, root: str) -> dict[str, A
     store.keep_last = 1  # one directory per method, kept open across reps (as in a run); old steps go
     x = torch.randn(args.batch, args.dim)
     _train(engine, x, 2)  # warm-up
+    older = {  # built once: their Checkpointers stay open across reps, as the store's do
+        "async, staged at call": _OlderStore(store, stage_at_call=True),
+        "async, background, whole-staging fence": _OlderStore(store, stage_at_call=False),
+    }
     # rep 0 is not measured: it creates each directory's Checkpointer (handle, lock, staging region)
     rows: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     for rep in range(args.reps + 1):
         for method in methods:
             d = os.path.join(root, f"ck-{offload}-{METHODS.index(method)}")
             before = _train(engine, x, args.steps_before)
-            engine.store = {
-                "async, staged at call": _StageAtCall(store),
-                "async, background, whole-staging fence": _WholeFence(store),
-            }.get(method, store)
+            engine.store = older.get(method, store)
             if swapper is not None:
                 swapper.copy_on_write = method not in NVME_ONLY
             b0 = engine.statistics().checkpoint_blocked_seconds
@@ -247,6 +246,8 @@ def run_config(args: argparse.Namespace, offload: str, root: str) -> dict[str, A
             "relocations": v.relocations if v else 0,
             "pins_left": v.pins if v else 0,
         }
+    for older_store in older.values():
+        older_store.close()
     engine.close()
     shutil.rmtree(swap, ignore_errors=True)
     sync = [r["blocked_s"] for r in rows["sync"]]

@@ -96,7 +96,7 @@ class DeepSpeedServer:
             self.proc.wait()
 
 
-def _prepare(path: str, offset: int, size: int) -> None:
+def prepare(path: str, offset: int, size: int) -> None:
     """A file holding ``offset`` bytes, then the tensor's ``size`` random bytes (untimed)."""
     if os.path.exists(path) and os.path.getsize(path) == offset + size:
         return
@@ -139,7 +139,7 @@ def run_read_path(
                     group = f"{size // MIB} MiB, {layout}"
                     src = os.path.join(directory, f"rp-{size // MIB}-{layout}.bin")
                     dst = os.path.join(directory, f"rp-{size // MIB}-{layout}-w.bin")
-                    _prepare(src, off, size)
+                    prepare(src, off, size)
                     for run in range(runs):
                         per: dict[str, list[float]] = defaultdict(list)
                         for rep in range(reps):
@@ -195,7 +195,7 @@ def _one(loop, h, ds, case, src, dst, off, size, locked, touched) -> dict:
 
 
 def _timed(loop, h, make, size: int) -> dict:
-    pf0 = h._engine.statistics()["prefault"]["populated_bytes"]
+    pf0 = h.statistics().engine.prefaulted_bytes
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     loop.run_until_complete(make())
@@ -206,7 +206,7 @@ def _timed(loop, h, make, size: int) -> dict:
         "minflt": ru1.ru_minflt - ru0.ru_minflt,
         "utime": ru1.ru_utime - ru0.ru_utime,
         "stime": ru1.ru_stime - ru0.ru_stime,
-        "prefaulted_bytes": h._engine.statistics()["prefault"]["populated_bytes"] - pf0,
+        "prefaulted_bytes": h.statistics().engine.prefaulted_bytes - pf0,
     }
 
 

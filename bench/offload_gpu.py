@@ -367,7 +367,7 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
     import torch
     import torch.distributed as dist
 
-    from bench.train import _import_dstrain, build_model
+    from bench.train import build_model, import_dstrain
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -384,7 +384,7 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
     build_s = time.perf_counter() - t0
     progress.update(params=params, build_s=build_s, world=world, rank=rank)
     cfg = config(args, nvme_dir)
-    dstrain = _import_dstrain()
+    dstrain = import_dstrain()
     history = args.device == "cuda" and args.memory_breakdown
     if history:  # the shards and buffers initialize makes carry their allocation sites
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -400,7 +400,10 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
     where = placement(engine)
     progress.update(init_s=init_s, placement=where)
     print(f"offload_gpu: initialized in {init_s:.1f} s; {where}", flush=True)
-    sources = (optimizer, engine, getattr(getattr(engine, "zero", None), "store", None))
+    from dstrain.zero.units import HoldsShards
+
+    # the offloaded optimizer, the engine, and stage 3's shard store report counters
+    sources = (optimizer, engine, engine.zero.store if isinstance(engine.zero, HoldsShards) else None)
     g = torch.Generator().manual_seed(1234 + rank)
     times: list[float] = progress.setdefault("steps_s", [])
     losses: list[float] = progress.setdefault("losses", [])
@@ -444,10 +447,7 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
         memory = gpu_memory(engine, history and not stopped, lambda: one_step(done), device)
         del times[done:], losses[done:]  # the recorded extra step is not one of the measured ones
     finally:
-        for obj in (engine, optimizer):
-            close = getattr(obj, "close", None)
-            if close is not None:
-                close()
+        engine.close()  # (closes the optimizer it steps with: its swap files and pinned buffers)
     timed = times[args.warmup :]
     moved = {k: c1.get(k, 0) - c0.get(k, 0) for k in c1 if k.endswith(("_read_bytes", "_written_bytes"))}
     read = sum(v for k, v in moved.items() if k.endswith("_read_bytes"))

@@ -222,9 +222,9 @@ def worker(args: argparse.Namespace) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     cfg = ds_config(shape, method, args.nvme_dir, args.pinned)
     if method.impl == "dstrain":
-        from bench.train import _import_dstrain
+        from bench.train import import_dstrain
 
-        lib = _import_dstrain()
+        lib = import_dstrain()
     else:
         import deepspeed as lib  # type: ignore[import-not-found,no-redef]
     t0 = time.perf_counter()

@@ -84,12 +84,14 @@ def build_model(args: argparse.Namespace) -> Any:
 # -- one (method, rep) inside a torchrun rank --------------------------------------------------
 
 
-def _import_dstrain() -> Any:
+def import_dstrain() -> Any:
+    """dstrain, from this checkout (the drivers run from the tree, installed or not)."""
     sys.path.insert(0, str(ROOT))
     import dstrain
 
-    if not hasattr(dstrain, "initialize"):
-        # a stale editable install can map dstrain to an empty namespace: load the package from the tree
+    if dstrain.__spec__ is None or dstrain.__spec__.origin is None:
+        # a stale editable install can map dstrain to an empty namespace package (no __init__.py, so
+        # no origin): load the package from the tree
         import importlib.util
 
         del sys.modules["dstrain"]
@@ -164,7 +166,7 @@ def worker(args: argparse.Namespace) -> None:
 
     elif method.startswith(("dstrain", "deepspeed")):
         if method.startswith("dstrain"):
-            lib = _import_dstrain()
+            lib = import_dstrain()
         else:
             import deepspeed as lib  # type: ignore[import-not-found,no-redef]
 

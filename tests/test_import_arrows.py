@@ -343,10 +343,32 @@ def test_the_private_read_finder_finds_one(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("top", ["dsio", "dstrain"])
+#: (bench file, the expression read) -> why it is still read. Drivers and experiments use the public
+#: API like any user (statistics() snapshots, leases, Checkpointer): a private read breaks silently
+#: when the library renames the attribute.
+BENCH_PRIVATE = {
+    # the raw-write ceiling writes the Checkpointer's staging region itself (the file's bytes, with no
+    # second copy of the 2.8 GiB state beside it); dsio.checkpoint has no public face for it yet
+    ("bench/checkpoint.py", "self.ckpt._staging"): "the Checkpointer's staging region (raw write)",
+    ("bench/checkpoint.py", "self.ckpt._staging._view"): "the Checkpointer's staging region (raw write)",
+}
+
+
+@pytest.mark.parametrize("top", ["dsio", "dstrain", "bench"])
 def test_no_module_reads_another_modules_privates(top):
     bad = [hit for p in sorted((ROOT / top).rglob("*.py")) for hit in _private_reads(p)]
-    assert bad == []
+    left = [hit for hit in bad if tuple(hit.split(":", 1)[:1] + hit.split(": ", 1)[1:]) not in BENCH_PRIVATE]
+    assert left == []
+
+
+def test_every_allowed_bench_private_read_still_exists():
+    # the bench allow-list cannot go stale into an exemption
+    seen = {
+        (hit.split(":", 1)[0], hit.split(": ", 1)[1])
+        for p in sorted((ROOT / "bench").rglob("*.py"))
+        for hit in _private_reads(p)
+    }
+    assert set(BENCH_PRIVATE) <= seen, sorted(set(BENCH_PRIVATE) - seen)
 
 
 def test_dstrain_imports_no_private_dsio_module():

@@ -41,6 +41,18 @@ NOT_IN_TREE = {
     ): "a deleted driver, named with its findings",
     ("bench/experiments/README.md", "bench/train_divergence.py"): "a deleted driver, named with its findings",
     (
+        "bench/experiments/README.md",
+        "bench/experiments/io_read_diag.py",
+    ): "a deleted experiment, named with its findings",
+    (
+        "bench/results/README.md",
+        "bench/experiments/io_read_diag.py",
+    ): "the result's experiment of its day, since deleted (bench/experiments/README.md)",
+    (
+        "csrc/engine.hpp",
+        "bench/experiments/io_read_diag.py",
+    ): "the deleted experiment that read the timeline (tests/dsio/test_transfer_copier.py still does)",
+    (
         "bench/results/README.md",
         "bench/io_tuned.py",
     ): "a result's driver of its day, since folded into bench/io.py",
@@ -99,7 +111,7 @@ def test_the_finder_finds_paths():
     assert named_paths(text) == [(1, "bench/io_read_diag.py"), (2, "csrc/engine.hpp")]
     files = set(tracked())
     assert not exists("bench/io_read_diag.py", files)  # moved to bench/experiments/
-    assert exists("bench/experiments/io_read_diag.py", files)
+    assert exists("bench/experiments/io_version_ab.py", files)
     assert exists("bench/_common.RESULTS", files)
 
 

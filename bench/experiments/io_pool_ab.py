@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import dsio  # noqa: E402
 import dsio.pool  # noqa: E402
 from bench._common import drop_caches_verified, scratch_dir  # noqa: E402
-from bench.io_read_path import _prepare  # noqa: E402
+from bench.io_read_path import prepare  # noqa: E402
 from dsio._native import native  # noqa: E402
 from dsio._tuning import SWITCHES  # noqa: E402
 
@@ -47,7 +47,7 @@ def main() -> None:
     d = args.dir or scratch_dir()
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, f"pool-ab-{args.size_mib}.bin")
-    _prepare(path, 0, size)
+    prepare(path, 0, size)
     loop = asyncio.new_event_loop()
     handles: dict[str, dsio.AsyncIOHandle] = {}
     for i in range(args.handles):

@@ -11,7 +11,6 @@ and prints per-pool GB/s and per-kind medians.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import statistics
 import sys
@@ -22,7 +21,7 @@ import torch  # noqa: E402
 
 import dsio  # noqa: E402
 from bench._common import drop_caches_verified, scratch_dir  # noqa: E402
-from bench.io_read_path import _prepare  # noqa: E402
+from bench.io_read_path import prepare  # noqa: E402
 from dsio.pool import PinnedPool  # noqa: E402
 
 SIZE = 512 << 20
@@ -36,17 +35,10 @@ def main() -> None:
     d = scratch_dir()
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, "swap-ab.bin")
-    _prepare(path, 0, SIZE)
+    prepare(path, 0, SIZE)
     pools = {f"{k}-{i}": PinnedPool(4 * BUF, BUF, hugepage=k == "huge") for i in range(POOLS) for k in KINDS}
-    bufs = {
-        n: [
-            torch.frombuffer(
-                memoryview((ctypes.c_char * BUF).from_address(p._base + k * BUF)), dtype=torch.uint8
-            )
-            for k in range(4)
-        ]
-        for n, p in pools.items()
-    }
+    leases = {n: [p.try_acquire() for _ in range(4)] for n, p in pools.items()}  # each pool's 4 buffers, held
+    bufs = {n: [lease.tensor for lease in ls if lease is not None] for n, ls in leases.items()}
     loop = asyncio.new_event_loop()
     h = dsio.AsyncIOHandle()
 

@@ -96,7 +96,7 @@ def train(args: argparse.Namespace, step_in_backward: bool) -> None:
     import torch
 
     from bench.offload_gpu import config
-    from bench.train import _import_dstrain, build_model
+    from bench.train import build_model, import_dstrain
 
     cuda = args.device == "cuda"
     device = torch.device("cuda" if cuda else "cpu")
@@ -105,7 +105,7 @@ def train(args: argparse.Namespace, step_in_backward: bool) -> None:
         model = build_model(args)
     cfg = config(argparse.Namespace(**{**vars(args), "offload": "cpu"}))  # the driver's --offload cpu
     cfg["zero_optimization"]["offload_optimizer"]["step_in_backward"] = step_in_backward
-    dstrain = _import_dstrain()
+    dstrain = import_dstrain()
     engine, _, _, _ = dstrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     del model
     g = torch.Generator().manual_seed(0)
