@@ -1,33 +1,10 @@
 """Point-to-point messages between pipeline neighbours: receives posted ahead, metadata when it changes.
 
-One `Sender` / `Receiver` pair per direction and kind (activations flow to the next stage, gradients to the
-previous one). A message is, in this order on the wire::
-
-    header   int64[128] (sent as 1024 bytes): magic, kind (DATA/ABORT), micro-batch, metadata words (0:
-             unchanged), ack (messages received on the reverse channel), labels fingerprint, sequence number,
-             0, then up to 120 words of metadata inline (an ABORT carries its error text there as bytes)
-    metadata int64[n], only when the metadata changed and did not fit in the header
-    payload  each tensor
-
-Receives are posted ahead: as soon as message ``k`` is consumed the receive of ``k + 1`` is posted (on gloo a
-send only moves once its receive is posted, so this is what lets transfers overlap compute). When the metadata
-was unchanged at ``k``, both ends expect ``k + 1`` to keep it too, and the header and payload travel FUSED, as
-one message: the header's 1024 bytes, then each tensor in ``k``'s shape at a 64-byte aligned offset
-(`fused_layout`), received into one buffer whose views are the tensors. One send and one wait per micro-batch,
-as DeepSpeed's bare tensor sends, instead of a header and a payload apart. When the shapes do change after
-such a run, the fused message carries the new header with zeros in the old payload's place (the fillers of
-the receive posted ahead: one wasted transfer per change), then the metadata and payload follow apart:
-variable sequence lengths work, and no receive is ever left dangling. A transport without ``post_ahead``
-(NCCL) posts the very same receives, in the same order, when `Receiver.recv` is called instead (see
-`dstrain.pipe.transport.Transport.post_ahead` for why). Because every receive the receiver posts is matched
-by the next send in order, with the same byte count, the protocol needs no tags: the same code runs on gloo
-(tags keep the parts apart as well) and on NCCL (order alone), through a `dstrain.pipe.transport.Transport`.
-
-Every wait has a timeout (`P2PTimeoutError`). A failing rank sends ABORT in place of its next message on each
-outgoing channel (fused with zeros where the receiver posted a fused receive); the receiver raises
-`PipelineAbortedError` naming the origin and its error, and forwards it. Sends are never waited on during a
-batch except when the peer acknowledged receiving them (so a failed peer never blocks its neighbours); the
-rest are waited on once the batch is known to have succeeded everywhere.
+One `Sender` / `Receiver` pair per direction and kind (activations to the next stage, gradients to the
+previous one). Contract: every receive posted is matched by the next send in order with the same byte count
+(no tags: the same code on gloo and NCCL); every wait has a timeout (`P2PTimeoutError`); a failing rank's
+ABORT reaches its neighbours as `PipelineAbortedError`, and no send is waited on during a batch unless its
+peer acknowledged it. The wire format and the protocol, in full: docs/pipe.md.
 """
 
 from __future__ import annotations

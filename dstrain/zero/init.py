@@ -4,38 +4,11 @@
         model = GPT(config)          # never more than the largest module whole in memory
     engine, *_ = dstrain.initialize(model=model, config=cfg)   # adopts the shards as they are
 
-How (DeepSpeed's idea, our code): while the context is active, the ``__init__`` of every
-``torch.nn.Module`` subclass (those defined before and, through ``__init_subclass__``, those defined
-inside the block) is wrapped. When the outermost ``__init__`` of a module returns, every module of
-its subtree gets its not-yet-partitioned direct parameters partitioned, as one `InitUnit` per
-module: the values are broadcast from rank 0 (so every rank holds the same model, as
-``initialize`` broadcasts without Init), flattened in registration order into the padded layout
-ZeRO-3 uses for a module's unit (`dstrain.zero.flat.FlatLayout`), and this rank keeps only its
-shard: on the parameters' device (``remote_device`` None with no ``offload_param`` in the config),
-in host memory (``"cpu"``, page-locked with ``pin_memory`` where CUDA is present) or in a swap file
-under the config's ``zero_optimization.offload_param.nvme_path`` (``"nvme"``), through dsio. The
-module's own initializers run unchanged before that, on the whole module, so with the same seed
-every value (and the RNG stream) is bitwise what the model gets without Init.
-
-A partitioned parameter keeps its shape and dtype but holds one element, broadcast (an
-``expand``-ed scalar): reading it gives zeros and most in-place writes raise (``normal_``,
-``copy_``...; ``fill_``/``zero_`` write the one element and change nothing). Read or change whole
-values with `GatheredParameters` (``modifier_rank`` writes back).
-
-``initialize`` adopts the shards: `Stage3Zero` asks `adopt` for each unit it builds; a unit whose
-parameters are exactly one Init unit's (same objects, same order, same partitioning group) takes
-its shard as it is (read from the swap file at ``"nvme"``, one unit at a time, then the file goes).
-Anything else (parameters split over param groups, frozen parameters, a stage below 3, expert
-groups partitioned over another group) is gathered back whole first (`materialize`), one module at
-a time, and then treated as a normally built model.
-
-Supported and tested: tied weights (a parameter shared by two modules is partitioned once, with
-the module that built it), parameters that a parent assigns to a child after the child was built
-(the child's unit is rebuilt with them), buffers (never partitioned: kept whole on every rank),
-`register_external_parameter` for a module whose forward uses another module's parameter.
-Refused with `InitError` naming the module: non-floating parameters, parameters on the meta device.
-A construction that raises inside the block frees everything the block partitioned (memory, swap
-file). Too little disk for a unit's shard is `InsufficientDiskError` before its bytes are written.
+Contract: a partitioned parameter keeps its shape and dtype but holds one broadcast element (read
+and change whole values with `GatheredParameters`); values and RNG stream are bitwise those of the
+model built without Init; ``initialize`` adopts a unit's shard as it is where the unit is exactly
+one Init unit, else gathers it back first (`materialize`); `InitError` refuses non-floating and
+meta parameters. The design, in full: docs/zero.md.
 """
 
 from __future__ import annotations

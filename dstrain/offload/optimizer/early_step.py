@@ -1,35 +1,11 @@
 """Stepping `OffloadAdam` sub-groups during the accumulation boundary's backward.
 
-ZeRO stage 3 reduce-scatters each unit's gradient during backward, in reverse layer order. On the
-last micro-batch of an accumulation window, without gradient clipping and without fp16 loss scaling
-(both need every gradient: the global norm, the overflow check), a sub-group's Adam update depends
-only on its own fully reduced gradient and on the group's hyperparameters, which the LR schedule set
-at the end of the previous step. So a sub-group can be stepped as soon as every unit covering its
-master range has been reduced for the last time in this pass: the same fused kernel on the same
-inputs, bitwise identical to stepping it after backward.
-
-`EarlyStep` listens to the ZeRO strategy's "unit reduced" events (`Stage3Zero.on_unit_reduced`),
-decides which sub-groups are final and asks the optimizer to step those whose state is already in
-memory (`OffloadAdam.step_ready`: it never waits during backward). It records the order in which
-sub-groups become final; the optimizer reads ahead in that order at the next step, so the swap reads
-of the state run during forward and backward in the order backward frees the gradients, and the
-write-backs overlap the rest of backward. `engine.step()` then steps whatever is left.
-
-When a unit is final: a unit is reduced once per pass when all its parameters' gradients have
-accumulated (tied weights: after their last use), but a parameter used across reentrant activation
-checkpoints can make its unit reduce more than once. So the first armed pass only records how many
-times each unit is reduced; later passes treat a unit as final once it has been reduced that many
-times. If a pass then reduces a unit again after its sub-group was stepped (the model's control flow
-changed), `EarlyStepError` says so and names the key that turns the feature off.
-
-Composed by `dstrain.offload.compose` where legal: stage 3, no clipping, no fp16;
-``zero_optimization.offload_optimizer.step_in_backward`` (default true) turns it off. With the
-master and the gradients in swap files too (parameters and optimizer state on NVMe), a final
-sub-group's master and gradient ranges are read during backward as well, within the buffers their
-pools can spare while the gathers and the gradient accumulation use them
-(`StateReads.fetch_final`), and the stepped master (cast, the shards) is written back during
-backward. An async checkpoint save in flight holds it for the step the save gates (that step waits for the
-save sub-group by sub-group, in `OffloadAdam.step`: the gate is called in one place).
+`EarlyStep` listens to the ZeRO strategy's "unit reduced" events and steps a sub-group as soon as
+every unit covering its master range was reduced for the last time in the pass (stage 3, no
+clipping, no fp16 loss scaling: bitwise what stepping it after backward gives); `engine.step()`
+steps the rest. A pass that reduces a unit again after its sub-group stepped raises
+`EarlyStepError`, naming ``zero_optimization.offload_optimizer.step_in_backward``, the key that
+turns it off. The design, in full: docs/offload.md.
 """
 
 from __future__ import annotations
