@@ -42,9 +42,10 @@ def _config(tmp_path: Any, optimizer: str, bf16: bool, thread: bool) -> dict[str
     return cfg
 
 
-def _train(cfg: dict[str, Any], monkeypatch: Any) -> dict[str, Any]:
-    monkeypatch.setattr(compose, "build_param_store", lambda *a, **k: HostMasterShards(separate=True))
-    engine, opt = dstrain.initialize(model=make_model(), config=cfg)[:2]
+def _train(cfg: dict[str, Any], monkeypatch: Any, device: str = "cpu") -> dict[str, Any]:
+    store = HostMasterShards(separate=True, pin_memory=device == "cuda")
+    monkeypatch.setattr(compose, "build_param_store", lambda *a, **k: store)
+    engine, opt = dstrain.initialize(model=make_model().to(device), config=cfg)[:2]
     try:
         # the reads ahead done before each backward (on NVMe a sub-group steps early only if its
         # state is in memory: this makes that so on a loaded machine too)
@@ -78,6 +79,20 @@ def test_steps_on_the_thread_train_bitwise_like_on_the_backward_thread(
     for a, b in zip(threaded["params"], serial["params"], strict=True):
         assert torch.equal(a, b)
     assert not _step_threads()  # close() ended it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_on_cuda_the_thread_trains_bitwise_like_the_backward_thread(monkeypatch, tmp_path, optimizer) -> None:
+    """The GPU layout (master and gradients page-locked on the host, bf16 shards on the GPU): the host
+    steps on the thread while backward's kernels run, the same bits as on the backward thread."""
+    serial = _train(_config(tmp_path, optimizer, True, False), monkeypatch, "cuda")
+    threaded = _train(_config(tmp_path, optimizer, True, True), monkeypatch, "cuda")
+    assert threaded["on_thread"] == threaded["early"] == serial["early"] > 0 == serial["on_thread"]
+    assert threaded["losses"] == serial["losses"]
+    for a, b in zip(threaded["params"], serial["params"], strict=True):
+        assert torch.equal(a, b)
 
 
 def _failing_kernel(monkeypatch: Any, *, block: threading.Event | None = None) -> dict[str, int]:
