@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["category", "known_bytes", "peak_breakdown", "site"]
+__all__ = ["category", "known_bytes", "memory_lines", "peak_breakdown", "site"]
 
 UNRECORDED = "unrecorded (allocated while history was off)"
 
@@ -141,3 +141,33 @@ def known_bytes(engine: Any) -> dict[str, int]:
         "gradient_partitions": on_gpu(g.master_grad for g in groups) if zero.store.grads is None else 0,
         "gathered_parameters_peak": int(stats.peak_resident_param_numel) * elem,
     }
+
+
+def memory_lines(mem: dict[str, Any], params: int) -> list[str]:
+    """A run's ``gpu_memory`` as report lines (GiB with bytes per parameter beside), each after a blank."""
+
+    def b(n: float) -> str:
+        return f"{n / 2**30:.2f} GiB ({n / params:.2f} B/param)"
+
+    out = []
+    if mem.get("known"):
+        out += [
+            "",
+            "GPU memory held by design: "
+            + ", ".join(f"{k.replace('_', ' ')} {b(v)}" for k, v in mem["known"].items())
+            + ".",
+        ]
+    at = mem.get("at_peak")
+    if at:
+        out += [
+            "",
+            f"GPU memory at the peak of one recorded step after the timed ones ({b(at['peak_bytes'])}; "
+            f"{b(at['start_bytes'])} live when it began), by category: "
+            + ", ".join(f"{k} {b(v)}" for k, v in at["by_category"].items())
+            + "; by allocation site: "
+            + ", ".join(f"`{k}` {b(v)}" for k, v in at["by_site"].items())
+            + ".",
+        ]
+    if mem.get("error"):
+        out += ["", f"GPU memory breakdown failed: `{mem['error']}`"]
+    return out

@@ -443,8 +443,9 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
         if args.device == "cuda":
             peak = torch.cuda.max_memory_allocated(device)  # the timed steps' (before the extra one)
         done = len(times)
-        # (not past the time budget: a run it stopped has no room for another step)
-        memory = gpu_memory(engine, history and not stopped, lambda: one_step(done), device)
+        # (within the time budget, by the steps' own rule: the driver's timeout would end the run there)
+        room = not stopped and bool(times) and time.perf_counter() - start + times[-1] <= args.time_budget_s
+        memory = gpu_memory(engine, history and room, lambda: one_step(done), device)
         del times[done:], losses[done:]  # the recorded extra step is not one of the measured ones
     finally:
         engine.close()  # (closes the optimizer it steps with: its swap files and pinned buffers)
@@ -562,7 +563,9 @@ def render(meta: dict[str, Any], result: dict[str, Any]) -> str:
             f"Placement ({pl['store']}): fp32 master {pl['master']}, gradient partitions {pl['grads']}, "
             f"shards {pl['shards']}; sub-groups stepped during backward: {result.get('stepped_in_backward', 0)}.",
         ]
-    lines += _memory_lines(result.get("gpu_memory") or {}, result["params"])
+    from bench.gpu_memory import memory_lines
+
+    lines += memory_lines(result.get("gpu_memory") or {}, result["params"])
     if meta.get("sizing"):
         lines += ["", f"Sized to the disk (--fit-disk): {meta['sizing']}."]
     if result["stopped"]:
@@ -570,36 +573,6 @@ def render(meta: dict[str, Any], result: dict[str, Any]) -> str:
     lines += ["", "Targets (issue 32):", "", *targets(meta, result)]
     lines += ["", f"Command: `{meta['command']}`"]
     return "\n".join(lines) + "\n"
-
-
-def _memory_lines(mem: dict[str, Any], params: int) -> list[str]:
-    """The GPU memory breakdown's lines (bytes per parameter beside GiB)."""
-
-    def b(n: float) -> str:
-        return f"{n / 2**30:.2f} GiB ({n / params:.2f} B/param)"
-
-    out = []
-    if mem.get("known"):
-        out += [
-            "",
-            "GPU memory held by design: "
-            + ", ".join(f"{k.replace('_', ' ')} {b(v)}" for k, v in mem["known"].items())
-            + ".",
-        ]
-    at = mem.get("at_peak")
-    if at:
-        out += [
-            "",
-            f"GPU memory at the peak of one recorded step after the timed ones ({b(at['peak_bytes'])}; "
-            f"{b(at['start_bytes'])} live when it began), by category: "
-            + ", ".join(f"{k} {b(v)}" for k, v in at["by_category"].items())
-            + "; by allocation site: "
-            + ", ".join(f"`{k}` {b(v)}" for k, v in at["by_site"].items())
-            + ".",
-        ]
-    if mem.get("error"):
-        out += ["", f"GPU memory breakdown failed: `{mem['error']}`"]
-    return out
 
 
 def targets(meta: dict[str, Any], result: dict[str, Any]) -> list[str]:

@@ -27,6 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # (run as a script: bench.gpu_memory below)
+    sys.path.insert(0, str(ROOT))
+
 MODES = {
     "both": "parameters + optimizer state on NVMe",
     "cpu": "optimizer state on the CPU (ZeRO-Offload)",
@@ -262,6 +266,16 @@ def render(data: dict[str, Any], commit: str, warmup: int = 1) -> str:
         lines.append(
             f"- probe {p['at']}: write {p['write_gbps']:.2f} GB/s, read {p['read_gbps']:.2f} GB/s{size}"
         )
+    from bench.gpu_memory import memory_lines
+
+    for mode, what in MODES.items():  # where dstrain's GPU bytes are at the peak (bench/gpu_memory.py)
+        r = data.get(f"dstrain-{mode}")
+        if isinstance(r, dict) and r.get("gpu_memory") and r.get("params"):
+            lines += [
+                "",
+                f"GPU memory, dstrain {mode} ({what}):",
+                *memory_lines(r["gpu_memory"], r["params"]),
+            ]
     lines += ["", "Targets (issue 32):", "", *targets(data, warmup)]
     failed = [(k, v) for k, v in data.items() if isinstance(v, dict) and "traceback" in v]
     for name, r in failed:  # (DeepSpeed's runs keep their traceback: its last lines say where)

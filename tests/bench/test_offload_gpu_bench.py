@@ -378,3 +378,33 @@ def test_gpu_memory_breakdown_replays_the_trace_to_its_peak() -> None:
     top = peak_breakdown({"device_traces": [events]}, baseline, top=2)["by_site"]
     assert list(top) == ["dstrain/zero/units.py:place", "bench/train.py:forward", "(the rest)"]
     assert top["(the rest)"] == 37
+
+
+def test_side_by_side_table_shows_dstrains_gpu_memory(tmp_path: Path) -> None:
+    """The table of a device call prints each dstrain run's GPU memory breakdown (bytes per parameter),
+    so one call attributes the peak; run as a script, as bench/offload_gpu_h200.sh does."""
+    mem = {
+        "known": {
+            "shards": 2 * 2**30,
+            "fp32_master": 0,
+            "gradient_partitions": 0,
+            "gathered_parameters_peak": 2**29,
+        },
+        "at_peak": {
+            "start_bytes": 3 * 2**30,
+            "peak_bytes": 5 * 2**30,
+            "events": 10,
+            "by_site": {"dstrain/zero/units.py:place": 2 * 2**30, "bench/train.py:forward": 3 * 2**30},
+            "by_category": {"model activations (bench/train.py's GPT)": 3 * 2**30, "shards": 2 * 2**30},
+        },
+    }
+    run = _dstrain_run(4000.0, 5.0, gpu_memory=mem)
+    (tmp_path / "runs.jsonl").write_text(json.dumps({"name": "dstrain-cpu", "data": run}) + "\n")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "offload_gpu_table.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "GPU memory, dstrain cpu" in out.stdout
+    assert "`bench/train.py:forward` 3.00 GiB (3.00 B/param)" in out.stdout  # params 2**30
+    assert "shards 2.00 GiB (2.00 B/param)" in out.stdout
