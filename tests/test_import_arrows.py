@@ -33,8 +33,8 @@ OUTER = {"dsio.metrics", "dsio._exporter", "dsio.cli", "dsio._report", "dsio._tu
 NOT_CORE = OUTER | {"dsio.compat"}
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -276,11 +276,12 @@ FOREIGN_PRIVATE = {
 }
 
 
-def _private_reads(path: Path) -> list[str]:
+def _private_reads(path: Path, base: Path = ROOT) -> list[str]:
     """``from m import _x`` of a name (not a module) of another house module, and ``obj._x`` where
     ``obj`` is not self/cls/super() or an imported outside package, and this module defines no
-    ``_x`` (a method, an attribute it assigns, a function, a class)."""
-    mod = _module_name(path)
+    ``_x`` (a method, an attribute it assigns, a function, a class). ``base``: the folder ``path`` is
+    named relative to (the checkout; a test's scratch copy)."""
+    mod = _module_name(path, base)
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
     own: set[str] = set()
@@ -305,7 +306,7 @@ def _private_reads(path: Path) -> list[str]:
             for a in node.names:
                 private = a.name.startswith("_") and not a.name.startswith("__")
                 if private and not _is_module(f"{target}.{a.name}") and f"{target}.{a.name}" != "dsio._C":
-                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {target} import {a.name}")
+                    bad.append(f"{path.relative_to(base)}:{node.lineno}: from {target} import {a.name}")
     for node in ast.walk(tree):
         if not (
             isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
@@ -322,20 +323,19 @@ def _private_reads(path: Path) -> list[str]:
             continue
         if node.attr in own or node.attr in FOREIGN_PRIVATE:
             continue
-        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node.value)}.{node.attr}")
+        bad.append(f"{path.relative_to(base)}:{node.lineno}: {ast.unparse(node.value)}.{node.attr}")
     return bad
 
 
 def test_the_private_read_finder_finds_one(tmp_path):
     # Guards the guard: the scan of offload's checkpoint side before SwappedState would have failed.
-    fake = ROOT / "dstrain" / "_arrow_probe_tmp.py"
+    # (a scratch tree, not the checkout: a checkout may be read-only to the user running the tests)
+    fake = tmp_path / "dstrain" / "_arrow_probe_tmp.py"
+    fake.parent.mkdir()
     fake.write_text(
         "from dsio._bridge import LoopThread\nfrom dsio.checkpoint._read import _x\n\ndef f(opt):\n    return opt._swapper, self_._y\n"
     )
-    try:
-        found = _private_reads(fake)
-    finally:
-        fake.unlink()
+    found = _private_reads(fake, tmp_path)
     assert [f.split(": ", 1)[1] for f in found] == [
         "from dsio.checkpoint._read import _x",
         "opt._swapper",
