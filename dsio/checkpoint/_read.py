@@ -3,12 +3,17 @@
 The tensors to read (all of them, or those a lazy load does not leave in the file) are read as
 spans: each run of tensors that lie back to back in the file gets ONE fresh allocation, placed so
 that its address has the same offset within a 4096-byte page as its first byte in the file, and
-the tensors are views of it. A span is read straight from the disk in large pieces in file order
-(O_DIRECT where the handle uses it: dsio's own raw read path, with no copy out per tensor), at most
-`IN_FLIGHT` at a time, and each piece is checksummed on a worker thread as soon as it lands, so
-verification overlaps the disk. Measured on the 2.84 GiB state of bench/checkpoint.py (quiet):
-one request into one span 1.90 s vs 329 requests into separate tensors 2.32 s; the many concurrent
-staged requests of separate fresh tensors took turns on the handle's staging pool.
+the tensors are views of it (one span instead of 329 separately staged tensors: 1.90 vs 2.32 s,
+quiet). A span is read straight from the disk in file order (O_DIRECT where the handle uses it:
+dsio's own raw read path, no copy out per tensor) in a few large requests, each half of what is
+left of it (`piece_bounds`: 1454, 727, 364, ... 45 MiB, 7 requests for the 2.84 GiB state of
+bench/checkpoint.py), `IN_FLIGHT` at a time. Each piece is checksummed as soon as it lands, in
+`CRC_BYTES` parts on `CRC_THREADS` threads, while the next pieces are read; only the last, small
+piece's checksum is left once the disk is done. Why halves and not equal pieces: each request is
+one run of the handle's staged read (its pool cycled, its fresh destination prefaulted ahead),
+and each turn between requests costs a drained disk queue and an event-loop wake-up. Under load
+(bench/results/checkpoint-load-s8-under-load.md), without checksums: the span as one request
+1.57 s (min of 8) vs the raw read's 1.55 s, in 89 pieces of 32 MiB 1.75 s.
 
 Lifetime: a loaded tensor keeps its whole span alive (the memory of every tensor of that file is
 freed when the last of them is gone); ``clone()`` a tensor to keep it alone.
@@ -31,17 +36,22 @@ from ._format import MAX_HEADER_BYTES, Header, TensorEntry, parse_header, parse_
 from ._integrity import crc_extend, crc_of, parse_blocks, parse_checksums
 from ._stored import StoredFile, StoredTensor
 
-__all__ = ["placed", "read_file", "read_header"]
+__all__ = ["piece_bounds", "placed", "read_file", "read_header"]
 
 _ALIGN = 4096
 _FIRST_READ = 64 << 10
-#: A span is read in requests of this many bytes (page multiples), each checksummed as it lands;
-#: None: the handle's staging pool over `IN_FLIGHT` (32 MiB with `DEFAULT_IO`'s 64 MiB pool), at
-#: least one pool buffer. A staged read (fresh memory) takes every free pool buffer it can use, so
-#: the pieces in flight each hold their share of the pool and the next starts as one ends.
+#: The smallest piece a span is cut into (`piece_bounds`; page multiples); None: the handle's
+#: staging pool over `IN_FLIGHT` (32 MiB with `DEFAULT_IO`'s 64 MiB pool), at least one pool
+#: buffer. Spans up to twice this are read in one request.
 PIECE_BYTES: int | None = None
-#: Pieces in flight at once (in file order): enough to keep the disk busy across a piece's end.
+#: Pieces in flight at once (in file order): the next piece's request is made (its destination
+#: queued for prefaulting) while one is read; a staged read takes every free pool buffer it can
+#: use, so it starts as the one before gives them back.
 IN_FLIGHT = 2
+#: A piece is checksummed in parts of at most this many bytes, spread over the checksum threads.
+CRC_BYTES = 32 << 20
+#: Checksum threads per load (the ``crc32c`` package releases the GIL).
+CRC_THREADS = 2
 
 
 async def read_header(f: AsyncFile, path: str, size: int, limit: int = MAX_HEADER_BYTES) -> Header:
@@ -92,6 +102,21 @@ def _typed(raw: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     return raw.view(e.dtype).view(e.shape)
 
 
+def piece_bounds(nbytes: int, low: int) -> list[tuple[int, int]]:
+    """``nbytes`` (of a span's page-aligned memory) cut into requests ``[(a, b), ...]`` in order:
+    each half of what is left (rounded down to a page), at least ``low`` (a page multiple), the
+    last one the rest once at most ``2 * low`` is left. So a span takes about log2(nbytes / low)
+    requests and its last piece, whose checksum nothing overlaps, is small."""
+    out, a = [], 0
+    while nbytes - a > 2 * low:
+        k = max(low, (nbytes - a) // 2 // _ALIGN * _ALIGN)
+        out.append((a, a + k))
+        a += k
+    if a < nbytes:
+        out.append((a, nbytes))
+    return out
+
+
 def spans(entries: tuple[TensorEntry, ...]) -> list[list[TensorEntry]]:
     """The entries (in file order) grouped into runs that lie back to back in the file."""
     out: list[list[TensorEntry]] = []
@@ -122,10 +147,16 @@ class _Sums:
                 f"{self.sums[name]:08x} (corrupted file)"
             )
 
+    def finish(self) -> None:
+        """Every byte of every tensor was checked (a reader's bug otherwise, never user input)."""
+        if self.left:
+            raise RuntimeError(f"{self.path}: tensors left unverified: {sorted(self.left)[:5]}")
+
     def add(self, e: TensorEntry, at: int, crc: int, n: int) -> None:
         self.parts[e.name].append((at, crc, n))
         self.left[e.name] -= n
         if self.left[e.name] == 0:
+            del self.left[e.name]
             got = 0
             for _, c, k in sorted(self.parts.pop(e.name)):
                 got = crc_extend(got, c, k)
@@ -203,14 +234,21 @@ async def read_file(
         piece = PIECE_BYTES or max(cfg.staging_buffer_bytes, cfg.pool_bytes // IN_FLIGHT) // _ALIGN * _ALIGN
         pieces: list[tuple[torch.Tensor, int, int, int, list[TensorEntry], _Sums | None]] = []
         views: list[tuple[list[TensorEntry], torch.Tensor]] = []
+        all_checks: list[_Sums] = []
         for run in spans(left):
             begin, end = run[0].begin, run[-1].end
             io, io_off, raw = _enclosed(ds + begin, ds + end, size)
             views.append((run, raw))
             checks = _Sums(run, sums, path) if sums is not None else None
-            for a in range(0, io.numel(), piece):
-                pieces.append((io, io_off, a, min(a + piece, io.numel()), run, checks))
-        ex = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dsio-ckpt-crc") if sums else None
+            if checks is not None:
+                all_checks.append(checks)
+            for a, b in piece_bounds(io.numel(), piece):
+                pieces.append((io, io_off, a, b, run, checks))
+        ex = (
+            concurrent.futures.ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="dsio-ckpt-crc")
+            if sums
+            else None
+        )
         gate = asyncio.Semaphore(IN_FLIGHT)
         failed: list[BaseException] = []  # once a piece failed, the pieces not yet started are skipped
 
@@ -226,8 +264,13 @@ async def read_file(
                     # data byte d of the file sits at io.data_ptr() + (ds + d - io_off)
                     base = io.data_ptr() + ds - io_off
                     lo, hi = io_off + a - ds, io_off + b - ds
-                    for e, at, crc, n in await loop.run_in_executor(ex, _piece_sums, base, lo, hi, run):
-                        checks.add(e, at, crc, n)
+                    parts = [
+                        loop.run_in_executor(ex, _piece_sums, base, c, min(c + CRC_BYTES, hi), run)
+                        for c in range(lo, hi, CRC_BYTES)
+                    ]
+                    for part in await wait_all(parts):
+                        for e, at, crc, n in part:
+                            checks.add(e, at, crc, n)
             except BaseException as err:
                 failed.append(err)
                 raise
@@ -237,6 +280,8 @@ async def read_file(
         finally:
             if ex is not None:
                 ex.shutdown(wait=True)
+        for checks in all_checks:
+            checks.finish()
     for run, raw in views:  # typed once read: a tensor misaligned in the file is copied out
         for e in run:
             out[e.name] = _typed(raw[e.begin - run[0].begin : e.end - run[0].begin], e)

@@ -127,7 +127,19 @@ def test_every_read_of_a_span_is_page_aligned_and_direct(tmp_path, monkeypatch):
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), name  # no byte read twice
 
 
-@pytest.mark.parametrize("victim", ["small", "half", "bytes", "big_start", "big_piece_edge"])
+def _first_piece_end(path: str) -> int:
+    """The file offset where the first request of a dsio file's span ends (64 KiB pieces)."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+    ds = 8 + n  # a dsio file's data starts on a page: its span's memory begins there
+    assert ds % 4096 == 0
+    (a, b), *_ = _read.piece_bounds(os.path.getsize(path) - ds, 64 << 10)
+    return ds + b
+
+
+@pytest.mark.parametrize(
+    "victim", ["small", "half", "bytes", "big_start", "big_piece_edge", "big_next_piece"]
+)
 def test_a_flipped_byte_in_any_tensor_of_a_span_is_caught(tmp_path, monkeypatch, victim):
     monkeypatch.setattr(_read, "PIECE_BYTES", 64 << 10)
     path = str(tmp_path / "s.safetensors")
@@ -136,11 +148,16 @@ def test_a_flipped_byte_in_any_tensor_of_a_span_is_caught(tmp_path, monkeypatch,
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
     ds = 8 + n
+    edge = _first_piece_end(path)
     name, at = {
         "big_start": ("big", 0),
-        "big_piece_edge": ("big", (64 << 10) * 5 - ds % (64 << 10)),  # the last byte before a piece ends
+        # the last byte of the first request and the first of the second (inside "big")
+        "big_piece_edge": ("big", edge - 1 - ds - header["big"]["data_offsets"][0]),
+        "big_next_piece": ("big", edge - ds - header["big"]["data_offsets"][0]),
     }.get(victim, (victim, 1))
-    pos = ds + header[name]["data_offsets"][0] + at
+    lo, hi = header[name]["data_offsets"]
+    assert 0 <= at < hi - lo, (victim, at)
+    pos = ds + lo + at
     with open(path, "r+b") as f:
         f.seek(pos)
         b = f.read(1)
@@ -151,14 +168,69 @@ def test_a_flipped_byte_in_any_tensor_of_a_span_is_caught(tmp_path, monkeypatch,
     run(C.load(path, verify=False))  # the caller's explicit choice: no check, no error
 
 
-def test_reads_stop_once_a_piece_fails_its_check(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["first_piece_middle", "second_piece", "last_piece", "last_byte"])
+def test_a_piece_checksummed_in_parts_on_several_threads_still_catches_one_flipped_byte(
+    tmp_path, monkeypatch, where
+):
+    """A big piece's checksum is computed in `CRC_BYTES` parts spread over the checksum threads and
+    joined per tensor; a flipped byte in any part of any piece (the last one too: nothing overlaps
+    its check) must raise before load returns, and a clean file loads exactly."""
+    monkeypatch.setattr(_read, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(_read, "CRC_BYTES", 12 << 10)  # not a page multiple: parts cut anywhere
+    state = {"a": torch.randn(7), "big": torch.randn(400_003), "z": torch.randn(3)}
+    path = str(tmp_path / "s.safetensors")
+    run(C.save(state, path))
+    back = run(C.load(path))
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    ds = 8 + n
+    bounds = _read.piece_bounds(os.path.getsize(path) - ds, 64 << 10)
+    assert len(bounds) >= 4 and (bounds[0][1] - bounds[0][0]) > 4 * (12 << 10)
+    pos = {
+        "first_piece_middle": ds + bounds[0][1] // 2 + 5,
+        "second_piece": ds + bounds[1][0] + 12345,
+        "last_piece": ds + bounds[-1][0] + 3,
+        "last_byte": ds + header["z"]["data_offsets"][1] - 1,
+    }[where]
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(C.ChecksumError):
+        run(C.load(path))
+
+
+def test_a_reader_that_skips_a_part_of_a_tensor_is_a_bug_not_a_pass(tmp_path, monkeypatch):
+    """`_Sums.finish`: a tensor whose bytes were not all checksummed (a reader's bug) fails the load
+    instead of passing unchecked."""
     monkeypatch.setattr(_read, "PIECE_BYTES", 64 << 10)
     path = str(tmp_path / "s.safetensors")
-    run(C.save({"a": torch.randn(1000), "big": torch.randn(1 << 20)}, path))  # 4 MiB: 65 pieces
+    run(C.save({"big": torch.randn(200_000)}, path))
+    real = _read._piece_sums
+    calls = []
+
+    def skipping(base, lo, hi, run_):
+        calls.append(lo)
+        return [] if len(calls) == 2 else real(base, lo, hi, run_)
+
+    monkeypatch.setattr(_read, "_piece_sums", skipping)
+    with pytest.raises(RuntimeError, match="unverified"):
+        run(C.load(path))
+
+
+def test_reads_stop_once_a_piece_fails_its_check(tmp_path, monkeypatch):
+    monkeypatch.setattr(_read, "PIECE_BYTES", 4096)
+    path = str(tmp_path / "s.safetensors")
+    run(C.save({"a": torch.randn(1000), "big": torch.randn(1 << 20)}, path))  # 4 MiB: 11 pieces
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
     assert header["a"]["data_offsets"][0] == 0  # "a" is checked whole after the first piece
+    pieces = len(_read.piece_bounds(os.path.getsize(path) - 8 - n, 4096))
+    assert pieces >= 8
     with open(path, "r+b") as f:
         f.seek(8 + n + 10)
         f.write(b"\xff\xff")
@@ -167,17 +239,19 @@ def test_reads_stop_once_a_piece_fails_its_check(tmp_path, monkeypatch):
 
     async def pread(self, tensor, offset=0):
         offsets.append(offset)
+        if len(offsets) > 2:  # every piece after the first: time for the first one's check (a thread)
+            await asyncio.sleep(0.2)
         return await real(self, tensor, offset)
 
     monkeypatch.setattr(AsyncFile, "pread", pread)
     with pytest.raises(C.ChecksumError):
         run(C.load(path))
-    assert len(offsets) < 1 + 16  # the header, the pieces in flight, not all 65
+    assert len(offsets) <= 1 + 1 + _read.IN_FLIGHT < 1 + pieces  # the header, the pieces in flight
 
 
-def test_the_piece_size_is_the_handles_pool_shared_by_the_pieces_in_flight(tmp_path, monkeypatch):
-    """A staged read takes every free buffer of the handle's pool it can use: each of the `IN_FLIGHT`
-    pieces is sized to its share of the pool (32 MiB with DEFAULT_IO's 64 MiB), whatever the config."""
+def test_a_span_is_read_in_halves_of_what_is_left_down_to_the_pools_share(tmp_path, monkeypatch):
+    """Each request of a span is half of what is left of it, at least the handle's staging pool over
+    `IN_FLIGHT` (32 MiB with DEFAULT_IO's 64 MiB pool): few requests, and a small last one."""
     path = str(tmp_path / "s.safetensors")
     run(C.save({"w": torch.randn(10 << 20)}, path))  # 40 MiB of data
     sizes: list[int] = []
@@ -191,7 +265,7 @@ def test_the_piece_size_is_the_handles_pool_shared_by_the_pieces_in_flight(tmp_p
     small = dsio.IOConfig(
         block_size=1 << 20, queue_depth=8, pool_bytes=16 << 20, staging_buffer_bytes=4 << 20
     )
-    for config, want in ((C.DEFAULT_IO, C.DEFAULT_IO.pool_bytes // _read.IN_FLIGHT), (small, 8 << 20)):
+    for config, low in ((C.DEFAULT_IO, C.DEFAULT_IO.pool_bytes // _read.IN_FLIGHT), (small, 8 << 20)):
         sizes.clear()
 
         async def load(config=config):
@@ -200,4 +274,26 @@ def test_the_piece_size_is_the_handles_pool_shared_by_the_pieces_in_flight(tmp_p
 
         back = run(load())
         assert back["w"].numel() == 10 << 20
-        assert max(sizes[1:]) == want, (config, sizes)  # sizes[0]: the header's first read
+        got = sizes[1:]  # sizes[0]: the header's first read
+        total = sum(got)
+        assert total >= 40 << 20
+        assert got == [b - a for a, b in _read.piece_bounds(total, low)], (config, got)
+
+
+def test_piece_bounds_tile_the_span_in_halves():
+    mib = 1 << 20
+    for n, low in (
+        (3049416400 // 4096 * 4096, 32 * mib),
+        (40 * mib, 8 * mib),
+        (5 * 4096, 4096),
+        (4096, 4096),
+    ):
+        b = _read.piece_bounds(n, low)
+        assert b[0][0] == 0 and b[-1][1] == n
+        assert all(x[1] == y[0] for x, y in zip(b, b[1:]))  # in order, no gap, no overlap
+        assert all(a % 4096 == 0 for a, _ in b)
+        for i, (a, e) in enumerate(b[:-1]):
+            assert low <= e - a <= (n - a) // 2, (n, i)
+        assert b[-1][1] - b[-1][0] <= 2 * low
+    assert len(_read.piece_bounds(3049416400 // 4096 * 4096, 32 * mib)) == 7  # bench/checkpoint.py's state
+    assert _read.piece_bounds(0, 4096) == []
