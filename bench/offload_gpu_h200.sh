@@ -12,6 +12,8 @@
 #
 #   device: carry=[".device-deepspeed"], command: bash bench/offload_gpu_h200.sh          (<= TOTAL_S = 530 s)
 #   second call: MODES="big cpu" CAP_DSTRAIN_BIG=280 bash bench/offload_gpu_h200.sh      (big, then a 2nd cpu pair)
+#   session 9 (issue 32 items 1-4): MODES="cpu optimizer" TOTAL_S=400 GPU_TESTS=1 bash bench/offload_gpu_h200.sh
+#              (the two pairs with the host master, GPU memory breakdowns in summary.md, then the -m gpu tests)
 #   here:   DEVICE=cpu DSIO_DEEPSPEED_VENV=/work/venv-deepspeed bash bench/offload_gpu_h200.sh   (CPU dry run, tiny)
 #
 # Expected on the H200 (from the 2026-12-01 runs; s from the start): DeepSpeed install ~20, dsio build ~15
@@ -180,6 +182,14 @@ for mode in $MODES; do
     echo "== probe $i at $(( SECONDS - T0 )) s"; probe $i; i=$((i + 1))
 done
 echo "== done at $(( SECONDS - T0 )) s"
+# issue 32's GPU tests (host master for cpu and nvme, the step thread on CUDA, the cast back's one wait,
+# the bench's breakdown), when asked: GPU_TESTS=1 (they take ~1-2 minutes; their tail goes to run.log)
+if [ "${GPU_TESTS:-0}" = 1 ] && [ "$DEVICE" = cuda ]; then
+    echo "== gpu tests at $(( SECONDS - T0 )) s"
+    timeout -k 10 "${GPU_TESTS_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
+        tests/dstrain/offload/test_offload_host_master.py tests/dstrain/offload/test_offload_step_thread.py \
+        tests/bench/test_offload_gpu_bench.py 2>&1 | tail -n 25
+fi
 "$PY" bench/offload_gpu_table.py "$OUT" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
     --out "$OUT/summary.md" > /dev/null
 cat "$OUT/summary.md"

@@ -113,11 +113,12 @@ def _dstrain_run(tps: float, peak: float, **extra: object) -> dict[str, object]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_tiny_cpu_offload_reports_the_host_master(tmp_path: Path) -> None:
-    """The H200 run's ZeRO-Offload mode in miniature: on CUDA the bench reports the fp32 master and the
-    gradient partitions as page-locked host tensors and the shards on the GPU (HostMasterShards), and a
-    GPU peak over the steps no larger than over the whole run."""
-    cmd = [sys.executable, SCRIPT, "--device", "cuda", "--tiny", "--offload", "cpu"]
+@pytest.mark.parametrize("offload", ["cpu", "optimizer"])
+def test_cuda_tiny_cpu_offload_reports_the_host_master(tmp_path: Path, offload: str) -> None:
+    """The H200 run's ZeRO-Offload and optimizer-on-NVMe modes in miniature: on CUDA the bench reports
+    the fp32 master and the gradient partitions as page-locked host tensors and the shards on the GPU
+    (HostMasterShards), and a GPU peak over the steps no larger than over the whole run."""
+    cmd = [sys.executable, SCRIPT, "--device", "cuda", "--tiny", "--offload", offload]
     cmd += ["--nvme-path", str(tmp_path / "swap"), "--out", str(tmp_path / "r")]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
