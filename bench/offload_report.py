@@ -193,8 +193,8 @@ def render(meta: dict[str, Any], summary: dict[str, Any]) -> str:
             f"sub_group_size {sh.sub_group:,}, {steps} steps per run ({max(steps - 2, 1)} timed), dstrain's "
             f"pinned budget {(meta.get('pinned') or sh.pinned) / 2**20:.0f} MiB per rank"
             + (
-                f" ({sh.paramopt_pinned / 2**20:.0f} MiB with parameters and optimizer state on NVMe: the "
-                "fp32 gradient shards fit in it, so they stay in memory)."
+                f" ({sh.paramopt_pinned / 2**20:.0f} MiB with parameters and optimizer state on NVMe: "
+                f"{sh.paramopt_note})."
                 if sh.paramopt_pinned and not meta.get("pinned")
                 else "."
             ),
