@@ -28,6 +28,9 @@ PRELOAD = [
     "torch",
     "torch.distributed",
     "torch.multiprocessing",
+    # imported by the first torch.optim.Optimizer a rank builds (its constructor is wrapped by
+    # torch._disable_dynamo): ~1-2 s of CPU per rank, and sympy with it, when left to each child
+    "torch._dynamo",
     "dsio",
     "dsio.checkpoint",
     "dstrain",
