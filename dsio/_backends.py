@@ -8,6 +8,7 @@ Each fallback is logged once per process with the reason. ``DSIO_DISABLE_BACKEND
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -45,15 +46,27 @@ def _disabled() -> set[str]:
     return {b.strip() for b in os.environ.get("DSIO_DISABLE_BACKENDS", "").split(",") if b.strip()}
 
 
-def backend_status() -> list[BackendStatus]:
-    """Availability of each kernel backend on this machine, with the reason when unavailable."""
+@functools.cache
+def _probe(name: str) -> int:
+    """The kernel's answer for one backend (0, or -errno), asked once per process: a probe sets up and
+    tears down a ring or an AIO context, ~5 ms and ~30 ms of waiting (``io_destroy`` waits out an RCU
+    grace period), and every ``dstrain.initialize`` asks (its checkpoint store). What the kernel allows
+    a process does not change under it; an engine that cannot start still falls back in `open_engine`."""
     C = native()
+    probes = {"io_uring": C.probe_io_uring, "aio": C.probe_aio}
+    return probes[name]() if name in probes else 0
+
+
+def backend_status() -> list[BackendStatus]:
+    """Availability of each kernel backend on this machine, with the reason when unavailable (the
+    kernel probed once per process; ``DSIO_DISABLE_BACKENDS`` read at each call)."""
+    native()  # raises where the native core is not built, as before the first probe
     out = []
-    for name, probe in (("io_uring", C.probe_io_uring), ("aio", C.probe_aio), ("posix", lambda: 0)):
+    for name in ("io_uring", "aio", "posix"):
         if name in _disabled():
             out.append(BackendStatus(name, False, "disabled by DSIO_DISABLE_BACKENDS"))
             continue
-        rc = probe()
+        rc = _probe(name)
         if rc == 0:
             out.append(BackendStatus(name, True, ""))
         else:

@@ -1,6 +1,7 @@
 """Probing, fallback with a logged reason, and what single_submit / overlap_events do."""
 
 import asyncio
+import errno
 import logging
 import os
 
@@ -18,6 +19,41 @@ def test_status_lists_every_backend_with_reasons():
     assert st["posix"].available
     for s in st.values():
         assert s.available == (s.reason == "")
+
+
+def test_the_kernel_is_probed_once_per_process_and_the_disable_list_read_each_call(monkeypatch):
+    # every dstrain.initialize asks (its checkpoint store); a probe is ~35 ms of waiting (io_destroy)
+    calls = []
+
+    class Probes:  # stands in for dsio._C: counts the kernel probes
+        def probe_io_uring(self):
+            calls.append("io_uring")
+            return 0
+
+        def probe_aio(self):
+            calls.append("aio")
+            return -errno.ENOSYS
+
+    monkeypatch.setattr(_backends, "native", Probes)
+    _backends._probe.cache_clear()
+    try:
+        first = {s.name: s for s in dsio.backend_status()}
+        again = {s.name: s for s in dsio.backend_status()}
+        monkeypatch.setenv("DSIO_DISABLE_BACKENDS", "io_uring")
+        disabled = {s.name: s for s in dsio.backend_status()}
+    finally:
+        _backends._probe.cache_clear()  # the real core's answers for the tests after this one
+    assert sorted(calls) == ["aio", "io_uring"]  # once each, for three calls
+    assert first == again
+    assert (
+        first["io_uring"].available
+        and not first["aio"].available
+        and "kernel built without" in first["aio"].reason
+    )
+    assert (
+        not disabled["io_uring"].available
+        and disabled["io_uring"].reason == "disabled by DSIO_DISABLE_BACKENDS"
+    )
 
 
 def test_auto_falls_back_and_logs_why(monkeypatch, caplog, data_dir):
