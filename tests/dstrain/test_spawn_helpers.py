@@ -4,6 +4,7 @@ with the caller's environment (tests/_forkserver.py, `_dstrain_helpers.spawn`)."
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ def _probe() -> dict[str, Any]:
         "np": int(np.random.randint(2**31)),
         "sum": t.item(),
         "threads": torch.get_num_threads(),
+        "dynamo_preloaded": "torch._dynamo" in sys.modules,  # nothing here imports it: the server did
     }
 
 
@@ -51,6 +53,8 @@ def test_forked_ranks_are_fresh_and_get_the_callers_environment(monkeypatch: pyt
     # each a seed of its own, as new interpreters have (forks of one server would share one)
     assert len({o["seed"] for o in runs}) == 4 and 5 not in {o["seed"] for o in runs}
     assert len({o["np"] for o in runs}) == 4
+    if os.environ.get("DSTRAIN_TESTS_SPAWN_ONLY") != "1":  # forked: what a training rank imports came along
+        assert all(o["dynamo_preloaded"] for o in runs)  # a torch optimizer's first use imports it
 
 
 def test_unknown_start_method_and_forked_nccl_are_refused() -> None:
