@@ -74,7 +74,9 @@ def peak_breakdown(
     live: dict[int, tuple[int, str]] = {}
     for seg in baseline.get("segments", []):
         for b in seg.get("blocks", []):
-            if b.get("state") == "active_allocated":
+            # (awaiting free: released by its tensor, its stream not done yet; allocated until the
+            # trace's free_completed for it, which the replay then counts)
+            if b.get("state") in ("active_allocated", "active_awaiting_free"):
                 live[int(b["address"])] = (int(b["size"]), site(b.get("frames")))
     traces = snapshot.get("device_traces") or [[]]
     events = [e for dev in traces for e in dev]

@@ -347,6 +347,7 @@ def test_gpu_memory_breakdown_replays_the_trace_to_its_peak() -> None:
                     {"address": 0, "size": 100, "state": "active_allocated", "frames": shards},
                     {"address": 100, "size": 50, "state": "inactive"},
                     {"address": 200, "size": 7, "state": "active_allocated", "frames": []},
+                    {"address": 300, "size": 5, "state": "active_awaiting_free", "frames": shards},
                 ]
             }
         ]
@@ -361,8 +362,9 @@ def test_gpu_memory_breakdown_replays_the_trace_to_its_peak() -> None:
         {"action": "alloc", "addr": 3000, "size": 20, "frames": act},
         {"action": "free_completed", "addr": 9999, "size": 500},  # a block it never saw: not counted
     ]
+    events.insert(0, {"action": "free_completed", "addr": 300, "size": 5})  # the awaiting one, freed first
     got = peak_breakdown({"device_traces": [events]}, baseline)
-    assert got["start_bytes"] == 107 and got["peak_bytes"] == 177 and got["events"] == 6
+    assert got["start_bytes"] == 112 and got["peak_bytes"] == 177 and got["events"] == 7
     assert got["by_site"] == {
         "dstrain/zero/units.py:place": 100,
         "bench/train.py:forward": 40,
