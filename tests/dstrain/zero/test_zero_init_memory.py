@@ -80,6 +80,7 @@ def _peak_in(depth: int, init: bool, pretrained: str, root: str) -> dict[str, An
 
     import dstrain
     from dstrain.checkpoint import load_pretrained
+    from dstrain.zero.units import whole_shape
 
     world, rank = dist.get_world_size(), dist.get_rank()
     # Freed 1 MiB layers must go back to the kernel: glibc raises its mmap threshold after the first
@@ -113,7 +114,8 @@ def _peak_in(depth: int, init: bool, pretrained: str, root: str) -> dict[str, An
     peak = rss()[1] - base
     engine.close()
     opt.close()
-    return {"peak": peak, "numel": sum(p.numel() for p in model.parameters())}
+    # the model's whole size (a partitioned parameter's own numel is 0 under Init)
+    return {"peak": peak, "numel": sum(whole_shape(p).numel() for p in model.parameters())}
 
 
 def _state(depth: int) -> dict[str, torch.Tensor]:
