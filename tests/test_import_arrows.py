@@ -17,6 +17,7 @@ not for the never-arrows (they never run), but do for circles.
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 import textwrap
@@ -256,18 +257,22 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-HOUSE_GRAPH = {_module_name(p): _house_arrows(p) for p in _house_files()}
+@functools.cache
+def _house_graph() -> dict[str, set[str]]:
+    """Every house module's arrows, parsed on first use by a test rather than at import: collection
+    (each xdist worker's, `make test`'s `alone` run's, tests/test_collection.py's child's) skips ~1 s."""
+    return {_module_name(p): _house_arrows(p) for p in _house_files()}
 
 
 def test_the_circle_finder_finds_a_circle():
     # Guards the guard: a made-up circle is found, and the real graph has its known arrows.
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert "dstrain.offload.swap.swapper" in HOUSE_GRAPH["dstrain.offload.optimizer.adam"]
-    assert "dsio.handle" in HOUSE_GRAPH["dstrain.offload.swap.swapper"]  # a TYPE_CHECKING arrow
+    assert "dstrain.offload.swap.swapper" in _house_graph()["dstrain.offload.optimizer.adam"]
+    assert "dsio.handle" in _house_graph()["dstrain.offload.swap.swapper"]  # a TYPE_CHECKING arrow
 
 
 def test_no_import_circles():
-    assert _circles(HOUSE_GRAPH) == []
+    assert _circles(_house_graph()) == []
 
 
 #: Private names of objects the house does not define, read where no type says whose they are.
@@ -375,7 +380,7 @@ def test_dstrain_imports_no_private_dsio_module():
     # dsio's public faces (dsio, dsio.metrics, dsio.checkpoint, ...) are what dstrain builds on
     bad = {
         m: sorted(d for d in deps if d.startswith("dsio.") and any(p.startswith("_") for p in d.split(".")))
-        for m, deps in HOUSE_GRAPH.items()
+        for m, deps in _house_graph().items()
         if m.startswith("dstrain.")
     }
     assert {m: d for m, d in bad.items() if d} == {}
