@@ -65,12 +65,16 @@ prometheus:
 # test's wall is spent waiting on launched 2-rank groups and interpreters: a second worker runs another
 # file meanwhile (~630 CPU-s for the whole suite; measured: bench/results/suite-time-2026-12-01.md).
 # Then the tests marked `alone` (a latency they measure is what tests beside them would spoil) run by
-# themselves in one process; make fails if either part does.
+# themselves in one process, from the files the first part's collection listed (--alone-list, in
+# tests/conftest.py: no second collection of the whole suite; without the list, all files); make fails
+# if either part does.
 TEST_WORKERS ?= 2
+ALONE_LIST := $(CURDIR)/build/alone-tests.txt
 test: setup prometheus
-	export PATH="$(PROMETHEUS_DIR)/bin:$$PATH"; rc=0; \
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone" || rc=$$?; \
-	$(BIN)/python -m pytest -q -m alone || rc=$$?; \
+	export PATH="$(PROMETHEUS_DIR)/bin:$$PATH"; rc=0; mkdir -p build; rm -f $(ALONE_LIST); \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone" --alone-list $(ALONE_LIST) \
+	  || rc=$$?; \
+	$(BIN)/python -m pytest -q -m alone $$(cat $(ALONE_LIST) 2>/dev/null) || rc=$$?; \
 	exit $$rc
 
 lint: setup

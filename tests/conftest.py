@@ -22,6 +22,36 @@ import _mount  # noqa: E402  (tests/_mount.py: mounts for the disk-full and no-O
 from _dsio_helpers import backend_params  # noqa: E402  (shared helpers: tests/_dsio_helpers.py)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--alone-list",
+        metavar="PATH",
+        help="write the files that hold `alone` tests to PATH, one a line, whatever -m selects (`make test`'s "
+        "second run, -m alone, then collects only those instead of the whole suite again)",
+    )
+
+
+# a second pytest_collection_modifyitems (pytest registers a conftest's pytest_* names only), run first:
+# before -m deselects the `alone` tests
+@pytest.hookimpl(tryfirst=True, specname="pytest_collection_modifyitems")
+def pytest_list_alone_files(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--alone-list PATH``: the files of this collection's `alone` tests to PATH (on xdist, by each
+    worker: each collects every file; written whole, then renamed, so either worker's copy is whole)."""
+    path = config.getoption("alone_list")
+    if not path:
+        return
+    files = set()
+    for item in items:
+        if item.get_closest_marker("alone") is not None:
+            try:
+                files.add(item.path.relative_to(config.rootpath).as_posix())
+            except ValueError:  # outside the checkout
+                files.add(str(item.path))
+    tmp = f"{path}.{os.getpid()}"
+    Path(tmp).write_text("".join(f"{f}\n" for f in sorted(files)))
+    os.replace(tmp, path)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.has_plugin("_tmp_guard"):  # the session's temp directory, checked at the end
         config.pluginmanager.import_plugin("_tmp_guard")

@@ -51,9 +51,17 @@ def test_no_test_module_imports_a_conftest_by_name() -> None:
 
 @pytest.mark.usefixtures("child_tmpdir")  # the child session's own temp files go with tmp_path
 def test_two_test_directories_collect_together(tmp_path: Path) -> None:
-    r = _pytest("--collect-only", "-q", str(TESTS / "dsio"), str(TESTS / "dstrain"), cwd=str(tmp_path))
+    """And ``--alone-list`` (tests/conftest.py) names the files of the `alone` tests among them, though
+    -m deselects those: `make test`'s second run collects only what it lists."""
+    listed = tmp_path / "alone.txt"
+    args = [str(TESTS / "dsio"), str(TESTS / "dstrain"), str(TESTS / "test_loop_stall.py")]
+    r = _pytest(
+        "--collect-only", "-q", "-m", "not alone", "--alone-list", str(listed), *args, cwd=str(tmp_path)
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "tests collected" in r.stdout and "error" not in r.stdout.splitlines()[-1]
+    assert "deselected" in r.stdout.splitlines()[-1]  # the `alone` tests were there, and -m left them out
+    assert listed.read_text().splitlines() == ["tests/test_loop_stall.py"]
 
 
 @pytest.mark.usefixtures("child_tmpdir")
