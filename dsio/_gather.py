@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager, suppress
@@ -27,6 +28,8 @@ from typing import Any, Generic, TypeVar
 __all__ = ["Started", "all_done", "first_error", "started", "wait_all", "wait_all_futures"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("dsio")
 
 
 def first_error(
@@ -124,7 +127,9 @@ def all_done(
     """The non-blocking twin of `wait_all_futures`: one future, done when every one of
     ``futures`` is done, with their results in order or the first failure in order. When one
     failed (or was cancelled, the result is then a cancellation), ``discard`` is called with each
-    other one's result (e.g. a buffer read for nothing goes back to its pool)."""
+    other one's result (e.g. a buffer read for nothing goes back to its pool). A ``discard`` that
+    raises (e.g. the pool's owner is closed) is logged and the rest are still discarded: the future
+    is done either way, with the failure that caused the discards."""
     out: concurrent.futures.Future[list[T]] = concurrent.futures.Future()
     futs = list(futures)
     left = [len(futs)]
@@ -138,7 +143,10 @@ def all_done(
         if discard is not None:
             for f in futs:
                 if not f.cancelled() and f.exception() is None:
-                    discard(f.result())
+                    try:
+                        discard(f.result())
+                    except Exception:  # (raised in a done callback, it would leave `out` pending)
+                        log.warning("all_done: discarding a result failed", exc_info=True)
         if exc is not None:
             out.set_exception(exc)
         else:

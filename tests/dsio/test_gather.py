@@ -241,3 +241,25 @@ def test_all_done_waits_for_every_future_and_hands_back_the_rest():
     h.set_result("lease h")
     assert out.cancelled() and discarded[-1] == "lease h"
     concurrent.futures.wait([out], timeout=1)  # a waiter sees the cancellation
+
+
+def test_all_done_is_done_even_when_a_discard_raises(caplog):
+    """A discard that raises (the swapper closed under a shard read) must not leave the combined
+    future pending forever: the other results are still discarded, the piece's failure is raised."""
+    a: concurrent.futures.Future[str] = concurrent.futures.Future()
+    b: concurrent.futures.Future[str] = concurrent.futures.Future()
+    c: concurrent.futures.Future[str] = concurrent.futures.Future()
+    discarded: list[str] = []
+
+    def discard(lease: str) -> None:
+        if lease == "lease b":
+            raise RuntimeError("pool closed")
+        discarded.append(lease)
+
+    out = all_done([a, b, c], discard=discard)
+    a.set_exception(OSError(5, "piece 0"))
+    b.set_result("lease b")
+    c.set_result("lease c")
+    assert out.done() and isinstance(out.exception(timeout=0), OSError)
+    assert discarded == ["lease c"]
+    assert "discarding a result failed" in caplog.text
