@@ -62,6 +62,18 @@ def test_typos_are_rejected_with_the_field_named() -> None:
     assert e.value.field == "zero_optimization.offload_pinned_bytes"
 
 
+@pytest.mark.parametrize("key", ["step_in_backward", "step_thread"])
+def test_dstrain_switches_default_on_and_take_only_booleans(key: str) -> None:
+    """dstrain's own offload_optimizer keys: on unless asked, and a value that is not true/false
+    (a JSON string, 0/1) is refused naming the key, not read as truthy."""
+    assert getattr(parse_offload({"device": "cpu"}, "optimizer"), key) is True
+    assert getattr(parse_offload({"device": "cpu", key: False}, "optimizer"), key) is False
+    for bad in ("false", 0, None):
+        with pytest.raises(ConfigError) as e:
+            load({"stage": 3, "offload_optimizer": {"device": "cpu", key: bad}})
+        assert e.value.field == f"zero_optimization.offload_optimizer.{key}"
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_optimizer_offload_at_stages_1_to_3_as_asked(stage: int, device: str, tmp_path) -> None:
