@@ -134,6 +134,26 @@ def test_a_failure_on_the_thread_surfaces_typed(monkeypatch, tmp_path, optimizer
     assert not _step_threads()
 
 
+def test_the_optimizer_step_returns_after_every_step_handed_to_the_thread(monkeypatch, tmp_path) -> None:
+    """engine.step() joins the thread before it steps the rest and casts the master into the shards:
+    with each step on the thread slowed down, none is still running when engine.step() returns (a
+    step that were, would write the master after the cast read it)."""
+    cfg = _config(tmp_path, "cpu", True, True)
+    cfg["optimizer"]["type"] = "AdamW"
+    engine = dstrain.initialize(model=make_model(), config=cfg)[0]
+    try:
+        engine_losses(engine, 1)  # the first armed pass only records; nothing on the thread yet
+        release = threading.Event()
+        release.set()  # (each step on the thread still sleeps 0.2 s before it runs)
+        seen = _failing_kernel(monkeypatch, block=release)
+        engine_losses(engine, 1, start=1)
+        assert seen["calls"] > 0
+        assert seen["done"] == seen["calls"]
+    finally:
+        monkeypatch.undo()
+        engine.close()
+
+
 def test_close_during_an_in_flight_step_joins_it(monkeypatch, tmp_path) -> None:
     from _dstrain_helpers import global_batch
 
