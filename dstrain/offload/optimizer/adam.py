@@ -273,8 +273,15 @@ class OffloadAdam(torch.optim.Optimizer):
         beta1, beta2 = g["betas"]
         lr, wd, eps = float(g["lr"]), float(g["weight_decay"]), float(g["eps"])
         step_count = self.swapped.steps[sg.group]
+        # On the step thread a CUDA gradient's step queues on the caller's stream, behind the kernels
+        # that produced the gradient (the thread's own current stream would be the default one).
+        stream = torch.cuda.current_stream(grad.device) if thread is not None and grad.is_cuda else None
 
         def run() -> None:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                _run()
+
+        def _run() -> None:
             p_d, m_d, v_d = self._stager.to_device(grad.device, [p, m, v])
             kernel = torch._fused_adamw_ if self.adamw else torch._fused_adam_
             kernel(

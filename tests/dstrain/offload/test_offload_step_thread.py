@@ -95,6 +95,32 @@ def test_on_cuda_the_thread_trains_bitwise_like_the_backward_thread(monkeypatch,
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_device_gradient_steps_on_the_callers_stream(tmp_path) -> None:
+    """Parameters offloaded to the CPU, the optimizer too: the fp32 master and its gradients stay on
+    the GPU and the step on the thread is a device kernel (m, v copied up). Trained on a side
+    stream, the thread's step must queue behind the gradient's kernels on that stream (not on the
+    thread's default stream, which nothing orders after them): the same bits as on the backward thread."""
+    out = []
+    for thread in (False, True):
+        cfg = _config(tmp_path, "cpu", True, thread)
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        engine, opt = dstrain.initialize(model=make_model().cuda(), config=cfg)[:2]
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                losses = engine_losses(engine, STEPS)
+            torch.cuda.synchronize()
+            out.append((losses, final_params(engine), opt.statistics().stepped_on_thread))
+        finally:
+            engine.close()
+    (serial, p_serial, n_serial), (threaded, p_threaded, n_threaded) = out
+    assert n_serial == 0 < n_threaded
+    assert threaded == serial
+    for a, b in zip(p_threaded, p_serial, strict=True):
+        assert torch.equal(a, b)
+
+
 def _failing_kernel(monkeypatch: Any, *, block: threading.Event | None = None) -> dict[str, int]:
     """Make the fused AdamW kernel fail (or, with ``block``, wait for it) when run on the step thread."""
     real = torch._fused_adamw_
