@@ -5,7 +5,9 @@
 #include <sys/utsname.h>
 
 #include <cstring>
+#include <stdexcept>
 
+#include "crc32c.hpp"
 #include "cuda.hpp"
 #include "engine.hpp"
 #include "memory.hpp"
@@ -137,6 +139,20 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release nogil;
     std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
   }, py::arg("dst"), py::arg("src"), py::arg("nbytes"));
+  m.def("crc32c_avx512_supported", &crc32c_avx512_supported,
+        "True if this CPU runs crc32c_avx512 (avx512f/bw/vl + vpclmulqdq + pclmul + sse4.2, OS-enabled)");
+  m.def(
+      "crc32c_avx512",
+      [](uintptr_t ptr, size_t nbytes, uint32_t value) {
+        static const bool supported = crc32c_avx512_supported();
+        if (!supported) throw std::runtime_error("crc32c_avx512: this CPU lacks AVX-512 + VPCLMULQDQ");
+        const auto* p = reinterpret_cast<const uint8_t*>(ptr);
+        if (nbytes < (size_t{1} << 15)) return crc32c_avx512(p, nbytes, value);  // the GIL hand-off costs more
+        py::gil_scoped_release nogil;
+        return crc32c_avx512(p, nbytes, value);
+      },
+      py::arg("ptr"), py::arg("nbytes"), py::arg("value"),
+      "crc32c of nbytes at ptr continuing value (the crc32c package's convention); GIL released for >= 32 KiB");
   m.def("populate_write_supported", &populate_write_supported,
         "True if the kernel has madvise(MADV_POPULATE_WRITE) (Linux >= 5.14): prefaulting works");
   m.def("probably_resident", &probably_resident, py::arg("ptr"), py::arg("nbytes"),

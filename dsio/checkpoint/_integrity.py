@@ -8,21 +8,30 @@ A tensor of at most one block needs none: its whole-tensor crc32c is its one blo
 writer computes the blocks' sums on its copier threads (`piece_sums`) and derives the tensor's
 crc32c from them (`TensorSums`), so the bytes are checksummed once.
 
-crc32c (the ``crc32c`` package, SSE4.2/ARMv8 hardware instructions, releases the GIL) runs at
-8-12 GB/s on this machine, several times the disk, so it is computed on a worker thread while
-the disk is busy and costs little wall time. Checksums are stored as fixed-width hex strings in
-``__metadata__``, so the header length is known before the data has been checksummed.
+crc32c of memory (`crc_of`, `crc_continue`) runs on one of two paths, chosen once per process:
+``avx512`` (dsio's native core, ``csrc/crc32c.cpp``: 4 x 512-bit VPCLMULQDQ folds, where the CPU
+has avx512f/bw/vl + vpclmulqdq) or ``portable`` (the ``crc32c`` package: the SSE4.2/ARMv8 crc32
+instruction, ~14 GB/s per core here; any CPU, and where the native core is not built). Both give
+the same values, release the GIL for large spans, and run on the copier threads while the disk is
+busy. ``DSIO_CRC32C=portable`` forces the package (``auto``, the default, picks ``avx512`` where it
+runs); `crc_path` says which one this process uses. Checksums are stored as fixed-width hex strings
+in ``__metadata__``, so the header length is known before the data has been checksummed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import logging
+import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import crc32c
 
-from ..errors import CheckpointFormatError
+from .._native import available, native
+from ..errors import CheckpointFormatError, ConfigError
 
 __all__ = [
     "ALGORITHM",
@@ -32,9 +41,13 @@ __all__ = [
     "CHECKSUMS_KEY",
     "FORMAT_KEY",
     "HEADER_CRC_KEY",
+    "CRC32C_ENV",
     "STATE_KEY",
+    "crc_continue",
     "crc_extend",
     "crc_of",
+    "crc_path",
+    "crc_paths",
     "dump_header_json",
     "header_crc",
     "TensorSums",
@@ -54,12 +67,74 @@ BLOCK_BYTES_KEY = "dsio.crc32c_block_bytes"
 BLOCK_BYTES = 1 << 20
 
 
+#: The environment variable that picks the crc32c path: ``auto`` (default) or ``portable``.
+CRC32C_ENV = "DSIO_CRC32C"
+_MODES = ("auto", "portable")
+CrcFn = Callable[[int, int, int], int]
+"""``(ptr, nbytes, value) -> crc32c`` of ``nbytes`` at ``ptr`` continuing ``value``."""
+
+log = logging.getLogger("dsio")
+
+
+def _crc_portable(ptr: int, nbytes: int, value: int) -> int:
+    if nbytes == 0:
+        return value
+    view = memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
+    return int(crc32c.crc32c(view, value))
+
+
+def crc_paths() -> dict[str, CrcFn]:
+    """The crc32c paths this machine runs, by name: ``portable`` always, ``avx512`` where the native
+    core is built and the CPU has AVX-512 + VPCLMULQDQ (each ``(ptr, nbytes, value) -> crc32c``)."""
+    out: dict[str, CrcFn] = {"portable": _crc_portable}
+    if available() and native().crc32c_avx512_supported():
+        out["avx512"] = native().crc32c_avx512
+    return out
+
+
+_chosen: tuple[str, CrcFn] | None = None
+_choose_lock = threading.Lock()
+
+
+def _choose() -> tuple[str, CrcFn]:
+    global _chosen
+    with _choose_lock:
+        if _chosen is None:
+            mode = os.environ.get(CRC32C_ENV) or "auto"
+            if mode not in _MODES:
+                raise ConfigError(
+                    f"{CRC32C_ENV}={mode!r}: accepted values are {', '.join(_MODES)}", field=CRC32C_ENV
+                )
+            paths = crc_paths()
+            if mode == "portable":
+                why = f"{CRC32C_ENV}=portable"
+            elif "avx512" in paths:
+                why = ""
+            elif not available():
+                why = "dsio's native core is not built"
+            else:
+                why = "this CPU lacks avx512f/bw/vl + vpclmulqdq"
+            name = "portable" if why else "avx512"
+            if why:
+                log.info("dsio: crc32c on the crc32c package's path (%s)", why)
+            _chosen = (name, paths[name])
+        return _chosen
+
+
+def crc_path() -> str:
+    """The crc32c path this process uses (``avx512`` or ``portable``), chosen on first use."""
+    return (_chosen or _choose())[0]
+
+
+def crc_continue(ptr: int, nbytes: int, value: int) -> int:
+    """crc32c of ``nbytes`` of memory at ``ptr`` continuing ``value`` (a previous result; 0 to
+    start), as ``crc32c.crc32c(data, value)``: no copy, the GIL released for large spans."""
+    return (_chosen or _choose())[1](ptr, nbytes, value)
+
+
 def crc_of(ptr: int, nbytes: int) -> int:
     """crc32c of ``nbytes`` of memory at ``ptr`` (no copy; the GIL is released for large spans)."""
-    if nbytes == 0:
-        return 0
-    view = memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
-    return int(crc32c.crc32c(view))
+    return (_chosen or _choose())[1](ptr, nbytes, 0)
 
 
 def hex32(v: int) -> str:

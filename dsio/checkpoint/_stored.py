@@ -20,18 +20,16 @@ partial read's bytes are used before they can be checked.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import crc32c
 import torch
 
 from ..errors import ChecksumError
 from ._blocks import CheckedBlocks, ReadBytes
-from ._integrity import BLOCK_BYTES
+from ._integrity import BLOCK_BYTES, crc_continue
 from ._lazy import FileRegions
 
 if TYPE_CHECKING:
@@ -172,6 +170,4 @@ def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
 
 def _crc_more(out: torch.Tensor, value: int) -> int:
     """crc32c of ``out``'s bytes (a contiguous CPU uint8 tensor) continuing ``value``."""
-    n = out.numel()
-    view = memoryview((ctypes.c_char * n).from_address(out.data_ptr())).cast("B")
-    return int(crc32c.crc32c(view, value))
+    return crc_continue(out.data_ptr(), out.numel(), value)

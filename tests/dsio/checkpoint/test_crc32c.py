@@ -1,0 +1,217 @@
+"""crc32c paths: the AVX-512 + VPCLMULQDQ path (dsio's native core) and the portable one (the
+``crc32c`` package) give ``crc32c.crc32c(data, value)``'s values for every length, start alignment
+and running value; the process picks the AVX-512 path exactly where the CPU has it (read from
+/proc/cpuinfo, so an AVX2-only machine checks the fallback), ``DSIO_CRC32C=portable`` forces the
+package, and checkpoint saves and loads checksum through the chosen path."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+
+from dsio.checkpoint import _integrity
+from dsio.checkpoint._integrity import CRC32C_ENV, crc_continue, crc_of, crc_path, crc_paths
+
+#: What the AVX-512 path needs, as /proc/cpuinfo spells it.
+FAST_FLAGS = ("avx512f", "avx512bw", "avx512vl", "vpclmulqdq", "pclmulqdq", "sse4_2")
+PATHS = ("portable", "avx512")
+MiB = 1 << 20
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _native_built() -> bool:
+    try:
+        import dsio._C  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _path(name: str):
+    paths = crc_paths()
+    if name not in paths:
+        pytest.skip(f"the {name} path does not run here (no AVX-512 + VPCLMULQDQ, or no native core)")
+    return paths[name]
+
+
+@pytest.fixture(scope="module")
+def data() -> np.ndarray:
+    """8 MiB + 128 random bytes (128: room to reach a 64-byte boundary, then every start alignment)."""
+    return np.random.default_rng(31).integers(0, 256, 8 * MiB + 128, dtype=np.uint8)
+
+
+def _ptr(a: np.ndarray) -> int:
+    return int(a.ctypes.data)
+
+
+def _aligned_view(data: np.ndarray, align: int, n: int) -> np.ndarray:
+    """``n`` bytes of ``data`` starting ``align`` bytes past a 64-byte boundary."""
+    base = (-_ptr(data)) % 64
+    out = data[base + align : base + align + n]
+    assert out.nbytes == n
+    return out
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_every_length_to_1024(name: str, data: np.ndarray) -> None:
+    fn = _path(name)
+    rng = random.Random(1)
+    for n in range(1025):
+        a = _aligned_view(data, n % 64, n)
+        value = rng.getrandbits(32)
+        assert fn(_ptr(a), n, value) == crc32c.crc32c(a.tobytes(), value), n
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_every_start_alignment(name: str, data: np.ndarray) -> None:
+    """Each start 0..63 bytes past a 64-byte boundary, over lengths that end at every phase of the
+    256-byte fold loop, the 64- and 16-byte ones and the tail."""
+    fn = _path(name)
+    for align in range(64):
+        for n in (255, 256, 511, 512, 513, 575, 600, 767, 1000, 4096 + 17, 65_536 + 255):
+            a = _aligned_view(data, align, n)
+            assert fn(_ptr(a), n, 0) == crc32c.crc32c(a.tobytes()), (align, n)
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_random_lengths_to_8mib(name: str, data: np.ndarray) -> None:
+    fn = _path(name)
+    rng = random.Random(2)
+    lengths = [8 * MiB, 8 * MiB - 1, MiB, MiB + 15] + [rng.randrange(8 * MiB) for _ in range(12)]
+    for n in lengths:
+        a = _aligned_view(data, rng.randrange(64), n)
+        value = rng.getrandbits(32)
+        assert fn(_ptr(a), n, value) == crc32c.crc32c(a.tobytes(), value), n
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_extending_a_running_value(name: str, data: np.ndarray) -> None:
+    """crc32c over a split span, the second part continuing the first's result, is the whole
+    span's, at split points inside and at the edges of every loop of the fast path."""
+    fn = _path(name)
+    n = 3 * 4096 + 123
+    a = _aligned_view(data, 5, n)
+    whole = crc32c.crc32c(a.tobytes())
+    for k in (0, 1, 3, 4, 15, 16, 255, 256, 511, 512, 513, 1000, 4096, n - 513, n - 512, n - 1, n):
+        head = fn(_ptr(a), k, 0)
+        assert fn(_ptr(a) + k, n - k, head) == whole, k
+    # three pieces, from a value that is not 0
+    v = crc32c.crc32c(b"prefix")
+    got = fn(_ptr(a) + 700, n - 700, fn(_ptr(a) + 7, 693, fn(_ptr(a), 7, v)))
+    assert got == crc32c.crc32c(a.tobytes(), v)
+
+
+def test_paths_agree_with_each_other_on_big_spans(data: np.ndarray) -> None:
+    """The chosen path (crc_of / crc_continue) against the package on the whole 8 MiB span."""
+    assert crc_path() in crc_paths()
+    assert crc_of(_ptr(data), data.nbytes) == crc32c.crc32c(data.tobytes())
+    assert crc_continue(_ptr(data), data.nbytes, 0xDEADBEEF) == crc32c.crc32c(data.tobytes(), 0xDEADBEEF)
+    assert crc_of(0, 0) == 0 and crc_continue(0, 0, 1234) == 1234
+
+
+def test_fast_path_exactly_where_the_cpu_has_it() -> None:
+    """``avx512`` runs (and ``auto`` picks it) iff /proc/cpuinfo lists every flag it needs and the
+    native core is built; otherwise the package's path: an AVX2-only machine runs the fallback."""
+    expected = _native_built() and set(FAST_FLAGS) <= _cpu_flags()
+    assert ("avx512" in crc_paths()) == expected
+    assert "portable" in crc_paths()
+    if os.environ.get(CRC32C_ENV, "auto") == "auto":
+        assert crc_path() == ("avx512" if expected else "portable")
+
+
+def _child(code: str, mode: str | None, *args: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run in a fresh interpreter with `CRC32C_ENV` set to ``mode`` (None: unset)."""
+    env = dict(os.environ)
+    env.pop(CRC32C_ENV, None)
+    if mode is not None:
+        env[CRC32C_ENV] = mode
+    cmd = [sys.executable, "-c", code, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_unknown_env_value_is_a_config_error() -> None:
+    code = (
+        "from dsio.errors import ConfigError\n"
+        "from dsio.checkpoint._integrity import crc_of\n"
+        "try:\n    crc_of(0, 0)\nexcept ConfigError as e:\n    print('ConfigError', e.field)\n"
+    )
+    r = _child(code, "avx2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["ConfigError", CRC32C_ENV]
+
+
+SAVE_LOAD_CORRUPT = """
+import asyncio, os, sys
+import torch
+import dsio.checkpoint as C
+from dsio.errors import ChecksumError
+from dsio.checkpoint._integrity import crc_path
+
+async def main(path):
+    state = {"big": torch.arange(3 << 18, dtype=torch.float32), "small": torch.arange(10)}
+    await C.save(state, path)
+    back = await C.load(path)
+    assert torch.equal(back["big"], state["big"]) and torch.equal(back["small"], state["small"])
+    with open(path, "r+b") as f:  # flip a bit near the end of the data: inside "big" or "small"
+        f.seek(os.path.getsize(path) - 4096)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    try:
+        await C.load(path)
+    except ChecksumError:
+        print(crc_path(), "detected")
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("mode", [None, "portable"])
+def test_env_var_picks_the_path_that_saves_loads_and_detects_corruption(mode: str | None, tmp_path) -> None:
+    """Unset (``auto``): the AVX-512 path where the CPU has it; ``portable``: the package. Either
+    way a checkpoint saves, loads back equal, and a flipped bit is a ChecksumError."""
+    pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
+    r = _child(SAVE_LOAD_CORRUPT, mode, str(tmp_path / "m.safetensors"))
+    assert r.returncode == 0, r.stderr
+    fast = _native_built() and set(FAST_FLAGS) <= _cpu_flags()
+    assert r.stdout.split() == ["avx512" if fast and mode is None else "portable", "detected"]
+
+
+def test_checkpoint_save_and_load_checksum_through_the_chosen_path(tmp_path, monkeypatch) -> None:
+    """Every checksum of a save and of a verified load goes through `crc_of` / `crc_continue`'s
+    dispatch (a call straight to the package would skip the fast path): count the calls."""
+    pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
+    import dsio.checkpoint as C
+
+    name, fn = _integrity._choose()
+    calls = {"bytes": 0}
+
+    def counting(ptr: int, nbytes: int, value: int) -> int:
+        calls["bytes"] += nbytes
+        return fn(ptr, nbytes, value)
+
+    monkeypatch.setattr(_integrity, "_chosen", (name, counting))
+    state = {"big": torch.randn(3 << 18), "small": torch.arange(10)}
+    data_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    path = str(tmp_path / "m.safetensors")
+    asyncio.run(C.save(state, path))
+    assert calls["bytes"] >= data_bytes  # the save checksummed every byte through the dispatch
+    calls["bytes"] = 0
+    back = asyncio.run(C.load(path))
+    assert torch.equal(back["big"], state["big"])
+    assert calls["bytes"] >= data_bytes  # and so did the load
