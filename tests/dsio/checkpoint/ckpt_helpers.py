@@ -161,3 +161,12 @@ def spawn(fn: Any, *args: Any, world: int = 2) -> list[Any]:
         if errors:
             raise RuntimeError("\n".join(errors))
         return results
+
+
+def flip_byte(path: str, pos: int, mask: int = 0x01) -> None:
+    """XOR the byte at file offset ``pos`` of ``path`` with ``mask`` (a corrupted file)."""
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ mask]))

@@ -13,6 +13,7 @@ import struct
 import crc32c
 import pytest
 import torch
+from ckpt_helpers import flip_byte
 
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 
@@ -68,14 +69,6 @@ def test_every_writer_records_the_blocks_of_a_big_tensor(tmp_path, writer: str) 
     assert whole == f"{crc32c.crc32c(state['big'].numpy().tobytes()):08x}"  # joined from the blocks
 
 
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x04]))
-
-
 async def _read(path: str, offset: int, n: int) -> torch.Tensor:
     async with AsyncIOHandle(C.DEFAULT_IO) as io:
         big = (await C.load(path, handle=io, lazy_from=1))["big"]
@@ -106,14 +99,14 @@ def test_a_flipped_byte_inside_a_partial_read_is_a_checksum_error(tmp_path, offs
     path, raw, ds = _saved(tmp_path)
     assert torch.equal(asyncio.run(_read(path, offset, n)), raw[offset : offset + n])  # intact: exact
     flip = 2 * BLOCK_BYTES + 777  # in block 2
-    _flip(path, ds + flip)
+    flip_byte(path, ds + flip, 0x04)
     with pytest.raises(C.ChecksumError):
         asyncio.run(_read(path, offset, n))
 
 
 def test_a_partial_read_away_from_the_flipped_block_reads_true_bytes(tmp_path) -> None:
     path, raw, ds = _saved(tmp_path)
-    _flip(path, ds + 2 * BLOCK_BYTES + 5)
+    flip_byte(path, ds + 2 * BLOCK_BYTES + 5, 0x04)
     got = asyncio.run(_read(path, 100, BLOCK_BYTES))  # blocks 0 and 1 only
     assert torch.equal(got, raw[100 : 100 + BLOCK_BYTES])
 
@@ -144,6 +137,6 @@ def test_a_file_without_block_checksums_still_loads(tmp_path) -> None:
     assert torch.equal(
         asyncio.run(_read(path, BLOCK_BYTES + 3, 500)), raw[BLOCK_BYTES + 3 : BLOCK_BYTES + 503]
     )
-    _flip(path, ds + 5)
+    flip_byte(path, ds + 5, 0x04)
     with pytest.raises(C.ChecksumError):  # a whole read is still checked
         asyncio.run(C.load(path))

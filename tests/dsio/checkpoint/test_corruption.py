@@ -9,6 +9,7 @@ import struct
 
 import pytest
 import torch
+from ckpt_helpers import flip_byte
 
 import dsio
 import dsio.checkpoint as C
@@ -37,14 +38,6 @@ def ckpt(tmp_path) -> str:
     return path
 
 
-def _flip(path: str, pos: int, mask: int = 0x01) -> None:
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ mask]))
-
-
 def _data_start(path: str) -> int:
     with open(path, "rb") as f:
         return 8 + struct.unpack("<Q", f.read(8))[0]
@@ -64,7 +57,7 @@ def test_flipped_data_byte_is_checksum_error_naming_tensor_and_file(ckpt, which)
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
     begin, end = header[which]["data_offsets"]
-    _flip(ckpt, _data_start(ckpt) + (begin + end) // 2)
+    flip_byte(ckpt, _data_start(ckpt) + (begin + end) // 2)
     with pytest.raises(dsio.ChecksumError) as ei:
         run(C.load(ckpt))
     assert which in str(ei.value) and ckpt in str(ei.value)
@@ -128,7 +121,7 @@ def test_flipped_byte_in_a_checkpointer(tmp_path):
         async with C.Checkpointer(tmp_path) as ck:
             await (await ck.save(1, _state()))
             f = str(tmp_path / "step-000000001" / "rank-00000.safetensors")
-            _flip(f, os.path.getsize(f) - 3)
+            flip_byte(f, os.path.getsize(f) - 3)
             with pytest.raises(dsio.ChecksumError):
                 await ck.load()
 

@@ -17,6 +17,7 @@ import struct
 import pytest
 import safetensors.torch as st
 import torch
+from ckpt_helpers import flip_byte
 
 import dsio
 import dsio.checkpoint as C
@@ -127,15 +128,6 @@ def test_every_read_of_a_span_is_page_aligned_and_direct(tmp_path, monkeypatch):
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), name  # no byte read twice
 
 
-def _flip(path: str, pos: int, mask: int) -> None:
-    """XOR the byte at file offset ``pos`` with ``mask`` (a corrupted file)."""
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ mask]))
-
-
 def _first_piece_end(path: str) -> int:
     """The file offset where the first request of a dsio file's span ends (64 KiB pieces)."""
     with open(path, "rb") as f:
@@ -167,7 +159,7 @@ def test_a_flipped_byte_in_any_tensor_of_a_span_is_caught(tmp_path, monkeypatch,
     lo, hi = header[name]["data_offsets"]
     assert 0 <= at < hi - lo, (victim, at)
     pos = ds + lo + at
-    _flip(path, pos, 0x10)
+    flip_byte(path, pos, 0x10)
     with pytest.raises(C.ChecksumError):
         run(C.load(path))
     run(C.load(path, verify=False))  # the caller's explicit choice: no check, no error
@@ -199,7 +191,7 @@ def test_a_piece_checksummed_in_parts_on_several_threads_still_catches_one_flipp
         "last_piece": ds + bounds[-1][0] + 3,
         "last_byte": ds + header["z"]["data_offsets"][1] - 1,
     }[where]
-    _flip(path, pos, 0x01)
+    flip_byte(path, pos, 0x01)
     with pytest.raises(C.ChecksumError):
         run(C.load(path))
 

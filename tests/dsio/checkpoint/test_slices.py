@@ -10,6 +10,7 @@ import struct
 
 import pytest
 import torch
+from ckpt_helpers import flip_byte
 from safetensors.torch import save_file
 
 import dsio
@@ -228,14 +229,6 @@ def big_dsio_file(tmp_path):
     return str(path), t, _run(offset_of("w"))
 
 
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x20]))
-
-
 @pytest.mark.parametrize("where", ["inner block", "first edge block", "last edge block"])
 def test_a_flipped_bit_inside_a_partial_slice_is_a_checksum_error(big_dsio_file, where):
     """Every 1 MiB block a slice touches is checked (edges read whole): a flipped bit in the slice's
@@ -247,7 +240,7 @@ def test_a_flipped_bit_inside_a_partial_slice_is_a_checksum_error(big_dsio_file,
         "first edge block": 4 * start + 8,
         "last edge block": 4 * stop - 8,
     }
-    _flip(path, off + flip[where])
+    flip_byte(path, off + flip[where], 0x20)
     with pytest.raises(ChecksumError):
         _run(read_slices(path, [TensorSlice("w", torch.empty(stop - start), start)]))
     with pytest.raises(ChecksumError):  # also through the converting path
