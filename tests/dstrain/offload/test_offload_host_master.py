@@ -193,3 +193,31 @@ def test_the_cast_back_waits_once_a_step(monkeypatch) -> None:
         assert torch.equal(gr.shards.cpu(), gr.master.to(torch.bfloat16))
     store.step_done()  # nothing queued: no wait
     assert waits["n"] == 1
+
+
+def test_each_optimizer_step_ends_with_one_step_done_after_every_groups_cast(monkeypatch, tmp_path) -> None:
+    """`HostMasterShards.after_step` only queues a group's cast back on a GPU; the stage-3 strategy must
+    call `step_done` (the one wait) once a step, after the last group's cast and before any gather
+    reads the shards. Recorded through a real engine (the separated layout on this CPU)."""
+    events: list[str] = []
+
+    class Recording(HostMasterShards):
+        def after_step(self, group: Any) -> None:
+            events.append("cast")
+            super().after_step(group)
+
+        def step_done(self) -> None:
+            events.append("done")
+            super().step_done()
+
+    cfg = offload_config(3, "cpu", str(tmp_path), sub_group=1024, bf16=True)
+    store = Recording(separate=True, pin_memory=False)
+    monkeypatch.setattr(compose, "build_param_store", lambda *a, **k: store)
+    engine = dstrain.initialize(model=make_model(), config=cfg)[0]
+    try:
+        groups = len(engine.zero.groups)
+        engine_losses(engine, 2)
+    finally:
+        engine.close()
+    assert groups >= 1
+    assert events == (["cast"] * groups + ["done"]) * 2
