@@ -129,7 +129,8 @@ def all_done(
     failed (or was cancelled, the result is then a cancellation), ``discard`` is called with each
     other one's result (e.g. a buffer read for nothing goes back to its pool). A ``discard`` that
     raises (e.g. the pool's owner is closed) is logged and the rest are still discarded: the future
-    is done either way, with the failure that caused the discards."""
+    is done either way, with the failure that caused the discards. Cancelling the returned future
+    stops no piece; their results are discarded once all are done (nobody will take them)."""
     out: concurrent.futures.Future[list[T]] = concurrent.futures.Future()
     futs = list(futures)
     left = [len(futs)]
@@ -138,8 +139,11 @@ def all_done(
     def finish() -> None:
         exc = first_error(futs)
         if exc is None and not any(f.cancelled() for f in futs):
-            out.set_result([f.result() for f in futs])
-            return
+            try:
+                out.set_result([f.result() for f in futs])
+                return
+            except concurrent.futures.InvalidStateError:  # the caller cancelled it: hand them back
+                pass
         if discard is not None:
             for f in futs:
                 if not f.cancelled() and f.exception() is None:
@@ -147,7 +151,9 @@ def all_done(
                         discard(f.result())
                     except Exception:  # (raised in a done callback, it would leave `out` pending)
                         log.warning("all_done: discarding a result failed", exc_info=True)
-        if exc is not None:
+        if out.cancelled():
+            out.set_running_or_notify_cancel()  # (its waiters see the caller's cancellation)
+        elif exc is not None:
             out.set_exception(exc)
         else:
             out.cancel()

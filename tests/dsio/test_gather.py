@@ -263,3 +263,26 @@ def test_all_done_is_done_even_when_a_discard_raises(caplog):
     assert out.done() and isinstance(out.exception(timeout=0), OSError)
     assert discarded == ["lease c"]
     assert "discarding a result failed" in caplog.text
+
+
+def test_a_cancelled_all_done_hands_every_result_back():
+    """Cancelling the combined future stops no piece (a read still fills its buffer); once they are
+    all done, every result goes to ``discard``, since no one will take them, and waiters see the
+    cancellation."""
+    a: concurrent.futures.Future[str] = concurrent.futures.Future()
+    b: concurrent.futures.Future[str] = concurrent.futures.Future()
+    discarded: list[str] = []
+    out = all_done([a, b], discard=discarded.append)
+    assert out.cancel()
+    a.set_result("lease a")
+    b.set_result("lease b")
+    assert discarded == ["lease a", "lease b"]
+    done, _ = concurrent.futures.wait([out], timeout=1)
+    assert done == {out} and out.cancelled()
+    c: concurrent.futures.Future[str] = concurrent.futures.Future()
+    d: concurrent.futures.Future[str] = concurrent.futures.Future()
+    out = all_done([c, d], discard=discarded.append)
+    out.cancel()
+    c.set_exception(OSError(5, "piece 0"))
+    d.set_result("lease d")
+    assert discarded[-1] == "lease d" and out.cancelled()
