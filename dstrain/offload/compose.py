@@ -196,6 +196,11 @@ def build_offload_optimizer(
     if why_not is None:
         # the host step off the backward thread, where nothing it touches is swapped by the pass
         thread = StepThread() if offload.step_thread and master_store is None and grad_store is None else None
+        if offload.step_thread and thread is None:
+            log.info(
+                "%s.step_thread: the master or the gradients are swapped: steps stay on the backward thread",
+                _FIELD,
+            )
         optimizer.attach_early_step(EarlyStep(optimizer, zero), masters=masters, grads=grads, thread=thread)
     else:
         log.info("%s: sub-groups are stepped in engine.step(), not during backward: %s", _FIELD, why_not)

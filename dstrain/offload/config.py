@@ -74,8 +74,9 @@ class OffloadOptimizerConfig(Section):
     """dstrain extension: with ``step_in_backward``, run those sub-group steps on one thread of their
     own (`dstrain.offload.optimizer.step_thread`), so the host Adam overlaps backward instead of
     delaying the kernels the backward thread launches; bitwise the same result. Used where the master
-    and gradients are in memory (not with parameters and optimizer state both on NVMe); ``false``
-    steps them on the backward thread."""
+    and gradients are in memory: not with parameters and optimizer state both on NVMe (the master is
+    in the parameter file), nor where the gradients went to NVMe (``offload_pinned_bytes`` below the
+    gradient shards); ``false`` steps them on the backward thread."""
 
     _NO_EFFECT: ClassVar[dict[str, str]] = {
         "pipeline_read": "dstrain always reads the state ahead, in step order",
