@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 import dsio
 import dsio.checkpoint as C
-from dsio.checkpoint._integrity import crc_of
+from dsio.checkpoint._integrity import crc_of, crc_path
 from dsio.checkpoint._state import flatten
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -551,6 +551,7 @@ def to_json(
         "reps": reps,
         "page_cache_dropped": loads_cold(),
         "crc32c_gbps": crc / GB,
+        "crc32c_path": crc_path(),
         "core_gbps": cores,
         "cpu_seconds": dict(b.cpu),
         "save_phases_seconds": dict(b.phases),
@@ -623,7 +624,7 @@ def report(
         "dsio method it bounds swap places every other rep (ABBA: raw write / Checkpointer save, raw read / "
         "Checkpointer load), so neither always runs right after the other.",
         "",
-        f"crc32c (`crc32c` package) over the state: {crc / GB:.1f} GB/s on one core; on 256 MiB, best of 3: "
+        f"crc32c ({crc_path()} path) over the state: {crc / GB:.1f} GB/s on one core; on 256 MiB, best of 3: "
         + ", ".join(f"{k} {v:.1f} GB/s" for k, v in cores.items())
         + " (one core each).",
         "",
