@@ -18,7 +18,7 @@ from dstrain.offload.optimizer.device_stager import DeviceStager
 from dstrain.offload.optimizer.early_step import KEY as EARLY_KEY
 from dstrain.offload.optimizer.early_step import EarlyStep, EarlyStepError
 from dstrain.offload.optimizer.statistics import OffloadOptimizerStatistics
-from dstrain.offload.optimizer.step_thread import StepThread
+from dstrain.offload.optimizer.step_thread import StepThread, StepThreadError
 from dstrain.offload.optimizer.sub_groups import CUT, SubGroup, master_numel, plan_sub_groups
 from dstrain.offload.optimizer.swapped_state import (
     SwappedState,
@@ -156,6 +156,7 @@ class OffloadAdam(torch.optim.Optimizer):
         )
         self._hold_early = False  # an async save gates the next step: no stepping during its backward
         self._thread: StepThread | None = None  # runs the early steps off the backward thread
+        self._thread_failed: StepThreadError | None = None  # this step's sub-groups are not all stepped
         self._touch_pos: dict[int, int] = {}  # sub-group -> its touch set in the last touch order
         self._early_steps = 0
         self._early_s = 0.0
@@ -311,8 +312,12 @@ class OffloadAdam(torch.optim.Optimizer):
         self._stepped.add(sg.index)  # (before it runs: a late reduction of it is an error either way)
         if thread is None:
             run()
-        else:
+            return
+        try:
             thread.submit(run)
+        except StepThreadError as e:  # this one and those dropped behind the failed one never ran
+            self._thread_failed = e
+            raise
 
     @torch.no_grad()
     def step_ready(self, ready: set[int]) -> int:
@@ -347,7 +352,16 @@ class OffloadAdam(torch.optim.Optimizer):
             raise NotImplementedError("OffloadAdam.step takes no closure")
         t0 = time.perf_counter()
         if self._thread is not None:
-            self._thread.join()  # the steps handed over during backward (raises if one failed)
+            if self._thread_failed is not None:  # raised during backward: never finish this step
+                raise StepThreadError(
+                    "a sub-group step of this optimizer step failed on the step thread (raised "
+                    "during backward): some sub-groups were never stepped, the step cannot complete"
+                ) from self._thread_failed
+            try:
+                self._thread.join()  # the steps handed over during backward (raises if one failed)
+            except StepThreadError as e:
+                self._thread_failed = e
+                raise
         gate, self._gate = self._gate, None
         if self._begun and self._hyperparameters() != self._hyper:
             raise EarlyStepError(

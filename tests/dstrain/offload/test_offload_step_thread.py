@@ -160,6 +160,35 @@ def test_a_failure_on_the_thread_surfaces_typed(monkeypatch, tmp_path, optimizer
     assert not _step_threads()
 
 
+def test_after_a_failure_raised_in_backward_the_step_never_completes(monkeypatch, tmp_path) -> None:
+    """The failure surfaces at the next hand-over, during backward; that sub-group and those dropped
+    behind the failed one were never stepped. An engine.step() after it (a caller that caught the
+    backward's error) must not finish the step without them: it raises, every time."""
+    from _dstrain_helpers import global_batch
+
+    cfg = _config(tmp_path, "cpu", False, True)
+    cfg["optimizer"]["type"] = "AdamW"
+    engine = dstrain.initialize(model=make_model(), config=cfg)[0]
+    try:
+        engine_losses(engine, 1)  # the first armed pass only records; nothing on the thread yet
+        assert engine.config.gradient_accumulation_steps == 1
+        seen = _failing_kernel(monkeypatch)
+        idx, targets = global_batch(1, engine.config.train_batch_size)
+        mb = engine.config.train_micro_batch_size_per_gpu
+        with pytest.raises(StepThreadError):
+            engine.backward(engine(idx[:mb], targets[:mb]))  # a later hand-over says so
+        assert seen["calls"] >= 1
+        monkeypatch.undo()  # the kernel works again: still, the step is incomplete
+        for _ in range(2):
+            with pytest.raises(StepThreadError) as info:
+                engine.step()
+            assert isinstance(info.value.__cause__, StepThreadError)
+    finally:
+        monkeypatch.undo()
+        engine.close()
+    assert not _step_threads()
+
+
 def test_the_optimizer_step_returns_after_every_step_handed_to_the_thread(monkeypatch, tmp_path) -> None:
     """engine.step() joins the thread before it steps the rest and casts the master into the shards:
     with each step on the thread slowed down, none is still running when engine.step() returns (a
