@@ -233,6 +233,18 @@ def _dstrain_status(
     return out
 
 
+def _crc_status() -> dict[str, Any]:
+    """The crc32c path checkpoints checksum with here, and every path this machine runs."""
+    from .checkpoint._integrity import CRC32C_ENV, crc_path, crc_paths
+    from .errors import ConfigError
+
+    try:
+        chosen = crc_path()
+    except ConfigError as e:
+        chosen = f"none: {e}"
+    return {"path": chosen, "available": sorted(crc_paths()), "env": CRC32C_ENV}
+
+
 def report(args: argparse.Namespace) -> int:
     from . import backend_status
     from ._native import native
@@ -252,6 +264,7 @@ def report(args: argparse.Namespace) -> int:
         "memlock_limit": _memlock(),
         "directories": [probe_o_direct(d) for d in (args.dir or [os.getcwd()])],
         "cuda": _cuda_status(),
+        "crc32c": _crc_status(),
     }
     info["dstrain"] = _dstrain_status(info["directories"], info["cuda"], auto)
     if args.json:
@@ -267,6 +280,11 @@ def report(args: argparse.Namespace) -> int:
         print(f"    {b.name:<9} {state}")
     print(f"    auto ->   {auto or 'none'}   (kernel.io_uring_disabled = {uring_disabled})")
     print(f"  memlock    {info['memlock_limit']} (RLIMIT_MEMLOCK; pinned pools mlock their buffers)")
+    crc = info["crc32c"]
+    print(
+        f"  crc32c     {crc['path']} (checkpoint checksums; runs here: {', '.join(crc['available'])}; "
+        f"{crc['env']}=portable forces the crc32c package)"
+    )
     for d in info["directories"]:
         print(f"  directory  {d['directory']}")
         if "filesystem" in d:

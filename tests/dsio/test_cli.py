@@ -84,6 +84,10 @@ def test_report_json(data_dir, capsys):
     assert not os.listdir(data_dir), "report must clean up its probe file"
     assert info["cuda"]["available"] in (True, False)
     assert "reason" in info["cuda"] or info["cuda"]["available"]
+    from dsio.checkpoint._integrity import crc_path, crc_paths
+
+    assert info["crc32c"]["path"] == crc_path()  # the path this process's checkpoints checksum with
+    assert info["crc32c"]["available"] == sorted(crc_paths())
 
 
 def test_report_honours_disabled_backends(data_dir, monkeypatch, capsys):
