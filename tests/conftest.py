@@ -126,24 +126,26 @@ _ONE_WORKER_DIRS = (
 
 # The longest files, handed out first so that no worker is left alone with one at the end (xdist's own
 # order is by number of tests, which puts test_demo's single ~40 s test last). Longest first, by their
-# seconds in a whole `make test` on 2 workers (2026-12-01 17:26, load 1.5-4.4, in
-# bench/results/suite-time-2026-12-01.md); the order only balances the workers: a file missing here, or
-# one no longer long, costs balance, never a result.
+# seconds in a whole `make test` on 2 workers (2026-12-01 20:15, load 4.1 -> 1.3, 919037a, in
+# bench/results/suite-time-2026-12-01-s8.md; both workers ended within 1 s of each other); the order
+# only balances the workers: a file missing here, or one no longer long, costs balance, never a result.
 _LONG_FILES = (
     "tests/dstrain/dist/test_exit_teardown.py",
     "tests/dstrain/onebit/",
-    "tests/dstrain/zero/test_zero_init_memory.py",
     "tests/test_demo.py",
-    "tests/dstrain/checkpoint/test_checkpoint_reshape.py",
+    "tests/test_readme_blocks.py",
+    "tests/dstrain/zero/test_zero_init_memory.py",
     "tests/test_collection.py",
     "tests/dstrain/zero/test_zero_parity.py",
-    "tests/test_readme_blocks.py",
-    "tests/dstrain/offload/test_offload_optimizer_params.py",
+    "tests/bench/test_offload_gpu_bench.py",
     "tests/dstrain/dist/test_dist_timeout.py",
     "tests/dstrain/integrations/test_hf_trainer.py",
-    "tests/dstrain/offload/test_offload_grads.py",
+    "tests/dsio/test_read_path.py",
+    "tests/dstrain/checkpoint/test_checkpoint_reshape.py",
+    "tests/dsio/test_roundtrip.py",
     "tests/dsio/test_cli.py",
-    "tests/bench/test_offload_bench.py",
+    "tests/bench/test_activation_checkpointing_bench.py",
+    "tests/dsio/test_concurrency.py",
 )
 
 
