@@ -113,7 +113,13 @@ async def test_prefault_populates_fresh_and_skips_touched(data_dir, monkeypatch)
     cfg = dsio.IOConfig(backend="posix", intra_op_parallelism=1, queue_depth=1, block_size=64 << 10)
     async with dsio.AsyncIOHandle(cfg) as h:
         await h.pwrite(src, path)
-        touched = torch.ones(n, dtype=torch.uint8)
+        # not page-aligned on purpose (so staged): torch.ones(n) is page-aligned now and then
+        # (glibc serves it from the heap once its mmap threshold has grown), and an aligned
+        # touched tensor is read directly, its first window not queued (2 n - 2 windows)
+        base = torch.ones(n + 64, dtype=torch.uint8)
+        lead = 0 if base.data_ptr() % 4096 else 16
+        touched = base[lead : lead + n]
+        assert touched.data_ptr() % 4096 != 0
         await h.pread(touched, path)
         st = _settle(h)
         assert st.prefault_ranges == 1 and st.prefaulted_bytes == 0
