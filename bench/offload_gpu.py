@@ -73,6 +73,17 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise BudgetKilled(f"killed by signal {signum} (the driver's time budget)")
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The GPT of the GPU comparison (1.07B at these defaults): one definition for dstrain's driver,
+    DeepSpeed's baseline and the profile experiment, so the side by side trains the same model."""
+    p.add_argument("--layers", type=int, default=20)
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=4, help="micro batch per rank")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -92,12 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, default=None, help="steps in all (default 20; --tiny: 3)")
     p.add_argument("--warmup", type=int, default=2, help="steps before the timed ones")
-    p.add_argument("--layers", type=int, default=20)
-    p.add_argument("--dim", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=4, help="micro batch per rank")
+    add_model_args(p)
     p.add_argument("--pinned-gib", type=float, default=4.0, help="dstrain offload_pinned_bytes per rank, GiB")
     p.add_argument("--sub-group", type=int, default=100_000_000, help="zero_optimization.sub_group_size")
     p.add_argument("--probe-gib", type=float, default=1.0, help="size of the disk probe's file")

@@ -32,7 +32,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.offload_gpu import BudgetKilled, block_bytes, budget_stop, host_peak_mib  # noqa: E402  (as dstrain's)
+from bench.offload_gpu import (  # noqa: E402  (as dstrain's)
+    BudgetKilled,
+    add_model_args,
+    block_bytes,
+    budget_stop,
+    host_peak_mib,
+)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -54,12 +60,7 @@ def main() -> int:
     p.add_argument("--nvme-path", default="/var/tmp/ds-offload")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--layers", type=int, default=20)
-    p.add_argument("--dim", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=4)
+    add_model_args(p)
     p.add_argument("--time-budget-s", type=float, default=240.0, help="stop the steps after this long")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the dry run")
     p.add_argument("--out", required=True)

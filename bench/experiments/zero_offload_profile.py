@@ -140,16 +140,13 @@ def train(args: argparse.Namespace, step_in_backward: bool) -> None:
 
 
 def main() -> None:
+    from bench.offload_gpu import add_model_args
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--params", type=float, default=1.0748e9)
     p.add_argument("--sub-group", type=float, default=1e8)
-    p.add_argument("--layers", type=int, default=20)
-    p.add_argument("--dim", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=4)
+    add_model_args(p)
     p.add_argument(
         "--pinned-gib", type=float, default=4.0, help="offload_pinned_bytes, GiB (as bench/offload_gpu.py)"
     )
