@@ -8,17 +8,19 @@ backward run on one thread of their own, beside backward.
   backward or the optimizer step that follows: not swallowed, no hang; so does a worker that ended.
 - close() while a step is in flight waits for it, and leaves no thread behind.
 - The queue is bounded and ordered.
+- A script that never calls close(), leaving with steps handed to the thread, exits promptly and cleanly.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _dstrain_helpers import engine_losses, make_model
+from _dstrain_helpers import engine_losses, make_model, run_child
 from _offload_helpers import final_params, offload_config
 
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
@@ -307,3 +309,16 @@ def test_a_worker_that_ends_does_not_hang_its_callers() -> None:
     thread.join()
     assert ran == [1]
     thread.close()
+
+
+def test_a_script_that_never_closes_exits_promptly_with_steps_handed_over(tmp_path) -> None:
+    # the worker is a daemon and its jobs hold torch tensors: leaving without step() or close()
+    # mid-step must neither hang the interpreter's exit nor crash it (run_child: 600 s timeout,
+    # SIGSEGV named, any other non-zero exit fails with the child's stderr)
+    here = Path(__file__).resolve().parent
+    t0 = time.monotonic()
+    out = run_child(
+        here / "_step_thread_exit_child.py", tmp_path, [here, here.parent], "exiting with the step thread"
+    )
+    assert out["handed"]["before"] > 0  # the thread was in use
+    assert time.monotonic() - t0 < 120
