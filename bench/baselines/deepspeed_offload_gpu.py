@@ -6,8 +6,9 @@ Run with DeepSpeed importable (on the GPU machine: ``source bench/baselines/deep
     python3 bench/baselines/deepspeed_offload_gpu.py --offload cpu --out ds-cpu.json
 
 ``both``: parameters and optimizer state on NVMe (``max_in_cpu: 0`` so the parameters really go there,
-and ``stage3_prefetch_bucket_size: 0``: with prefetching DeepSpeed's parameter swapper asserts "Not
-enough buffers" with ``max_in_cpu: 0``, shared/anchors); ``optimizer``: optimizer state on NVMe;
+``stage3_prefetch_bucket_size: 0``: with prefetching DeepSpeed's parameter swapper asserts "Not
+enough buffers" with ``max_in_cpu: 0``, shared/anchors; ``stage3_max_reuse_distance: 0`` and 16 buffers of
+7e7 elements, env DS_PARAM_BUFFER_COUNT / DS_PARAM_BUFFER_SIZE / DS_MAX_REUSE_DISTANCE); ``optimizer``: optimizer state on NVMe;
 ``cpu``: optimizer state on the CPU (ZeRO-Offload). bf16, ZeRO-3, AdamW lr 1e-4, micro batch 4.
 Writes one JSON: tokens/s over the timed steps, step times, losses, GPU peak (bytes/parameter too;
 over the training steps, the peak stats reset after ``deepspeed.initialize``, and over the whole run),
@@ -102,8 +103,15 @@ def _run(a: argparse.Namespace, res: dict) -> None:
     else:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if a.offload == "both":
-        zero["offload_param"] = dict(nv, buffer_count=8, buffer_size=int(1.5e8), max_in_cpu=0)
+        # the same pinned bytes as the 8 x 1.5e8 that asserted on the H200 (2026-12-01), in more, smaller
+        # buffers (one holds the largest partition, the 65.5M-element embedding) and with parameters released
+        # after use (`stage3_max_reuse_distance` 0: with its default 1e9 the second step's forward keeps
+        # swapped-in parameters live until every buffer is held: "Not enough buffers 0 for swapping 1")
+        count = int(os.environ.get("DS_PARAM_BUFFER_COUNT", "16"))
+        size = int(float(os.environ.get("DS_PARAM_BUFFER_SIZE", "7e7")))
+        zero["offload_param"] = dict(nv, buffer_count=count, buffer_size=size, max_in_cpu=0)
         zero["stage3_prefetch_bucket_size"] = 0
+        zero["stage3_max_reuse_distance"] = int(float(os.environ.get("DS_MAX_REUSE_DISTANCE", "0")))
     cfg = {
         "train_micro_batch_size_per_gpu": a.batch,
         "gradient_accumulation_steps": 1,
