@@ -10,6 +10,7 @@ __all__ = [
     "CheckpointRankError",
     "ConfigError",
     "DstrainError",
+    "EarlyStepError",
     "InitError",
     "InsufficientDiskError",
     "NotImplementedConfigError",
@@ -17,6 +18,7 @@ __all__ = [
     "PretrainedMismatchError",
     "RecomputeError",
     "ReshapeError",
+    "StepThreadError",
     "TopologyError",
     "UnsupportedOptimizerError",
 ]
@@ -182,3 +184,18 @@ class PartitionedSaveError(DstrainError, RuntimeError):
     """A Hugging Face model's ``save_pretrained`` was called under ZeRO-3 while its parameters were
     partitioned over the ranks; the message names what saves the whole weights instead
     (``engine.save_16bit_model``, the dstrain Trainer's ``save_model``, ``dstrain export``)."""
+
+
+class StepThreadError(DstrainError):
+    """Raised by `OffloadAdam.step` or during the boundary backward when a sub-group step run on the
+    step thread (``zero_optimization.offload_optimizer.step_thread``) failed (``__cause__``: the error
+    it raised), or when that thread ended; the optimizer step under way is incomplete (some sub-groups
+    are not stepped)."""
+
+
+class EarlyStepError(DstrainError):
+    """Raised when a sub-group stepped during backward turns out not to have been final (a unit's
+    gradient was reduced again afterwards in the same pass), or when the optimizer's hyperparameters
+    or state are changed or read between the boundary backward and `engine.step()` while some
+    sub-groups are already stepped. Set ``zero_optimization.offload_optimizer.step_in_backward`` to
+    false for such models or training loops."""

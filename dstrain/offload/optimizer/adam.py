@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from dstrain.errors import ConfigError, NotImplementedConfigError
+from dstrain.errors import ConfigError, EarlyStepError, NotImplementedConfigError, StepThreadError
 from dstrain.offload.optimizer.device_stager import DeviceStager
 from dstrain.offload.optimizer.early_step import KEY as EARLY_KEY
-from dstrain.offload.optimizer.early_step import EarlyStep, EarlyStepError
+from dstrain.offload.optimizer.early_step import EarlyStep
 from dstrain.offload.optimizer.statistics import OffloadOptimizerStatistics
-from dstrain.offload.optimizer.step_thread import StepThread, StepThreadError
+from dstrain.offload.optimizer.step_thread import StepThread
 from dstrain.offload.optimizer.sub_groups import CUT, SubGroup, master_numel, plan_sub_groups
 from dstrain.offload.optimizer.swapped_state import (
     SwappedState,

@@ -14,23 +14,15 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from dstrain.errors import DstrainError
+from dstrain.errors import EarlyStepError
 from dstrain.offload.optimizer.sub_groups import SubGroup
 
-__all__ = ["KEY", "EarlyStep", "EarlyStepError", "ReadyStepper"]
+__all__ = ["KEY", "EarlyStep", "ReadyStepper"]
 
 KEY = "zero_optimization.offload_optimizer.step_in_backward"
 """The dstrain key that turns stepping during backward off."""
 
 UnitKey = tuple[int, int]  # (param group, offset of the unit's shard in the group's master)
-
-
-class EarlyStepError(DstrainError):
-    """Raised when a sub-group stepped during backward turns out not to have been final (a unit's
-    gradient was reduced again afterwards in the same pass), or when the optimizer's hyperparameters
-    or state are changed or read between the boundary backward and `engine.step()` while some
-    sub-groups are already stepped. Set ``zero_optimization.offload_optimizer.step_in_backward`` to
-    false for such models or training loops."""
 
 
 class ReadyStepper(Protocol):

@@ -30,19 +30,13 @@ from collections.abc import Callable
 
 import torch
 
-from dstrain.errors import DstrainError
+from dstrain.errors import StepThreadError
 
-__all__ = ["StepThread", "StepThreadError"]
+__all__ = ["StepThread"]
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # a waiting caller re-checks that the worker is alive this often
-
-
-class StepThreadError(DstrainError):
-    """Raised by `OffloadAdam.step` or during the boundary backward when a sub-group step run on the
-    step thread failed (``__cause__``: the error it raised), or when that thread ended; the optimizer
-    step under way is incomplete (some sub-groups are not stepped)."""
 
 
 class StepThread:

@@ -18,7 +18,7 @@ pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 import dstrain  # noqa: E402
 from dsio._bridge import run_sync  # noqa: E402
 from dsio.checkpoint import Checkpointer  # noqa: E402
-from dstrain.offload.optimizer.early_step import EarlyStepError  # noqa: E402
+from dstrain.errors import EarlyStepError  # noqa: E402
 
 
 def _engine(tmp_path: Any, stage: int = 3, device: str = "nvme", dim: int = 16, **extra: Any) -> Any:

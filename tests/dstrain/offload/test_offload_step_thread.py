@@ -27,7 +27,8 @@ pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 
 import dstrain  # noqa: E402
 import dstrain.offload.compose as compose  # noqa: E402
-from dstrain.offload.optimizer.step_thread import StepThread, StepThreadError  # noqa: E402
+from dstrain.errors import StepThreadError  # noqa: E402
+from dstrain.offload.optimizer.step_thread import StepThread  # noqa: E402
 from dstrain.offload.param.host_master import HostMasterShards  # noqa: E402
 
 STEPS = 4
