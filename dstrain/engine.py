@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from dsio.metrics import untrack
 from dstrain import loop
 from dstrain.checkpoint.export import save_16bit_model
 from dstrain.checkpoint.policy import EngineCheckpoints
@@ -579,12 +580,18 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        untrack(self)  # its dstrain_* series (dstrain.metrics.register) leave the next scrape
         self.checkpoints.close()  # finishes a pending save, releases the directories' writer locks
         for observer in self.observers:  # monitors flush and close their files
             observer.close()
         self.observers.clear()
         self.stepper.close()
         self.zero.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` ran."""
+        return self._closed
 
     def __enter__(self) -> Engine:
         return self

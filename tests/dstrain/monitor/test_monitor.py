@@ -5,7 +5,6 @@ series in Prometheus."""
 from __future__ import annotations
 
 import csv
-import gc
 import importlib.util
 import os
 from typing import Any
@@ -108,9 +107,8 @@ def test_wandb_without_the_package_is_refused_naming_the_key(tmp_path) -> None:
 
 def test_training_series_in_statistics_and_prometheus() -> None:
     prometheus_client = pytest.importorskip("prometheus_client")
-    from dstrain.metrics import register
+    from dstrain.metrics import labels, register
 
-    gc.collect()  # engines of earlier tests are tracked by dsio's registry until collected (same rank label)
     cfg = base_config(0, world=1, gas=2, gradient_clipping=1.0)
     engine, _, _, _ = dstrain.initialize(model=make_model(), config=cfg)
     registry = prometheus_client.CollectorRegistry()
@@ -123,11 +121,11 @@ def test_training_series_in_statistics_and_prometheus() -> None:
     idx, _ = __import__("_dstrain_helpers").global_batch(0, mb)
     assert s.last_step_tokens == gas * idx.numel()  # integer token ids: every element is a token
     assert s.tokens == 3 * s.last_step_tokens and s.tokens_per_second > 0
-    labels = {"rank": "0"}
-    assert registry.get_sample_value("dstrain_loss", labels) == pytest.approx(losses[-1], rel=1e-6)
-    assert registry.get_sample_value("dstrain_lr", {**labels, "group": "0"}) == 1e-2
-    assert registry.get_sample_value("dstrain_grad_norm", labels) == s.last_grad_norm > 0
-    assert registry.get_sample_value("dstrain_tokens_total", labels) == s.tokens
-    assert registry.get_sample_value("dstrain_tokens_per_second", labels) > 0
+    mine = labels(engine)  # {"rank": "0", "engine": ...}
+    assert registry.get_sample_value("dstrain_loss", mine) == pytest.approx(losses[-1], rel=1e-6)
+    assert registry.get_sample_value("dstrain_lr", {**mine, "group": "0"}) == 1e-2
+    assert registry.get_sample_value("dstrain_grad_norm", mine) == s.last_grad_norm > 0
+    assert registry.get_sample_value("dstrain_tokens_total", mine) == s.tokens
+    assert registry.get_sample_value("dstrain_tokens_per_second", mine) > 0
     engine.close()
     assert torch.isnan(torch.tensor(s.mfu))  # no profiler: no MFU
