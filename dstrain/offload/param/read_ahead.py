@@ -75,11 +75,19 @@ class TraceReadAhead:
         return sum(e[3] for e in self._queue)
 
     def cancel(self) -> None:
-        """Hand back read-ahead buffers unused (the order changed, or someone else needs the pool)."""
+        """Hand back read-ahead buffers unused (the order changed, or someone else needs the pool):
+        every queued read is waited for and its buffers discarded; then the first failure (a read
+        that failed, whose buffers are back already, or a discard) is raised."""
         self._soon.clear()
+        first: BaseException | None = None
         while self._queue:
             _, _, fut, _ = self._queue.popleft()
-            self._discard(fut.result())
+            try:
+                self._discard(fut.result())
+            except BaseException as e:  # the later reads still hold buffers: hand them back too
+                first = first or e
+        if first is not None:
+            raise first
 
     def end_pass(self) -> None:
         """The step started: reads from now until the next `begin_pass` are off the trace."""

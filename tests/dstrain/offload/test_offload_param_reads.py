@@ -483,3 +483,34 @@ def test_a_failed_piece_of_a_shard_fails_the_read_only_once_every_piece_ended() 
     pieces[1].set_result("lease 1")
     assert isinstance(read.exception(timeout=1), OSError)
     assert discarded == ["lease 1"]
+
+
+def test_cancel_hands_back_every_read_ahead_then_raises_the_first_failure() -> None:
+    """A failed read among those queued ahead (its own buffers are back in the pool already) must not
+    stop `TraceReadAhead.cancel` halfway: the reads behind it are discarded too (else their buffers stay
+    lent to a queue nobody consumes), and then the failure is raised."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from dstrain.offload.param.read_ahead import TraceReadAhead
+
+    reads: dict[int, concurrent.futures.Future[Any]] = {}
+
+    def read(unit: Any) -> concurrent.futures.Future[Any]:
+        reads[unit.index] = concurrent.futures.Future()
+        return reads[unit.index]
+
+    discarded: list[Any] = []
+    units = [SimpleNamespace(index=i, persistent=False, gathered=False) for i in range(4)]
+    ahead = TraceReadAhead(read, discarded.append, lambda i: units[i], lambda: 4)
+    ahead.read_now(units)  # type: ignore[arg-type]
+    assert ahead.queued == 4
+    reads[0].set_result(["lease 0"])
+    reads[1].set_exception(OSError(5, "read 1 failed"))
+    reads[2].set_result(["lease 2"])
+    reads[3].set_result(["lease 3"])
+    with pytest.raises(OSError) as info:
+        ahead.cancel()
+    assert info.value.strerror == "read 1 failed"
+    assert discarded == [["lease 0"], ["lease 2"], ["lease 3"]]
+    assert ahead.queued == 0 and ahead.held == 0
