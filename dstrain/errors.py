@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "DstrainError",
     "EarlyStepError",
+    "IncompleteStepError",
     "InitError",
     "InsufficientDiskError",
     "NotImplementedConfigError",
@@ -186,7 +187,14 @@ class PartitionedSaveError(DstrainError, RuntimeError):
     (``engine.save_16bit_model``, the dstrain Trainer's ``save_model``, ``dstrain export``)."""
 
 
-class StepThreadError(DstrainError):
+class IncompleteStepError(DstrainError, RuntimeError):
+    """Raised by every `OffloadAdam.step` (so `engine.step()`) after a sub-group step of the optimizer
+    step under way failed (``__cause__``: its error, raised when it happened): some sub-groups are
+    stepped, that one may be half-updated and others are not, so the step can be neither finished nor
+    re-run. Load a checkpoint into a new engine to go on."""
+
+
+class StepThreadError(IncompleteStepError):
     """Raised by `OffloadAdam.step` or during the boundary backward when a sub-group step run on the
     step thread (``zero_optimization.offload_optimizer.step_thread``) failed (``__cause__``: the error
     it raised), or when that thread ended; the optimizer step under way is incomplete (some sub-groups

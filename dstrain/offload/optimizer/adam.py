@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from dstrain.errors import ConfigError, EarlyStepError, NotImplementedConfigError, StepThreadError
+from dstrain.errors import (
+    ConfigError,
+    EarlyStepError,
+    IncompleteStepError,
+    NotImplementedConfigError,
+    StepThreadError,
+)
 from dstrain.offload.optimizer.device_stager import DeviceStager
 from dstrain.offload.optimizer.early_step import KEY as EARLY_KEY
 from dstrain.offload.optimizer.early_step import EarlyStep
@@ -157,6 +163,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._hold_early = False  # an async save gates the next step: no stepping during its backward
         self._thread: StepThread | None = None  # runs the early steps off the backward thread
         self._thread_failed: StepThreadError | None = None  # this step's sub-groups are not all stepped
+        self._failed: BaseException | None = None  # an inline sub-group step raised: no step completes
         self._touch_pos: dict[int, int] = {}  # sub-group -> its touch set in the last touch order
         self._early_steps = 0
         self._early_s = 0.0
@@ -311,7 +318,11 @@ class OffloadAdam(torch.optim.Optimizer):
 
         self._stepped.add(sg.index)  # (before it runs: a late reduction of it is an error either way)
         if thread is None:
-            run()
+            try:
+                run()
+            except BaseException as e:  # marked stepped, maybe half-updated: `step` never completes
+                self._failed = e
+                raise
             return
         try:
             thread.submit(run)
@@ -351,6 +362,11 @@ class OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             raise NotImplementedError("OffloadAdam.step takes no closure")
         t0 = time.perf_counter()
+        if self._failed is not None:  # raised by a sub-group step during backward or a step() before
+            raise IncompleteStepError(
+                "a sub-group step of this optimizer step failed: it may be half-updated and some "
+                "sub-groups were never stepped, the step can be neither finished nor re-run"
+            ) from self._failed
         if self._thread is not None:
             if self._thread_failed is not None:  # raised during backward: never finish this step
                 raise StepThreadError(
