@@ -13,6 +13,7 @@
 #   device: carry=[".device-deepspeed"], command: bash bench/offload_gpu_h200.sh          (<= TOTAL_S = 530 s)
 #   second call: MODES="big cpu" CAP_DSTRAIN_BIG=280 bash bench/offload_gpu_h200.sh      (big, then a 2nd cpu pair)
 #   session 9 (issue 32 items 1-4): MODES="cpu optimizer" TOTAL_S=400 GPU_TESTS=1 bash bench/offload_gpu_h200.sh
+#              (GPU_TESTS=1 needs carry [".device-deepspeed", ".device-wheels"]: pytest-asyncio is not in the image)
 #              (the two pairs with the host master, GPU memory breakdowns in summary.md, then the -m gpu tests)
 #   here:   DEVICE=cpu DSIO_DEEPSPEED_VENV=/work/venv-deepspeed bash bench/offload_gpu_h200.sh   (CPU dry run, tiny)
 #
@@ -186,6 +187,12 @@ echo "== done at $(( SECONDS - T0 )) s"
 # the bench's breakdown), when asked: GPU_TESTS=1 (they take ~1-2 minutes; their tail goes to run.log)
 if [ "${GPU_TESTS:-0}" = 1 ] && [ "$DEVICE" = cuda ]; then
     echo "== gpu tests at $(( SECONDS - T0 )) s"
+    # the image has pytest but not pytest-asyncio, whose hook tests/conftest.py implements (carry
+    # ".device-wheels" too: without it collection stops with "unknown hook 'pytest_asyncio_loop_factories'")
+    if ! "$PY" -c "import pytest_asyncio" 2>/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/pytest_asyncio-*.whl \
+            && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
     timeout -k 10 "${GPU_TESTS_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
         tests/dstrain/offload/test_offload_host_master.py tests/dstrain/offload/test_offload_step_thread.py \
         tests/bench/test_offload_gpu_bench.py 2>&1 | tail -n 25
