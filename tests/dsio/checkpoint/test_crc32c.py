@@ -2,15 +2,20 @@
 ``crc32c`` package) give ``crc32c.crc32c(data, value)``'s values for every length, start alignment
 and running value; the process picks the AVX-512 path exactly where the CPU has it (read from
 /proc/cpuinfo, so an AVX2-only machine checks the fallback), ``DSIO_CRC32C=portable`` forces the
-package, and checkpoint saves and loads checksum through the chosen path."""
+package, checkpoint saves and loads checksum through the chosen path, and every path releases the GIL
+over a large span (another Python thread runs meanwhile)."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 
 import crc32c
 import numpy as np
@@ -215,3 +220,77 @@ def test_checkpoint_save_and_load_checksum_through_the_chosen_path(tmp_path, mon
     back = asyncio.run(C.load(path))
     assert torch.equal(back["big"], state["big"])
     assert calls["bytes"] >= data_bytes  # and so did the load
+
+
+def _ticks_while(call: Callable[[], object], *, calls: int, seconds: float) -> tuple[int, int]:
+    """How often another Python thread ran while ``call()`` ran in this one: ``(ticks, calls made)``.
+    The calls repeat until that thread ticked during one of them, ``calls`` calls were made (at
+    least one) and ``seconds`` passed; at most ``seconds`` plus one call, whichever comes first.
+
+    With no forced switches (``sys.setswitchinterval`` far above the run) and the collector off, this
+    thread holds the GIL from setting ``in_call`` to clearing it unless ``call()`` releases it; the
+    ticker releases it at every sleep. So a tick counted during a call is proof of a release, and a
+    call that holds the GIL counts exactly 0 however loaded the machine; a loaded machine only
+    delays the ticker's first tick, which the repeats absorb."""
+    state = {"in_call": False, "ticks": 0}
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            if state["in_call"]:
+                state["ticks"] += 1
+            time.sleep(0.0002)  # the GIL is released here, so the caller never waits on this thread
+
+    old, collecting = sys.getswitchinterval(), gc.isenabled()
+    thread = threading.Thread(target=ticker, name="crc-gil-ticker", daemon=True)
+    made = 0
+    sys.setswitchinterval(1000.0)
+    gc.disable()
+    try:
+        thread.start()
+        end = time.monotonic() + seconds
+        while made < 1 or (state["ticks"] == 0 and made < calls and time.monotonic() < end):
+            state["in_call"] = True
+            call()
+            state["in_call"] = False
+            made += 1
+            time.sleep(0.0005)  # the process's other threads run between calls (outside the window)
+    finally:
+        state["in_call"] = False
+        stop.set()
+        sys.setswitchinterval(old)
+        if collecting:
+            gc.enable()
+        thread.join()
+    return state["ticks"], made
+
+
+@pytest.fixture(scope="module")
+def big() -> np.ndarray:
+    """64 MiB: a few ms of crc32c on any path."""
+    return np.random.default_rng(5).integers(0, 256, 64 * MiB, dtype=np.uint8)
+
+
+def test_the_gil_probe_sees_a_call_that_holds_the_gil(big: np.ndarray) -> None:
+    """The probe's control: the package asked to keep the GIL (``gil_release_mode=0``) over the same
+    span lets no other thread run during any of 20 calls."""
+    view = memoryview(big)
+    assert crc32c.crc32c(view, 0, gil_release_mode=0) == crc32c.crc32c(view)
+    ticks, made = _ticks_while(lambda: crc32c.crc32c(view, 0, gil_release_mode=0), calls=20, seconds=60)
+    assert (ticks, made) == (0, 20)
+
+
+@pytest.mark.parametrize("name", [*PATHS, "chosen"])
+def test_every_path_releases_the_gil_over_a_large_span(name: str, big: np.ndarray) -> None:
+    """A checkpoint's checksums run on the copier threads beside training and the event loop: over
+    a large span each path (AVX-512 where this CPU has it, else skipped; the package's; and the one
+    `crc_of` dispatches to) lets another Python thread run while it computes."""
+    path = None if name == "chosen" else _path(name)
+    ptr, n = _ptr(big), big.nbytes
+
+    def call() -> int:
+        return crc_of(ptr, n) if path is None else path(ptr, n, 0)
+
+    assert call() == crc32c.crc32c(memoryview(big))
+    ticks, made = _ticks_while(call, calls=10**6, seconds=60)
+    assert ticks > 0, f"no other thread ran during {made} calls of {n} bytes"
