@@ -16,11 +16,11 @@ from ..handle import AsyncIOHandle
 from . import _fs
 from ._format import Header
 from ._integrity import FORMAT_KEY, STATE_KEY
-from ._read import read_file
+from ._read import read_file, read_file_into
 from ._state import flatten, unflatten
 from ._write import FileWriter
 
-__all__ = ["DEFAULT_IO", "file_metadata", "load", "restore", "save"]
+__all__ = ["DEFAULT_IO", "file_metadata", "into_targets", "load", "restore", "save"]
 
 #: The I/O configuration checkpoints use unless given another: deep queues, two workers.
 DEFAULT_IO = IOConfig(block_size=1 << 20, queue_depth=32, intra_op_parallelism=2)
@@ -102,6 +102,18 @@ def restore(
     return unflatten(tree, tensors, allow_pickle=allow_pickle)
 
 
+def into_targets(
+    into: Any, device: str | torch.device, lazy_from: int | None, allow_pickle: bool
+) -> dict[str, Any]:
+    """The tensors of a load's ``into`` state by the names ``save`` gives them (``flatten``)."""
+    if lazy_from is not None:
+        raise ValueError("into= fills the given tensors; lazy_from= leaves tensors in the file: pick one")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"into= fills the given (CPU) tensors in place; got device={device!r}")
+    tensors, _ = flatten(into, allow_pickle=allow_pickle)
+    return dict(tensors)
+
+
 async def load(
     path: PathLike,
     *,
@@ -111,6 +123,7 @@ async def load(
     handle: AsyncIOHandle | None = None,
     config: IOConfig | None = None,
     lazy_from: int | None = None,
+    into: Any = None,
 ) -> Any:
     """Read a state written by ``save`` (same structure back) or any safetensors file (a dict).
 
@@ -124,7 +137,12 @@ async def load(
     ``lazy_from`` (with ``handle``, which they read with): tensors of at least that many bytes stay
     in the file as `StoredTensor`s (read byte range by byte range by their consumer, checksums
     checked as they are read in order; they keep the file open until they are all gone).
+
+    ``into``: a state whose tensors are filled in place, as ``Checkpointer.load(into=)`` does
+    (same names, dtypes and shapes as the file's; contiguous CPU tensors); the state returned
+    holds those tensors.
     """
+    targets = None if into is None else into_targets(into, device, lazy_from, allow_pickle)
     if lazy_from is not None:
         if handle is None:
             raise ValueError("load(lazy_from=...) needs handle=: the stored tensors read with it")
@@ -138,7 +156,11 @@ async def load(
         raise CheckpointNotFoundError(f"no checkpoint file at {path}") from None
     try:
         async with _handle(handle, config) as h:
-            header, tensors = await read_file(h, path, verify=verify, fd=fd)
+            if targets is not None:
+                header, filled = await read_file_into(h, path, targets, verify=verify, fd=fd)
+                tensors: dict[str, Any] = dict(filled)
+            else:
+                header, tensors = await read_file(h, path, verify=verify, fd=fd)
     finally:
         os.close(fd)
     return restore(header, tensors, device=device, allow_pickle=allow_pickle, path=path)

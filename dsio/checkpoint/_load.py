@@ -9,7 +9,7 @@ from ..errors import CheckpointNotFoundError
 from ..handle import AsyncIOHandle
 from ._format import Header
 from ._locate import OpenedRankFile, open_rank_file
-from ._read import read_file
+from ._read import read_file, read_file_into
 from ._stored import StoredFile, StoredTensor
 
 __all__ = ["read_rank_file"]
@@ -29,9 +29,11 @@ async def read_rank_file(
     *,
     verify: bool,
     lazy_from: int | None,
+    into: dict[str, Any] | None = None,
 ) -> tuple[OpenedRankFile, Header, dict[str, Any]]:
     """Open (``latest()`` names the step when ``step`` is None) and read this rank's file. With
-    ``lazy_from`` its big tensors stay in it as `StoredTensor`s, which keep it open."""
+    ``lazy_from`` its big tensors stay in it as `StoredTensor`s, which keep it open; with ``into``
+    (a state's flattened tensors) they are read into those tensors (`read_file_into`)."""
     for attempt in range(LOAD_RETRIES):
         chosen = latest() if step is None else step
         if chosen is None:
@@ -44,9 +46,13 @@ async def read_rank_file(
                 raise
     stored = StoredFile(opened.fd, opened.path) if lazy_from is not None else None
     try:
-        header, tensors = await read_file(
-            io, opened.path, verify=verify, fd=opened.fd, lazy_from=lazy_from, stored=stored
-        )
+        if into is not None:
+            header, filled = await read_file_into(io, opened.path, into, verify=verify, fd=opened.fd)
+            tensors: dict[str, Any] = dict(filled)
+        else:
+            header, tensors = await read_file(
+                io, opened.path, verify=verify, fd=opened.fd, lazy_from=lazy_from, stored=stored
+            )
     except BaseException:
         if stored is not None:
             stored.close()

@@ -17,7 +17,7 @@ from ..config import IOConfig
 from ..errors import ClosedError
 from ..handle import AsyncIOHandle
 from . import _commit
-from ._api import DEFAULT_IO, file_metadata, restore
+from ._api import DEFAULT_IO, file_metadata, into_targets, restore
 from ._capture import Capture, TouchOrder
 from ._dist import Coordinator
 from ._errors import (
@@ -453,6 +453,7 @@ class Checkpointer:
         verify: bool = True,
         allow_pickle: bool | None = None,
         lazy_from: int | None = None,
+        into: Any = None,
     ) -> Any:
         """The state saved at ``step`` (default: the latest committed) by this rank.
 
@@ -465,6 +466,18 @@ class Checkpointer:
         `dsio.checkpoint.StoredTensor`s that their consumer reads piece by piece (checksums checked
         as it reads; the file stays open until they are all gone). CPU only.
 
+        ``into``: a state of the structure that was saved (e.g. the dict given to ``save``, whose
+        tensors are a model's and an optimizer's): the file's tensors are read into its tensors in
+        place, and the state returned holds those same tensor objects (its other values, e.g.
+        counters and ``param_groups``, come from the file). No memory is allocated for the
+        tensors: the load a resume usually wants (``load_state_dict`` then copies nothing new).
+        Its tensors must match the file's by name (as ``save`` named them), dtype and shape
+        (``CheckpointMismatchError`` otherwise) and be contiguous dense CPU tensors
+        (``TensorLayoutError``), checked before any byte is read. Every tensor is verified before
+        ``load`` returns; on any error (``ChecksumError`` included) the tensors of ``into`` hold
+        unspecified contents. Numpy arrays in it are filled too but come back as new arrays (as
+        every load returns them). Not with ``lazy_from`` or another ``device``.
+
         Raises ``CheckpointNotFoundError`` when there is no such committed step (also when
         retention removes it while it is being opened),
         ``CheckpointMismatchError`` when it was written by a different world size,
@@ -472,6 +485,8 @@ class Checkpointer:
         """
         if lazy_from is not None and torch.device(device).type != "cpu":
             raise ValueError(f"lazy_from leaves tensors on disk for the CPU; got device={device!r}")
+        pickle_ok = self.allow_pickle if allow_pickle is None else allow_pickle
+        targets = None if into is None else into_targets(into, device, lazy_from, pickle_ok)
         t0 = time.perf_counter()
         opened, header, tensors = await read_rank_file(
             self._io(),
@@ -482,8 +497,8 @@ class Checkpointer:
             self.world_size,
             verify=verify,
             lazy_from=lazy_from,
+            into=targets,
         )
-        pickle_ok = self.allow_pickle if allow_pickle is None else allow_pickle
         state = restore(header, tensors, device=device, allow_pickle=pickle_ok, path=opened.path)
         self._loads += 1
         self._tot["load"] += time.perf_counter() - t0
