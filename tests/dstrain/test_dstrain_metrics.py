@@ -111,13 +111,19 @@ def test_two_live_engines_of_one_rank_have_their_own_series() -> None:
         b.close()
 
 
-def test_close_takes_the_engines_series_out_of_the_next_scrape() -> None:
+def _exported_after_one_step() -> tuple[Any, Any, str]:
+    """A registry, a registered engine that trained one step (seen in a scrape), its name."""
     registry = prometheus_client.CollectorRegistry()
     engine = _engine()
     register(engine, registry)
     name = labels(engine)["engine"]
     engine_losses(engine, 1)
     assert _of(_scrape(registry), name)["dstrain_steps_total[]"] == 1
+    return registry, engine, name
+
+
+def test_close_takes_the_engines_series_out_of_the_next_scrape() -> None:
+    registry, engine, name = _exported_after_one_step()
     engine.close()
     assert _of(_scrape(registry), name) == {}  # while the engine object is still alive
     with pytest.raises(KeyError):
@@ -131,12 +137,7 @@ def test_close_takes_the_engines_series_out_of_the_next_scrape() -> None:
 
 
 def test_an_engine_dropped_without_close_leaves_when_collected() -> None:
-    registry = prometheus_client.CollectorRegistry()
-    engine = _engine()
-    register(engine, registry)
-    name = labels(engine)["engine"]
-    engine_losses(engine, 1)
-    assert _of(_scrape(registry), name)["dstrain_steps_total[]"] == 1
+    registry, engine, name = _exported_after_one_step()
     del engine
     gc.collect()
     assert _of(_scrape(registry), name) == {}
