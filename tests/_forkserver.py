@@ -31,6 +31,8 @@ PRELOAD = [
     # imported by the first torch.optim.Optimizer a rank builds (its constructor is wrapped by
     # torch._disable_dynamo): ~1-2 s of CPU per rank, and sympy with it, when left to each child
     "torch._dynamo",
+    # torchrun's launcher, forked by tests/_torchrun.py (a new interpreter importing it: ~1.5-2.5 CPU-s)
+    "torch.distributed.run",
     "dsio",
     "dsio.checkpoint",
     "dstrain",
@@ -40,6 +42,7 @@ PRELOAD = [
     "test_crash_points",
     "ckpt_dist_workers",
     "_dstrain_helpers",
+    "_torchrun",
 ]
 
 

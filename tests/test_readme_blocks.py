@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _readme_blocks as rb  # noqa: E402
+import _torchrun  # noqa: E402  (torchrun, its launcher forked from the session's fork server)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -73,11 +74,12 @@ def test_block_runs(block: rb.Block, results: dict[str, dict[str, object]]) -> N
 def test_block_runs_under_torchrun(block: rb.Block, tmp_path: Path) -> None:
     script = tmp_path / "block.py"
     script.write_text(block.code)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(block.nproc),
-         str(script)],  # fmt: skip
-        capture_output=True, text=True, timeout=420, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )  # fmt: skip
+    proc = _torchrun.run(
+        ["--standalone", "--nproc_per_node", str(block.nproc), str(script)],
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=420,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     # and judged as bench/experiments/exit_aborts.py judges a launch: no rank aborted at exit (its
     # "pipeline/close" variant is this very block: tests/dstrain/dist/test_exit_teardown.py leaves it here)

@@ -42,6 +42,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -162,10 +163,37 @@ def classify(returncode: int | None, output: str) -> str:
     return "ok" if returncode == 0 else "error"
 
 
+Torchrun = Callable[..., subprocess.CompletedProcess[str]]
+"""``torchrun(args, cwd=, env=, timeout=)``: ``python -m torch.distributed.run *args`` run to its end, as
+`subprocess.run` with ``capture_output=True, text=True`` returns it (`subprocess.TimeoutExpired` past
+``timeout``)."""
+
+
+def torchrun_subprocess(python: str = sys.executable) -> Torchrun:
+    """A new ``python -m torch.distributed.run`` interpreter per launch (`launch`'s default)."""
+
+    def run(
+        args: list[str], *, cwd: str, env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = [python, "-m", "torch.distributed.run", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+    return run
+
+
 def launch(
-    code: str, variant: str, index: int, timeout: float, python: str = sys.executable, jobs: int = 1
+    code: str,
+    variant: str,
+    index: int,
+    timeout: float,
+    python: str = sys.executable,
+    jobs: int = 1,
+    torchrun: Torchrun | None = None,
 ) -> Launch:
-    """Run ``code`` once under ``torchrun --standalone --nproc_per_node 2`` in a fresh directory."""
+    """Run ``code`` once under ``torchrun --standalone --nproc_per_node 2`` in a fresh directory.
+
+    ``torchrun``: how the launcher is started (default: `torchrun_subprocess` of ``python``; the tests
+    fork it from their fork server, tests/_torchrun.py)."""
     os.makedirs(_common.scratch_dir(), exist_ok=True)  # on disk: the swap files need O_DIRECT
     with tempfile.TemporaryDirectory(prefix="exit-aborts-", dir=_common.scratch_dir()) as d:
         script = Path(d) / "script.py"
@@ -173,19 +201,13 @@ def launch(
         nvme = Path(d) / "nvme"
         nvme.mkdir()
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        args = ["--standalone", "--nproc_per_node", "2", str(script), str(nvme)]
+        run = torchrun if torchrun is not None else torchrun_subprocess(python)
         load = os.getloadavg()[0]
         started = _dt.datetime.now(_dt.timezone.utc).strftime("%H:%M:%S")
         t0 = time.perf_counter()
         try:
-            r = subprocess.run(
-                [*cmd, str(script), str(nvme)],
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                env=env,
-                cwd=d,
-            )
+            r = run(args, cwd=d, env=env, timeout=timeout)
             rc: int | None = r.returncode
             out = r.stdout + r.stderr
         except subprocess.TimeoutExpired as e:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
+import _torchrun  # tests/_torchrun.py: torchrun, its launcher forked from the session's fork server
 import pytest
 import torch
 from _dstrain_helpers import spawn
@@ -42,7 +41,15 @@ def test_every_group_dstrain_creates_goes_through_one_function() -> None:
     assert offenders == []
 
 
-def _silent_peer() -> dict[str, Any]:
+def _stay_out(done: str, most: float = 8.0) -> None:
+    """The silent rank: out of every collective until its peer's has ended (``done`` exists), at most
+    ``most`` s (a fixed 8 s sleep before: ~6 s of idle waiting a test)."""
+    deadline = time.monotonic() + most
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _silent_peer(done: str) -> dict[str, Any]:
     """The config sets 2 s; rank 1 stays out of a collective on a group dstrain made: rank 0 fails fast."""
     import torch.distributed as dist
 
@@ -62,13 +69,14 @@ def _silent_peer() -> dict[str, Any]:
         except RuntimeError as e:
             out["error"] = type(e).__name__
         out["seconds"] = time.monotonic() - start
+        open(done, "w").close()
     else:
-        time.sleep(8)
+        _stay_out(done)
     return out
 
 
-def test_groups_take_the_config_timeout() -> None:
-    r0 = spawn(_silent_peer, world=2, start_method="forkserver")[0]
+def test_groups_take_the_config_timeout(tmp_path: Path) -> None:
+    r0 = spawn(_silent_peer, str(tmp_path / "rank0-done"), world=2, start_method="forkserver")[0]
     assert r0["error"] == "RuntimeError"
     assert 1.5 <= r0["seconds"] < 7, r0  # the 2 s of the config, not torch's 30 min
 
@@ -91,23 +99,20 @@ def test_init_distributed_takes_a_timeout(tmp_path: Path) -> None:
                     print("no error", flush=True)
                 except RuntimeError:
                     print(f"timed out after {time.monotonic() - start:.1f} s", flush=True)
-            else:
-                time.sleep(8)
+                open("rank0-done", "w").close()
+            else:  # out of the collective until rank 0's has ended, at most 8 s
+                deadline = time.monotonic() + 8
+                while not os.path.exists("rank0-done") and time.monotonic() < deadline:
+                    time.sleep(0.05)
             os._exit(0)  # the peer is gone or late on purpose: no orderly exit to wait for
             """
         )
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(script),
-    ]
-    r = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1")
+    r = _torchrun.run(
+        ["--standalone", "--nproc_per_node", "2", str(script)],
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=120,
     )
     m = re.search(r"timed out after ([\d.]+) s", r.stdout)
     assert m, r.stdout[-2000:] + r.stderr[-2000:]

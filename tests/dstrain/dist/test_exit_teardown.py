@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import _readme_blocks as rb  # noqa: E402  (tests/_readme_blocks.py: the README torchrun blocks)
+import _torchrun  # noqa: E402  (tests/_torchrun.py: torchrun, its launcher forked from the fork server)
 
 from bench.experiments import exit_aborts  # noqa: E402  (the scripts, and how a launch is judged)
 
@@ -35,23 +36,16 @@ LAUNCHED_HERE = sorted(v for v, code in SCRIPTS.items() if code not in README_TO
 pytestmark = pytest.mark.usefixtures("child_tmpdir")
 
 
-def _torchrun(script: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def _launch(script: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    return subprocess.run(
-        [*cmd, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=script.parent,
-    )
+    argv = ["--standalone", "--nproc_per_node", "2", str(script), *args]
+    return _torchrun.run(argv, cwd=script.parent, env=env, timeout=timeout)
 
 
 @pytest.mark.parametrize("variant", LAUNCHED_HERE)
 def test_script_exits_zero_with_and_without_close(variant: str) -> None:
     """bench/experiments/exit_aborts.py --quick: each variant launched once."""
-    x = exit_aborts.launch(SCRIPTS[variant], variant, 0, timeout=240)
+    x = exit_aborts.launch(SCRIPTS[variant], variant, 0, timeout=240, torchrun=_torchrun.run)
     assert x.verdict == "ok", x.output[-4000:]
 
 
@@ -91,7 +85,7 @@ def test_a_rank_dead_of_sigabrt_at_exit_is_counted_as_an_abort() -> None:
             os.abort()
         """
     )
-    x = exit_aborts.launch(code, "abort-probe", 0, timeout=240)
+    x = exit_aborts.launch(code, "abort-probe", 0, timeout=240, torchrun=_torchrun.run)
     assert x.verdict == "abort" and x.returncode != 0, (x.returncode, x.output[-4000:])
 
 
@@ -130,7 +124,7 @@ def test_at_exit_the_engine_is_closed_and_the_process_group_destroyed(tmp_path: 
             """
         )
     )
-    r = _torchrun(script)
+    r = _launch(script)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert r.stdout.count("pg=False") == 2 and r.stdout.count("closed twice ok") == 2, out[-4000:]

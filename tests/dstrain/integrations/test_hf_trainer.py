@@ -4,15 +4,17 @@ optimizer state on NVMe, resume from a checkpoint, and from_pretrained of save_m
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import _torchrun  # tests/_torchrun.py: torchrun, its launcher forked from the session's fork server
 import pytest
 
-pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+# found, not imported: a collection that does not run these tests skips the ~2.5 CPU-s import
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("the hf extra (transformers) is not installed", allow_module_level=True)
 
 WORKER = Path(__file__).with_name("hf_trainer_worker.py")
 
@@ -27,21 +29,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         "TOKENIZERS_PARALLELISM": "false",
         "TMPDIR": str(out / "tmp"),
     }
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(WORKER),
-            str(out),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
+    proc = _torchrun.run(
+        ["--standalone", "--nproc_per_node", "2", str(WORKER), str(out)], env=env, timeout=540
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
