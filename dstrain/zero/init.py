@@ -717,7 +717,7 @@ class GatheredParameters:
         for u in self._init_units:
             u.restore(u.gather())
         for u in self._engine_units:
-            u.finish_gather()
+            u.finish_gather(private=True)  # a copy of its own: what the block takes stays valid
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

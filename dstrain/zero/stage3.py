@@ -26,7 +26,7 @@ from dstrain.zero import init as zero_init
 from dstrain.zero.base import MasterPiece, ZeroStatistics, ZeroStrategy
 from dstrain.zero.flat import STEP_CHUNK
 from dstrain.zero.gather import GatherScheduler
-from dstrain.zero.reduce import ReductionQueue, Route, default_routes
+from dstrain.zero.reduce import DONE, DefaultReducer, Handle, ReductionQueue, Route, default_routes
 from dstrain.zero.units import ShardGroup, ShardStore, Unit
 
 __all__ = ["Stage3Zero", "master_fill"]
@@ -74,6 +74,17 @@ def master_fill(master: torch.Tensor | LazyTensor, total: int) -> MasterFill:
             out[lo : lo + n].copy_(window[:n])
 
     return read
+
+
+class _All:
+    """The `Handle` of several operations: each waited, in order."""
+
+    def __init__(self, handles: list[Handle]) -> None:
+        self._handles = handles
+
+    def wait(self) -> None:
+        for h in self._handles:
+            h.wait()
 
 
 class Stage3Zero(ZeroStrategy):
@@ -150,6 +161,15 @@ class Stage3Zero(ZeroStrategy):
         self._unit_group = {u.index: g for g in self.groups for u in g.units}
         # overlap: up to three units in flight, then finish down to one; else each finishes at once
         self._queue = ReductionQueue(limit=2, keep=1) if config.overlap_comm else ReductionQueue(limit=0)
+        # world size 1 with plain collectives: the reduction is the identity, so each parameter's
+        # gradient goes into its range of the master gradient as autograd made it (`_reduce_in_place`)
+        self._identity = {
+            g.index: g.route.comm.world_size == 1 and isinstance(g.route.reducer, DefaultReducer)
+            for g in self.groups
+        }
+        # units whose master-gradient range holds a gradient of this accumulation window: the first
+        # one is put there (`ShardStore.put_grad`: the zeros are not read), later ones are added
+        self._written: set[int] = set()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._grad_hook(unit)) for unit in units for p in unit.params
         ]
@@ -200,10 +220,39 @@ class Stage3Zero(ZeroStrategy):
 
         return hook
 
+    def _into(self, target: torch.Tensor, grad: torch.Tensor, alpha: float, first: bool) -> Handle:
+        """``target += alpha * grad`` through the store: put where ``target`` still holds zeros."""
+        if first:
+            return self.store.put_grad(target, grad, alpha)
+        self.store.add_grad(target, grad, alpha)
+        return DONE
+
+    def _reduce_in_place(self, unit: Unit, group: ShardGroup) -> None:
+        """World size 1: no flat copy of the unit's gradients and no reduce-scatter output (a copy of
+        it): each parameter's gradient goes into its range as it is, and what the queue keeps for
+        overlap is the copies' handles (on a GPU, copies into host memory still in flight), not the
+        gradients: their memory goes as soon as the copies are queued."""
+        off, n = group.offsets[unit.index], unit.layout.shard
+        target = group.master_grad[off : off + n]  # (shard,) = every element of the unit here
+        first = unit.index not in self._written
+        self._written.add(unit.index)
+        landed: list[Handle] = []
+        for p, start, numel in zip(unit.params, unit.layout.offsets, unit.layout.numels, strict=True):
+            if p.grad is None:  # unused this pass: its range keeps its zeros (or earlier micro-steps')
+                continue
+            grad, p.grad = p.grad.reshape(-1), None  # (numel,) in the compute dtype
+            # the mean over the data-parallel group (an expert route of one rank may sit in a bigger one)
+            landed.append(self._into(target[start : start + numel], grad, 1.0 / self.comm.world_size, first))
+        unit.grads_ready = 0
+        self._queue.push(_All(landed), lambda: self._reduced(group.index, off, n))
+
     def _reduce(self, unit: Unit) -> None:
+        group = self._unit_group[unit.index]
+        if self.store.grads is None and self._identity[group.index]:
+            self._reduce_in_place(unit, group)
+            return
         flat = unit.pop_flat_grad(self.dtype)  # (padded,)
         out = torch.empty(unit.layout.shard, dtype=self.dtype, device=flat.device)
-        group = self._unit_group[unit.index]
         handle = group.route.reducer.reduce(
             flat, group.route.comm, out=out, async_op=self.config.overlap_comm
         )
@@ -221,11 +270,13 @@ class Stage3Zero(ZeroStrategy):
             self._queue.push(handle, add_swapped)
             return
         target = group.master_grad[off : off + n]
+        first = unit.index not in self._written
+        self._written.add(unit.index)
 
         def add() -> None:
             # the gradient partition may live in host memory (ZeRO-Offload): the store copies it out
             # as it is reduced; on the same device the same add_
-            self.store.add_grad(target, out, 1.0 / dp)
+            self._into(target, out, 1.0 / dp, first).wait()
             self._reduced(group.index, off, n)
 
         self._queue.push(handle, add)
@@ -256,6 +307,7 @@ class Stage3Zero(ZeroStrategy):
             unit.regather()  # persistent units stay gathered: refresh them
 
     def zero_grad(self) -> None:
+        self._written.clear()
         if self.store.grads is not None:
             self.store.grads.zero()
             return
@@ -285,7 +337,7 @@ class Stage3Zero(ZeroStrategy):
     def gathered_units(self) -> Iterator[list[torch.nn.Parameter]]:
         for unit in self.units:
             held = unit.gathered
-            unit.finish_gather()
+            unit.finish_gather(private=True)
             try:
                 yield unit.params
             finally:
@@ -325,7 +377,7 @@ class Stage3Zero(ZeroStrategy):
     def gathered_module(self) -> None:
         """Gather every unit (for evaluation or export); `release_all` undoes it."""
         for unit in self.units:
-            unit.finish_gather()
+            unit.finish_gather(private=True)
 
     def release_all(self) -> None:
         for unit in self.units:

@@ -28,9 +28,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dstrain.dist.comm import Comm
 from dstrain.zero.flat import FlatLayout, optimizer_views
+from dstrain.zero.reduce import DONE
 
 if TYPE_CHECKING:
-    from dstrain.zero.reduce import Route
+    from dstrain.zero.reduce import Handle, Route
 
 __all__ = [
     "HoldsShards",
@@ -147,6 +148,14 @@ class ShardStore:
         (`new_master_grad`'s, which a store may keep elsewhere: `HostMasterShards` stages the copy)."""
         target.add_(grad.to(target.device), alpha=alpha)
 
+    def put_grad(self, target: torch.Tensor, grad: torch.Tensor, alpha: float) -> Handle:
+        """``target = alpha * grad``: `add_grad` where ``target`` is known to hold zeros (the first
+        gradient into it since the partition was zeroed), so a store may write it without reading it
+        (`HostMasterShards` copies it straight into page-locked host memory). The copy may still be in
+        flight: ``target`` holds the values once the returned handle's ``wait()`` has returned."""
+        self.add_grad(target, grad, alpha)
+        return DONE
+
     def after_step(self, group: ShardGroup) -> None:
         """The optimizer updated ``group.master``: make the shards match."""
         if not group.alias:
@@ -237,6 +246,10 @@ class Unit:
         else:
             self.full = self.layout.flatten(params, dtype)  # (padded,) full values, freed when released
         self._nbytes = self.full.untyped_storage().nbytes()
+        self._own = self.full  # the unit's own full buffer (`full` is the shard while aliased)
+        # world size 1 with the shard resident where the unit computes: the shard is every element
+        # of the unit, so a pass's gather binds the parameters to it (set by `bind_shard`)
+        self._alias: torch.Tensor | None = None
         # keep_origin: the parameters' own tensors stay (until `drop_origin`) and the shard is read
         # from them when the store places it; else a copy of the shard now, replaced by a view later
         self._origin = [p.detach() for p in params] if keep_origin and adopted is None else None
@@ -310,12 +323,39 @@ class Unit:
             self._adopted = None
 
     def bind_shard(self, shard: torch.Tensor) -> None:
-        """Move this rank's shard into ``shard`` (a view of the group's shard buffer)."""
+        """Move this rank's shard into ``shard`` (a view of the group's shard buffer, resident: it
+        stays where it is between steps).
+
+        At world size 1 the shard holds every element of the unit, so from here on a gather in a
+        pass binds the parameters to the shard itself, as DeepSpeed's world-1 gather does
+        (``_no_gather_coalesced``): no gathered copy (with prefetching up to
+        ``stage3_max_live_parameters``, 1e9 elements by default, those copies could reach 1.9 bytes
+        a parameter of GPU memory on the 1.07B GPT of bench/offload_gpu.py), nothing to free at release. Between steps (`finish_gather` with ``private``) a copy of its own."""
         shard.copy_(self.shard)
         self.shard = shard
+        if (
+            self.comm.world_size == 1
+            and shard.numel() == self.layout.padded
+            and shard.dtype == self.dtype
+            and shard.device == self.full.device
+        ):
+            held = self.gathered  # (a persistent unit stays gathered: onto the shard now)
+            if self.handle is not None:
+                self.finish_gather()
+            if held:
+                self._unbind()
+                self.gathered = False
+            self._own.untyped_storage().resize_(0)
+            self.full = self._own
+            self._alias = shard
+            if held:
+                self.finish_gather()
 
     def resident_numel(self) -> int:
-        """Elements of parameter storage this unit holds now: shard plus the full buffer if allocated."""
+        """Elements of parameter storage this unit holds now: shard plus the full buffer if allocated
+        (nothing more while the parameters are views of the shard itself, world size 1)."""
+        if self.full is self._alias:
+            return self.store.shard_numel(self)
         return self.store.shard_numel(self) + self.full.untyped_storage().nbytes() // self.full.element_size()
 
     @property
@@ -324,29 +364,57 @@ class Unit:
         launched (the store filled that slot, the all-gather's input, before it started)."""
         return self.gathered or self.handle is not None
 
-    def start_gather(self) -> bool:
-        """Allocate the full buffer and launch the all-gather asynchronously; False if nothing to do."""
+    def start_gather(self, *, private: bool = False) -> bool:
+        """Allocate the full buffer and launch the all-gather asynchronously; False if nothing to do.
+        At world size 1 (`bind_shard`) the full buffer is the shard itself, unless ``private``."""
         if self.gathered or self.handle is not None:
             return False
+        if self._alias is not None and not private:
+            self.full = self._alias
+            self.handle = DONE  # nothing in flight
+            return True
+        self.full = self._own
         self.full.untyped_storage().resize_(self._nbytes)
         self.handle = self.comm.all_gather(self.full, self.store.input_for(self), async_op=True)
         return True
 
-    def finish_gather(self) -> None:
-        """Make the parameters usable (waits for an in-flight gather)."""
+    def finish_gather(self, *, private: bool = False) -> None:
+        """Make the parameters usable (waits for an in-flight gather). ``private``: views of a buffer
+        of the unit's own even at world size 1, where a pass binds them to the shard: what a caller
+        takes from them between steps (`dstrain.zero.GatheredParameters`, exports) keeps the values
+        of now, and a change the block discards does not reach the shard."""
+        if private and self.full is self._alias and (self.gathered or self.handle is not None):
+            self._unbind()
+            self.gathered, self.handle, self.full = False, None, self._own
         if self.gathered:
             return
         if self.handle is None:
-            self.start_gather()
+            self.start_gather(private=private)
         self.handle.wait()
         self.handle = None
         self._bind()
         self.gathered = True
 
     def regather(self) -> None:
-        """Refresh a gathered unit from the (updated) shards."""
-        if self.gathered:
+        """Refresh a gathered unit from the (updated) shards (views of the shard itself see them: a
+        private copy a persistent unit kept at world size 1 is let go and the views go back to it)."""
+        if not self.gathered:
+            return
+        if self._alias is None:
             self.comm.all_gather(self.full, self.store.input_for(self))
+        elif self.full is not self._alias:
+            self._unbind()
+            self._new_own()  # tensors a caller took from the copy keep it
+            self.full = self._alias
+            self._bind()
+
+    def _new_own(self) -> None:
+        """Let go of the own full buffer (freed when the last tensor a caller took from it goes, at
+        once when there is none) and take a new one, unallocated."""
+        device = self._own.device
+        self.full = self._own = torch.empty(0, dtype=self.dtype, device=device)  # the old buffer goes first
+        self.full = self._own = torch.empty(self.layout.padded, dtype=self.dtype, device=device)
+        self._own.untyped_storage().resize_(0)
 
     def commit(self, src: int) -> None:
         """Make the gathered values of group rank ``src`` this unit's values on every rank (a
@@ -376,12 +444,13 @@ class Unit:
         if not self.gathered:
             return
         self._unbind()
-        if between_steps:
-            device = self.full.device
-            self.full = torch.empty(0, dtype=self.dtype, device=device)  # the old buffer goes first
-            self.full = torch.empty(self.layout.padded, dtype=self.dtype, device=device)  # pages untouched
-        self.full.untyped_storage().resize_(0)
         self.gathered = False
+        if self.full is self._alias:  # views of the shard (world size 1): the shard stays, nothing to free
+            self.full = self._own
+            return
+        if between_steps:
+            self._new_own()
+        self.full.untyped_storage().resize_(0)
 
     def pop_flat_grad(self, dtype: torch.dtype) -> torch.Tensor:
         """This unit's gradients flattened into a new (padded,) buffer; parameters' ``.grad`` cleared."""

@@ -11,11 +11,13 @@ shards (2 bytes a parameter) and what a step gathers. This store does the same f
   sub-groups step on the CPU with its m, v beside them (nothing moves per step but gradients and
   weights);
 - the gradient partitions are host tensors too (`new_master_grad`): `Stage3Zero` copies each unit's
-  reduce-scattered gradient out as it arrives and adds it there;
+  reduce-scattered gradient out as it arrives: the first of an accumulation window straight into the
+  page-locked partition (`put_grad`: upcast on the device, one DMA, nothing done on the host), later
+  ones added there (`add_grad`);
 - after the step the stepped master is cast into the device shards (`after_step`: one host-to-device
   copy of 2 bytes a parameter at bf16).
 
-Both copies go through page-locked staging (`_Staging`, two buffers of `STAGE_BYTES`), never through
+The other copies go through page-locked staging (`_Staging`, two buffers of `STAGE_BYTES`), never through
 ``Tensor.to`` / a cross-device ``copy_`` with a dtype change: torch converts those on the host into
 pageable memory, which crossed PCIe at 1.7 GB/s on the H200 machine against 55 GB/s from page-locked
 memory (bench/experiments/zero_offload_profile.py: 1.3 s of a 1.07B model's 3.0 s step was the
@@ -37,15 +39,30 @@ import torch
 from dstrain.zero.units import ShardStore
 
 if TYPE_CHECKING:
+    from dstrain.zero.reduce import Handle
     from dstrain.zero.units import ShardGroup
 
-__all__ = ["STAGE_BYTES", "HostMasterShards"]
+__all__ = ["PUT_BYTES", "STAGE_BYTES", "HostMasterShards"]
 
 HOST = torch.device("cpu")
 
 STAGE_BYTES = 64 << 20
 """Bytes of each of the two page-locked staging buffers (and of the device-side fp32 piece a
 gradient is upcast into): big enough that a copy runs at PCIe speed, small beside the model."""
+
+
+PUT_BYTES = 16 << 20
+"""Bytes of the device-side fp32 piece a gradient put straight into host memory is upcast into."""
+
+
+class _Landed:
+    """The handle of copies queued on a stream: ``wait()`` returns once they are done."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self._event = event
+
+    def wait(self) -> None:
+        self._event.synchronize()
 
 
 class _Staging:
@@ -135,6 +152,26 @@ class HostMasterShards(ShardStore):
             pending.append((target[lo:hi], buf, event))
         while pending:
             self._add_landed(pending.pop(), alpha)
+
+    def put_grad(self, target: torch.Tensor, grad: torch.Tensor, alpha: float) -> Handle:
+        """The first gradient into a host range since it was zeroed (nothing to add it to): upcast
+        on the device a `PUT_BYTES` piece at a time and copied straight into the page-locked
+        partition, a DMA the stream runs between backward's kernels: no staging and no work on the
+        host (the add on the host was the step's largest host cost after Adam's). The copies are
+        queued; the handle's ``wait()`` returns once they have landed (`Stage3Zero` waits before it
+        tells anyone the range is final, after later units' backward has been queued)."""
+        if target.device == grad.device or grad.device.type != "cuda" or not target.is_pinned():
+            return super().put_grad(target, grad, alpha)  # (a CPU run, or pageable memory: staged)
+        step = PUT_BYTES // 4
+        for lo in range(0, grad.numel(), step):
+            hi = min(grad.numel(), lo + step)
+            piece = grad[lo:hi].float()  # (piece,) fp32 on the device; freed for the next one in stream order
+            if alpha != 1.0:
+                piece.mul_(alpha)  # the one rounding of 0 + alpha * g, as the add on the host
+            target[lo:hi].copy_(piece, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(grad.device))
+        return _Landed(event)
 
     @staticmethod
     def _add_landed(item: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event], alpha: float) -> None:

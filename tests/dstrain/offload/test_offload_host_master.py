@@ -152,6 +152,30 @@ def test_staged_copies_between_host_and_device_are_exact(monkeypatch, dtype) -> 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_a_put_gradient_lands_in_page_locked_memory_exactly_without_staging(
+    monkeypatch, dtype, alpha
+) -> None:
+    """`HostMasterShards.put_grad` (the first gradient of a window): upcast on the device a piece at a
+    time and copied straight into the page-locked partition, queued: once its handle is waited the
+    host range holds the values the staged add gives to zeros, and no staging buffer was made."""
+    import dstrain.offload.param.host_master as hm
+
+    monkeypatch.setattr(hm, "PUT_BYTES", 4096)  # 1,024 fp32 elements a piece
+    store = HostMasterShards(pin_memory=True)
+    g = torch.Generator().manual_seed(2)
+    grad = torch.randn(10_001, generator=g).to(dtype).cuda()  # 10 pieces and a tail
+    target = torch.zeros(10_001).pin_memory()
+    want = torch.zeros(10_001)
+    HostMasterShards(pin_memory=True).add_grad(want, grad, alpha)  # the staged add onto zeros
+    store.put_grad(target, grad, alpha).wait()
+    assert torch.equal(target, want)
+    assert store.pinned_bytes == 0  # no staging: the copies went straight into the partition
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_cast_back_waits_once_a_step(monkeypatch) -> None:
     """Each group's cast back is queued (`after_step`); the stream is waited once, at `step_done`, after
     the last group, and then every group's shards hold its master."""
@@ -221,3 +245,53 @@ def test_each_optimizer_step_ends_with_one_step_done_after_every_groups_cast(mon
         engine.close()
     assert groups >= 1
     assert events == (["cast"] * groups + ["done"]) * 2
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_world1_gradients_reach_the_store_as_autograd_made_them(monkeypatch, tmp_path, bf16) -> None:
+    """World size 1: the reduction is the identity, so no flat copy of a unit's gradients and no
+    reduce-scatter output (each a copy of every gradient, which the reduction queue held for
+    overlap): each parameter's own gradient tensor is handed to the store, put into its zeroed range
+    on the first micro-step of a window and added on the next; training is bitwise unchanged (the
+    bitwise test above compares with the resident store, test_zero_parity with stage 0)."""
+    made: dict[int, int] = {}  # parameter -> the data pointer of the gradient autograd made last
+    calls: list[tuple[str, int, bool]] = []
+
+    class Recording(HostMasterShards):
+        putting = False
+
+        def put_grad(self, target: torch.Tensor, grad: torch.Tensor, alpha: float) -> Any:
+            calls.append(("put", grad.numel(), grad.data_ptr() in made.values()))
+            self.putting = True  # (on a CPU run the put adds: not recorded twice)
+            try:
+                return super().put_grad(target, grad, alpha)
+            finally:
+                self.putting = False
+
+        def add_grad(self, target: torch.Tensor, grad: torch.Tensor, alpha: float) -> None:
+            if not self.putting:
+                calls.append(("add", grad.numel(), grad.data_ptr() in made.values()))
+            super().add_grad(target, grad, alpha)
+
+    cfg = offload_config(3, "cpu", str(tmp_path), sub_group=1024, bf16=bf16)
+    cfg["gradient_accumulation_steps"] = 2
+    cfg["train_batch_size"] *= 2
+    model = make_model()
+    numels = sorted(p.numel() for p in model.parameters())
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda q: made.__setitem__(id(q), q.grad.data_ptr())
+        )  # before dstrain's
+    store = Recording(separate=True, pin_memory=False)
+    monkeypatch.setattr(compose, "build_param_store", lambda *a, **k: store)
+    engine = dstrain.initialize(model=model, config=cfg)[0]
+    try:
+        engine_losses(engine, 1)
+    finally:
+        engine.close()
+    puts = [c for c in calls if c[0] == "put"]
+    adds = [c for c in calls if c[0] == "add"]
+    assert calls == puts + adds  # the first micro-step puts, the second adds
+    assert sorted(n for _, n, _ in puts) == numels  # one put per parameter, not one per unit
+    assert all(own for _, _, own in puts + adds)  # the parameters' own gradients, no copies
+    assert sorted(n for _, n, _ in adds) == numels  # the second micro-step adds

@@ -86,3 +86,47 @@ def test_stage3_prefetch_follows_the_recorded_order_and_adapts() -> None:
     plain = _prefetches_per_two_steps(eval_first=False)
     assert plain > 0
     assert _prefetches_per_two_steps(eval_first=True) == plain
+
+
+def test_stage3_world1_gathers_no_copies_of_the_shards() -> None:
+    """At world size 1 a shard is its whole unit: a pass's gathers (prefetched ones too) bind the
+    parameters to the shard itself (`Unit.bind_shard`), as DeepSpeed's world-1 gather does, so the
+    resident parameter elements never exceed the shards (with copies, prefetching up to
+    ``stage3_max_live_parameters`` held a second copy of most of the model at its peak)."""
+    out = memory_run(3, 16)
+    stats = out["stats"]
+    assert stats.prefetches > 0  # the passes prefetched (bound ahead), as at any world size
+    assert stats.peak_resident_param_numel == stats.resident_param_numel == out["after_train"]
+
+
+def test_stage3_world1_persistent_units_view_their_shards_and_train_the_same() -> None:
+    """Persistent units (gathered from the start) move onto their shards too, train bitwise like
+    released ones, and a `GatheredParameters` block that raises still discards its change (the block
+    works on a copy of its own, not on the shard)."""
+    import torch
+    from _dstrain_helpers import base_config, engine_losses, make_model
+
+    import dstrain
+    from dstrain.zero import GatheredParameters
+
+    runs = {}
+    for threshold in (0, 10**9):  # none persistent / all persistent
+        cfg = base_config(3, world=1)
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+        engine = dstrain.initialize(model=make_model(), config=cfg)[0]
+        losses = engine_losses(engine, 3)
+        stats = engine.statistics().zero
+        assert stats.peak_resident_param_numel == stats.resident_param_numel == stats.master_numel
+        w = next(engine.module.parameters())
+        try:
+            with GatheredParameters(w, modifier_rank=0), torch.no_grad():
+                before = w.detach().clone()
+                w.add_(1.0)
+                raise ValueError("inside the block")
+        except ValueError:
+            pass
+        with GatheredParameters(w):
+            assert torch.equal(w, before)  # discarded
+        runs[threshold] = losses + engine_losses(engine, 1, start=3)
+        engine.close()
+    assert runs[0] == runs[10**9]
