@@ -384,7 +384,7 @@ async def read_file_into(
         checks = _Sums(list(header.entries), sums, path) if sums is not None else None
         addr = {e.name: dst[e.name].data_ptr() for e in run}
         lo = ds & ~(_ALIGN - 1)  # the data section's bytes, read from the page holding its first byte
-        piece = INTO_PIECE_BYTES
+        piece = min(INTO_PIECE_BYTES, -(-(size - lo) // _ALIGN) * _ALIGN)  # a small file: one small buffer
         starts = list(range(lo, size, piece)) if run else []
         bufs = []
         for _ in range(min(INTO_BUFFERS, len(starts))):
