@@ -21,11 +21,11 @@ freed when the last of them is gone); ``clone()`` a tensor to keep it alone.
 `read_file_into` fills existing tensors instead (a resume's ``load(into=state)``): no fresh
 memory at all. The data section goes through `INTO_BUFFERS` reused bounce buffers of
 `INTO_PIECE_BYTES` (huge pages where the kernel gives them, faulted in once per load), each read
-straight from the disk (O_DIRECT into resident memory), then on the checksum threads each
-tensor's part is checksummed in the bounce buffer and copied into its tensor while the next
-pieces are read. The destinations are the caller's tensors, at whatever address within a page
-their allocator chose, so they cannot take the file's pages directly; the copy (~12 GB/s a core)
-costs less CPU than faulting fresh memory in (~4.7 GB/s a core here).
+straight from the disk (O_DIRECT into resident memory, `IN_FLIGHT` at a time), then on the
+checksum threads each tensor's part is checksummed in the bounce buffer and copied into its
+tensor while the next pieces are read. The destinations are the caller's tensors, at whatever
+address within a page their allocator chose, so they cannot take the file's pages directly; the
+copy (~12 GB/s a core) costs less CPU than faulting fresh memory in (~4.7 GB/s a core here).
 """
 
 from __future__ import annotations
@@ -63,8 +63,11 @@ IN_FLIGHT = 2
 CRC_BYTES = 32 << 20
 #: Checksum threads per load (the ``crc32c`` package releases the GIL).
 CRC_THREADS = 2
-#: `read_file_into`: bytes per bounce buffer (one read request each) and how many buffers (one
-#: piece is copied out of each while the others are read).
+#: `read_file_into`: bytes per bounce buffer (one read request each) and how many buffers: while
+#: one piece is copied out, the next `IN_FLIGHT` are read. Under load (raw reads of 2.84 GiB
+#: through such buffers, bench/results/checkpoint-load-s9-under-load.md): 64 MiB x 3 with 2 reads
+#: in flight 1.45-1.49 s (median) vs 3 in flight 1.69-1.80 s, 256 MiB pieces 2.8 s (each load
+#: faults its buffers in: big fresh huge pages are slow on this VM).
 INTO_PIECE_BYTES = 64 << 20
 INTO_BUFFERS = 3
 
@@ -395,6 +398,7 @@ async def read_file_into(
         for mem in bufs:
             free.put_nowait(mem)
         ex = concurrent.futures.ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="dsio-ckpt-into")
+        gate = asyncio.Semaphore(IN_FLIGHT)
         failed: list[BaseException] = []
 
         async def one(start: int) -> None:
@@ -403,7 +407,8 @@ async def read_file_into(
                 if failed:
                     return
                 end = min(start + piece, size)
-                await f.pread(torch.frombuffer(mem, dtype=torch.uint8)[: end - start], start)
+                async with gate:
+                    await f.pread(torch.frombuffer(mem, dtype=torch.uint8)[: end - start], start)
                 base = mem.ptr - (start - ds)  # data byte d sits at base + d
                 a, b = max(start, ds) - ds, end - ds
                 parts = [
