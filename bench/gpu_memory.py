@@ -4,7 +4,8 @@ Two views, both in the result JSON (``gpu_memory``):
 
 - ``known``: bytes of what the ZeRO-3 engine holds by design, read from its own objects: the shards,
   the fp32 master and gradient partitions where they are on the GPU, and the gathered parameters at
-  their peak (`ZeroStatistics.peak_resident_param_numel` at the compute dtype's size);
+  their peak beyond the shards (`ZeroStatistics.peak_resident_param_numel` less the shards' elements,
+  at the compute dtype's size; 0 at world size 1, where a pass binds the parameters to the shards);
 - ``at_peak``: torch's allocator history replayed (`peak_breakdown`): the blocks live when the
   recorded step's allocated bytes peaked, summed by the code that allocated them (the innermost frame
   in dstrain/, bench/ or the model, else torch's own), and by coarse category (``category``).
@@ -137,11 +138,14 @@ def known_bytes(engine: Any) -> dict[str, int]:
     )
     stats = zero.statistics()
     elem = torch.empty((), dtype=zero.dtype).element_size()
+    # (peak resident elements count the shards too: the gathered peak is what lay beyond them; 0 at
+    # world size 1, where a pass binds the parameters to the shards themselves)
+    shard_elems = sum(u.store.shard_numel(u) for u in zero.units)
     return {
         "shards": on_gpu(g.shards for g in groups),
         "fp32_master": 0 if master_is_shards else on_gpu(g.master for g in groups),
         "gradient_partitions": on_gpu(g.master_grad for g in groups) if zero.store.grads is None else 0,
-        "gathered_parameters_peak": int(stats.peak_resident_param_numel) * elem,
+        "gathered_parameters_peak": max(0, int(stats.peak_resident_param_numel) - shard_elems) * elem,
     }
 
 

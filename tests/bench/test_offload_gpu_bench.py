@@ -57,7 +57,9 @@ def _tiny(tmp_path: Path, device: str) -> dict[str, object]:
     assert not any(swap.iterdir())  # swap files and the probe file removed
     known = r["gpu_memory"]["known"]
     assert set(known) == {"shards", "fp32_master", "gradient_partitions", "gathered_parameters_peak"}
-    assert known["gathered_parameters_peak"] > 0  # (what the GPU would hold of them; the rest is 0 on CPU)
+    # parameters offloaded: the gathers copy each shard in (a resident shard at world size 1 would
+    # be bound to, nothing gathered beyond it); what the GPU would hold of them, the rest 0 on CPU
+    assert known["gathered_parameters_peak"] > 0
     return r
 
 
@@ -411,3 +413,36 @@ def test_side_by_side_table_shows_dstrains_gpu_memory(tmp_path: Path) -> None:
     assert "GPU memory, dstrain cpu" in out.stdout
     assert "`bench/train.py:forward` 3.00 GiB (3.00 B/param)" in out.stdout  # params 2**30
     assert "shards 2.00 GiB (2.00 B/param)" in out.stdout
+
+
+def test_known_gathered_bytes_are_what_lies_beyond_the_shards() -> None:
+    """The breakdown's ``gathered_parameters_peak`` is the gathered units' peak beyond the shards
+    (listed on their own): 0 for ZeRO-Offload at world size 1, where a pass binds the parameters to
+    the shards themselves (the bench's config: the optimizer on the CPU, the master on the host)."""
+    pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
+    import dstrain
+    from bench.gpu_memory import known_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "cpu"},
+        },
+    }
+    engine = dstrain.initialize(model=model, config=cfg)[0]
+    try:
+        for _ in range(2):
+            loss = engine(torch.randn(2, 32)).square().mean()
+            engine.backward(loss)
+            engine.step()
+        known = known_bytes(engine)
+        stats = engine.statistics().zero
+    finally:
+        engine.close()
+    assert stats.prefetches > 0 and stats.peak_resident_param_numel == stats.master_numel
+    assert known["gathered_parameters_peak"] == 0
