@@ -149,11 +149,14 @@ class ShardStore:
         target.add_(grad.to(target.device), alpha=alpha)
 
     def put_grad(self, target: torch.Tensor, grad: torch.Tensor, alpha: float) -> Handle:
-        """``target = alpha * grad``: `add_grad` where ``target`` is known to hold zeros (the first
-        gradient into it since the partition was zeroed), so a store may write it without reading it
-        (`HostMasterShards` copies it straight into page-locked host memory). The copy may still be in
+        """``target = alpha * grad``: the first gradient into ``target`` in an accumulation window
+        (what ``target`` held is not read: `Stage3Zero.zero_grad` does not zero the partitions), the
+        values `add_grad` gives onto zeros (the upcast is exact, then one rounding of ``alpha * g``).
+        `HostMasterShards` copies it straight into page-locked host memory; the copy may still be in
         flight: ``target`` holds the values once the returned handle's ``wait()`` has returned."""
-        self.add_grad(target, grad, alpha)
+        target.copy_(grad)  # (the upcast to fp32)
+        if alpha != 1.0:
+            target.mul_(alpha)
         return DONE
 
     def after_step(self, group: ShardGroup) -> None:

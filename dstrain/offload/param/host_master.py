@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dstrain.zero.reduce import DONE
 from dstrain.zero.units import ShardStore
 
 if TYPE_CHECKING:
@@ -160,8 +161,12 @@ class HostMasterShards(ShardStore):
         host (the add on the host was the step's largest host cost after Adam's). The copies are
         queued; the handle's ``wait()`` returns once they have landed (`Stage3Zero` waits before it
         tells anyone the range is final, after later units' backward has been queued)."""
-        if target.device == grad.device or grad.device.type != "cuda" or not target.is_pinned():
-            return super().put_grad(target, grad, alpha)  # (a CPU run, or pageable memory: staged)
+        if target.device == grad.device:
+            return super().put_grad(target, grad, alpha)  # (a CPU run)
+        if grad.device.type != "cuda" or not target.is_pinned():  # pageable memory: staged
+            target.zero_()
+            self.add_grad(target, grad, alpha)
+            return DONE
         step = PUT_BYTES // 4
         for lo in range(0, grad.numel(), step):
             hi = min(grad.numel(), lo + step)

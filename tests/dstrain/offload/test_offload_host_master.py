@@ -47,6 +47,8 @@ def _train(cfg: dict[str, Any], monkeypatch: Any, store: Any = None, device: str
             "shard_devices": {g.shards.device.type for g in groups},
             "apart": all(g.master.data_ptr() != g.shards.data_ptr() for g in groups),
             "pinned": all(g.master.is_pinned() and g.master_grad.is_pinned() for g in groups),
+            # parameter elements gathered beyond the shards at the peak (world size 1: none)
+            "gathered": engine.zero.statistics().peak_resident_param_numel - sum(g.total for g in groups),
         }
         if device == "cuda":
             out["gpu_peak"] = torch.cuda.max_memory_allocated()
@@ -68,6 +70,7 @@ def test_separated_master_and_gradients_train_bitwise_like_resident(
     assert not ref["apart"] or bf16  # fp32: the master aliases the shards as in the resident default
     got = _train(cfg, monkeypatch, HostMasterShards(separate=True))
     assert got["apart"] and got["master_devices"] == got["grad_devices"] == {"cpu"}
+    assert got["gathered"] == ref["gathered"] == 0  # world size 1: the passes bound to the shards
     assert got["losses"] == ref["losses"]
     assert ref["losses"][-1] < ref["losses"][0]  # it trained
     for a, b in zip(got["params"], ref["params"], strict=True):
@@ -112,6 +115,7 @@ def test_on_cuda_master_and_gradients_live_on_the_host(monkeypatch, tmp_path, bf
     got = _train(cfg, monkeypatch, device="cuda")
     assert got["master_devices"] == got["grad_devices"] == {"cpu"} and got["shard_devices"] == {"cuda"}
     assert got["pinned"] and got["apart"]
+    assert got["gathered"] == 0  # a pass binds the parameters to the GPU's shards: no gathered copies
     ref = _train(cfg, monkeypatch, ShardStore(), device="cuda")
     assert ref["master_devices"] == ref["grad_devices"] == {"cuda"}
     numel = sum(p.numel() for p in make_model().parameters())
@@ -295,3 +299,68 @@ def test_world1_gradients_reach_the_store_as_autograd_made_them(monkeypatch, tmp
     assert sorted(n for _, n, _ in puts) == numels  # one put per parameter, not one per unit
     assert all(own for _, _, own in puts + adds)  # the parameters' own gradients, no copies
     assert sorted(n for _, n, _ in adds) == numels  # the second micro-step adds
+
+
+class _Branchy(torch.nn.Module):
+    """A unit used every step (``a``), one used only while ``use`` (``c``), and one (the module's own
+    ``w``, ``b``) whose ``b`` is used only while ``use``: a partly used unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.c = torch.nn.Linear(16, 16)
+        self.w = torch.nn.Parameter(torch.randn(16, 16) / 4)
+        self.b = torch.nn.Parameter(torch.randn(16))
+        self.use = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) @ self.w  # (B, 16)
+        if self.use:
+            h = h + self.b + self.c(x)
+        return h.square().mean()
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_zero_grad_leaves_the_partitions_and_no_stale_gradient_is_read(
+    monkeypatch, tmp_path, separate
+) -> None:
+    """`zero_grad` writes nothing (no pass over the host partitions): each unit's first gradient of
+    a window is put over what its range held, and the ranges no gradient reached (an unused unit, the
+    unused parameter of a used one) are zeroed at the boundary: with every partition filled with NaN
+    after a step, the next step, which leaves ``c`` and ``b`` unused, trains bitwise like a run that
+    never saw the NaNs (during backward or after it)."""
+
+    def run(poison: bool, early: bool) -> tuple[list[torch.Tensor], list[float]]:
+        torch.manual_seed(0)
+        model = _Branchy()
+        cfg = offload_config(3, "cpu", str(tmp_path), sub_group=1024)
+        cfg["zero_optimization"]["offload_optimizer"]["step_in_backward"] = early
+        if separate:
+            store = HostMasterShards(separate=True, pin_memory=False)
+            monkeypatch.setattr(compose, "build_param_store", lambda *a, **k: store)
+        engine = dstrain.initialize(model=model, config=cfg)[0]
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        try:
+            for step in range(3):
+                model.use = step != 1
+                loss = engine(torch.randn(cfg["train_micro_batch_size_per_gpu"], 16, generator=g))
+                engine.backward(loss)
+                engine.step()
+                losses.append(float(loss.detach()))
+                if poison and step == 0:
+                    for grp in engine.zero.groups:
+                        grp.master_grad.fill_(float("nan"))  # what a stale read would see
+                    engine.zero.zero_grad()  # (again: it must not wipe them)
+                    assert all(grp.master_grad.isnan().all() for grp in engine.zero.groups)
+            return final_params(engine), losses
+        finally:
+            engine.close()
+            monkeypatch.undo()
+
+    for early in (True, False):
+        ref_params, ref_losses = run(False, early)
+        got_params, got_losses = run(True, early)
+        assert got_losses == ref_losses
+        for a, b in zip(got_params, ref_params, strict=True):
+            assert torch.isfinite(a).all() and torch.equal(a, b)
