@@ -34,6 +34,7 @@ import asyncio
 import bisect
 import concurrent.futures
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -181,20 +182,41 @@ class _Sums:
             self._check(e.name, got)
 
 
-def _piece_sums(
-    base: int, lo: int, hi: int, run: list[TensorEntry]
-) -> list[tuple[TensorEntry, int, int, int]]:
-    """crc32c of each tensor's bytes within data bytes ``[lo, hi)`` of a span (``base``: the address
-    of data byte 0): ``(entry, offset in the tensor, crc32c, bytes)``; runs on a worker thread."""
-    out = []
-    # the first tensor ending after lo (the run is in file order): not a walk over every tensor per piece
+def _parts(run: list[TensorEntry], lo: int, hi: int) -> Iterator[tuple[TensorEntry, int, int]]:
+    """``(entry, a, b)``: the data bytes ``[a, b)`` of each tensor of ``run`` (in file order) within
+    data bytes ``[lo, hi)``."""
+    # the first tensor ending after lo: not a walk over every tensor per piece
     for e in run[bisect.bisect_right(run, lo, key=lambda e: e.end) :]:
         if e.begin >= hi:
             break
         a, b = max(lo, e.begin), min(hi, e.end)
         if a < b:
-            out.append((e, a - e.begin, crc_of(base + a, b - a), b - a))
-    return out
+            yield e, a, b
+
+
+def _piece_sums(
+    base: int, lo: int, hi: int, run: list[TensorEntry]
+) -> list[tuple[TensorEntry, int, int, int]]:
+    """crc32c of each tensor's bytes within data bytes ``[lo, hi)`` of a span (``base``: the address
+    of data byte 0): ``(entry, offset in the tensor, crc32c, bytes)``; runs on a worker thread."""
+    return [(e, a - e.begin, crc_of(base + a, b - a), b - a) for e, a, b in _parts(run, lo, hi)]
+
+
+async def _in_parts(
+    ex: concurrent.futures.Executor,
+    fn: Callable[[int, int], list[tuple[TensorEntry, int, int, int]]],
+    lo: int,
+    hi: int,
+    checks: _Sums | None,
+) -> None:
+    """``fn(a, b)`` over data bytes ``[lo, hi)`` in `CRC_BYTES` parts on ``ex``'s threads; each
+    part's ``(entry, offset in the tensor, crc32c, bytes)`` joined into ``checks``."""
+    loop = asyncio.get_running_loop()
+    parts = [loop.run_in_executor(ex, fn, c, min(c + CRC_BYTES, hi)) for c in range(lo, hi, CRC_BYTES)]
+    for part in await wait_all(parts):
+        if checks is not None:
+            for e, at, crc, n in part:
+                checks.add(e, at, crc, n)
 
 
 async def read_file(
@@ -219,7 +241,6 @@ async def read_file(
     read but returned as `StoredTensor`s over ``stored`` (checked as their consumer reads them).
     """
     path = os.fspath(path)
-    loop = asyncio.get_running_loop()
     async with handle.open(path if fd is None else f"/proc/self/fd/{fd}", "r") as f:
         size = f.size
         header = await read_header(f, path, size)
@@ -282,13 +303,7 @@ async def read_file(
                     # data byte d of the file sits at io.data_ptr() + (ds + d - io_off)
                     base = io.data_ptr() + ds - io_off
                     lo, hi = io_off + a - ds, io_off + b - ds
-                    parts = [
-                        loop.run_in_executor(ex, _piece_sums, base, c, min(c + CRC_BYTES, hi), run)
-                        for c in range(lo, hi, CRC_BYTES)
-                    ]
-                    for part in await wait_all(parts):
-                        for e, at, crc, n in part:
-                            checks.add(e, at, crc, n)
+                    await _in_parts(ex, lambda c, d: _piece_sums(base, c, d, run), lo, hi, checks)
             except BaseException as err:
                 failed.append(err)
                 raise
@@ -349,14 +364,10 @@ def _copy_sums(
     into each tensor's destination (``dst``: its address); ``(entry, offset in the tensor, crc32c,
     bytes)`` per part, as `_piece_sums`. Runs on a worker thread (neither call holds the GIL)."""
     out = []
-    for e in run[bisect.bisect_right(run, lo, key=lambda e: e.end) :]:
-        if e.begin >= hi:
-            break
-        a, b = max(lo, e.begin), min(hi, e.end)
-        if a < b:
-            crc = crc_of(src + a, b - a) if verify else 0
-            memcpy(dst[e.name] + a - e.begin, src + a, b - a)
-            out.append((e, a - e.begin, crc, b - a))
+    for e, a, b in _parts(run, lo, hi):
+        crc = crc_of(src + a, b - a) if verify else 0
+        memcpy(dst[e.name] + a - e.begin, src + a, b - a)
+        out.append((e, a - e.begin, crc, b - a))
     return out
 
 
@@ -376,7 +387,6 @@ async def read_file_into(
     verified or not) and nothing is still reading into or copying into them. ``fd``: as
     `read_file`'s."""
     path = os.fspath(path)
-    loop = asyncio.get_running_loop()
     async with handle.open(path if fd is None else f"/proc/self/fd/{fd}", "r") as f:
         size = f.size
         header = await read_header(f, path, size)
@@ -410,17 +420,14 @@ async def read_file_into(
                 async with gate:
                     await f.pread(torch.frombuffer(mem, dtype=torch.uint8)[: end - start], start)
                 base = mem.ptr - (start - ds)  # data byte d sits at base + d
-                a, b = max(start, ds) - ds, end - ds
-                parts = [
-                    loop.run_in_executor(
-                        ex, _copy_sums, base, addr, c, min(c + CRC_BYTES, b), run, checks is not None
-                    )
-                    for c in range(a, b, CRC_BYTES)
-                ]
-                for part in await wait_all(parts):
-                    if checks is not None:
-                        for e, at, crc, n in part:
-                            checks.add(e, at, crc, n)
+                summed = checks is not None  # the file records checksums and verify is on
+                await _in_parts(
+                    ex,
+                    lambda c, d: _copy_sums(base, addr, c, d, run, summed),
+                    max(start, ds) - ds,
+                    end - ds,
+                    checks,
+                )
             except BaseException as err:
                 failed.append(err)
                 raise
