@@ -8,6 +8,8 @@ fresh RNG state and nothing of an earlier child's, but it skips the imports.
 
 multiprocessing has ONE fork server per process and its preload list is fixed when the server starts,
 so every user takes its context from here: whichever test starts the server first, the list is the same.
+`run` runs a call (`script`: a Python script) in a process forked from it where a test would start an
+interpreter for it, and returns what ``subprocess.run`` would (tests/_torchrun.py launches torchrun so).
 What a forked child does NOT get from the caller (it is forked from the server, not from pytest): the
 caller's current environment (the server's is the one at its start) and anything the C library reads
 once at start-up (``MALLOC_*`` tunables, a cgroup charge for the imported pages). Callers that set
@@ -17,10 +19,20 @@ does); a test whose subject is process start-up or memory accounting keeps ``spa
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
+import os
+import random
+import runpy
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.context import BaseContext
+from pathlib import Path
 
-__all__ = ["PRELOAD", "context"]
+__all__ = ["PRELOAD", "context", "run", "script"]
 
 #: Imported by the fork server before it forks anything. A module that cannot be imported there is
 #: skipped by multiprocessing (the child imports it itself, as a spawned one would).
@@ -51,3 +63,73 @@ def context() -> BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def _in_child(call: Callable[[], object], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+    """In the forked process: ``call()`` in ``cwd`` with ``env``, stdout and stderr to ``out`` / ``err``."""
+    os.environ.clear()  # the caller's environment (a forked process has the server's, from its start)
+    os.environ.update(env)
+    tempfile.tempdir = None  # TMPDIR read again
+    os.chdir(cwd)
+    random.seed()  # a state of its own, as a new interpreter has (a fork copies the server's)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():  # read by torch at its import
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    for fd, path in ((1, out), (2, err)):  # this process's and, inherited, its children's output
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    try:
+        call()  # leaves as a script would: SystemExit's code, or 1 with the traceback
+    finally:
+        # what the interpreter does at exit (multiprocessing leaves with os._exit): join the non-daemon
+        # threads (and run threading's exit hooks), then the atexit hooks
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def run(
+    call: Callable[[], object],
+    cmd: Sequence[str],
+    *,
+    cwd: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float,
+) -> subprocess.CompletedProcess[str]:
+    """``call()`` in a process forked from the fork server, standing in for the interpreter command ``cmd``:
+    what ``subprocess.run(cmd, capture_output=True, text=True, cwd=, env=, timeout=)`` returns (its exit
+    status, stdout and stderr; `subprocess.TimeoutExpired` past ``timeout``, the process killed), without
+    the new interpreter's imports. ``DSTRAIN_TESTS_SPAWN_ONLY=1`` runs ``cmd`` itself instead. For what
+    is not about interpreter start-up (see the module's docstring)."""
+    env = dict(os.environ if env is None else env)
+    cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
+    if os.environ.get("DSTRAIN_TESTS_SPAWN_ONLY") == "1":
+        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    # beside the command's own temp files (tempfile's cached directory may be an earlier test's TMPDIR, gone)
+    with tempfile.TemporaryDirectory(prefix="forked-output-", dir=env.get("TMPDIR") or None) as d:
+        out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
+        p = context().Process(target=_in_child, args=(call, cwd, env, out, err))
+        p.start()
+        p.join(timeout)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+            raise subprocess.TimeoutExpired(list(cmd), timeout, output=_read(out), stderr=_read(err))
+        return subprocess.CompletedProcess(list(cmd), p.exitcode, _read(out), _read(err))
+
+
+def script(path: str, args: Sequence[str], paths: Sequence[str] = ()) -> None:
+    """``python PATH ARGS`` with ``paths`` as PYTHONPATH would put them, for `run` (``functools.partial``)."""
+    sys.argv = [path, *args]
+    sys.path[:0] = [os.path.dirname(os.path.abspath(path)), *paths]
+    runpy.run_path(path, run_name="__main__")

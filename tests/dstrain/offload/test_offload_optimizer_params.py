@@ -22,7 +22,11 @@ RESIDENT = ["param-nvme-opt-cpu", "param-cpu-opt-cpu", "opt-nvme"]
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("optparams")
     out = run_child(
-        HERE / "_optimizer_params_child.py", root, [HERE.parent, HERE], "reading the optimizer's parameters"
+        HERE / "_optimizer_params_child.py",
+        root,
+        [HERE.parent, HERE],
+        "reading the optimizer's parameters",
+        forked=True,
     )
     assert sorted(out) == sorted(EMPTIED + RESIDENT)
     return out

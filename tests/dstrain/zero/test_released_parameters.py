@@ -34,6 +34,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         root,
         [HERE.parent, HERE.parent / "offload"],
         "reading a released parameter",
+        forked=True,
     )
     assert sorted(out) == sorted(SETTINGS)
     return out

@@ -1,15 +1,21 @@
-"""tests/_torchrun.py: torchrun with its launcher forked from the session's fork server is the same launch
-as ``python -m torch.distributed.run`` (exit status, stdout and stderr apart, the caller's environment,
-working directory and TMPDIR, ranks that are new interpreters), and it is forked (what it is for)."""
+"""Commands run in a process forked from the session's fork server (tests/_forkserver.py `run`) instead of a
+new interpreter give what the interpreter gives: a script (`_forkserver.script`) its ``__main__``, argv,
+sys.path, environment, working directory, exit status (a crash's signal too), stdout and stderr apart;
+torchrun (tests/_torchrun.py) the same launch as ``python -m torch.distributed.run`` (ranks that are new
+interpreters); and they are forked (what they are for)."""
 
 from __future__ import annotations
 
+import functools
 import os
+import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
 
+import _forkserver
 import _torchrun
 import pytest
 
@@ -19,10 +25,12 @@ RANK = textwrap.dedent(
     rank = os.environ["RANK"]
     with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
         launcher = f.read().replace(b"\\0", b" ").decode()
-    print(f"rank {rank} of {os.environ['WORLD_SIZE']} probe={os.environ.get('TORCHRUN_PROBE')} "
-          f"cwd={os.getcwd()} tmp={tempfile.gettempdir()} torch_loaded={'torch' in sys.modules}", flush=True)
-    print(f"rank {rank} launcher: {launcher}", flush=True)
-    print(f"rank {rank} to stderr", file=sys.stderr, flush=True)
+    def say(fd, line):  # one write a line: the two ranks share the launcher's output
+        os.write(fd, (line + "\\n").encode())
+    say(1, f"rank {rank} of {os.environ['WORLD_SIZE']} probe={os.environ.get('TORCHRUN_PROBE')} "
+           f"cwd={os.getcwd()} tmp={tempfile.gettempdir()} torch_loaded={'torch' in sys.modules}")
+    say(1, f"rank {rank} launcher: {launcher}")
+    say(2, f"rank {rank} to stderr")
     sys.exit(int(os.environ.get("TORCHRUN_PROBE_EXIT", "0")) if rank == "1" else 0)
     """
 )
@@ -93,3 +101,57 @@ def test_a_launch_past_its_timeout_is_killed_and_raises(
         assert time.monotonic() - t0 < 30
     finally:
         (tmp_path / "release").touch()  # the orphaned rank leaves too
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import helper_mod  # from the PYTHONPATH entry the caller names
+    import torch
+    print(f"name={__name__} argv={sys.argv[1:]} path0={sys.path[0]} helper={helper_mod.VALUE} "
+          f"cwd={os.getcwd()} probe={os.environ.get('FORKED_PROBE')} threads={torch.get_num_threads()}")
+    print("to stderr", file=sys.stderr)
+    with open(f"/proc/{os.getpid()}/cmdline", "rb") as f:
+        print("cmdline:", f.read().replace(b"\\0", b" ").decode())
+    if sys.argv[1] == "crash":
+        import ctypes
+        ctypes.string_at(0)  # SIGSEGV
+    sys.exit(5)
+    """
+)
+
+
+def _script(d: Path, how: str, forked: bool, mp: pytest.MonkeyPatch) -> subprocess.CompletedProcess[str]:
+    d.mkdir()
+    (d / "s.py").write_text(SCRIPT)
+    (d / "lib").mkdir()
+    (d / "lib" / "helper_mod.py").write_text("VALUE = 42\n")
+    env = dict(os.environ, FORKED_PROBE="from the caller", OMP_NUM_THREADS="1", PYTHONPATH=str(d / "lib"))
+    cmd = [sys.executable, str(d / "s.py"), how]
+    if forked:
+        mp.delenv("DSTRAIN_TESTS_SPAWN_ONLY", raising=False)
+    else:
+        mp.setenv("DSTRAIN_TESTS_SPAWN_ONLY", "1")
+    call = functools.partial(_forkserver.script, str(d / "s.py"), [how], [str(d / "lib")])
+    return _forkserver.run(call, cmd, cwd=d, env=env, timeout=120)
+
+
+def test_a_forked_script_runs_as_a_new_interpreter_runs_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for how in ("exit", "crash"):
+        forked = _script(tmp_path / f"forked-{how}", how, True, monkeypatch)
+        plain = _script(tmp_path / f"plain-{how}", how, False, monkeypatch)
+        assert forked.returncode == plain.returncode == (5 if how == "exit" else -signal.SIGSEGV), (
+            forked.returncode,
+            plain.returncode,
+            forked.stderr[-2000:],
+        )
+        for r, d in ((forked, tmp_path / f"forked-{how}"), (plain, tmp_path / f"plain-{how}")):
+            assert (
+                f"name=__main__ argv=['{how}'] path0={d} helper=42 cwd={d} probe=from the caller threads=1"
+                in (r.stdout)
+            ), r.stdout + r.stderr[-2000:]
+            assert "to stderr" in r.stderr and "to stderr" not in r.stdout
+        cmdlines = [x for r in (forked, plain) for x in r.stdout.splitlines() if x.startswith("cmdline:")]
+        assert "multiprocessing.forkserver" in cmdlines[0] and "s.py" in cmdlines[1], cmdlines
