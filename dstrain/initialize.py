@@ -372,6 +372,7 @@ def initialize(
         grad_sets=pipe.grad_sets if pipe is not None else None,
         runner=pipe.runner if pipe is not None else None,
     )
+    offload.own_parts(engine)  # dstrain_offload_* carry its labels (rank, engine), as its dstrain_* do
     if checkpointer is not None:
         engine.observers.append(checkpointer)  # closed with the engine (its NVMe swap file)
     if monitors.applies(cfg, model):  # tensorboard / csv_monitor / wandb (dstrain/monitor)

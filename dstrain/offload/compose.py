@@ -27,6 +27,7 @@ __all__ = [
     "build_param_store",
     "early_step_legal",
     "io_config_from",
+    "own_parts",
     "remaining_budget",
 ]
 
@@ -275,6 +276,22 @@ def build_param_store(zero_config: Any, dtype: torch.dtype, aio: Any = None) -> 
         # both on NVMe: the gradient shards follow when the budget cannot hold them (OffloadedGrads)
         host_budget=zero_config.offload_pinned_bytes if both_nvme else None,
     )
+
+
+def own_parts(engine: Any) -> None:
+    """Hand ``engine`` the offload parts it was composed with (its `OffloadAdam`; stage 3's
+    `OffloadedShards` and their gradient file): their ``dstrain_offload_*`` series are the engine's
+    from then on, labelled and exported as its ``dstrain_*`` ones (`dstrain.offload.metrics.own`).
+    Nothing for an engine without them."""
+    from dstrain.offload.metrics import own
+    from dstrain.offload.param.shards import OffloadedShards
+
+    parts: list[Any] = [engine.stepper] if isinstance(engine.stepper, OffloadAdam) else []
+    store = engine.zero.store if isinstance(engine.zero, HoldsShards) else None
+    if isinstance(store, OffloadedShards):
+        parts += [store] if store.grads is None else [store, store.grads]
+    for part in parts:
+        own(part, engine)
 
 
 def remaining_budget(zero: Any, budget: int) -> int:

@@ -1,21 +1,38 @@
-"""``dstrain_offload_*`` metrics: an offloading stepper registered as a source of dsio's one metrics
-mechanism (`dsio.metrics.track`); read from `statistics()` snapshots at scrape time only."""
+"""``dstrain_offload_*`` metrics: each offload part (an offloading stepper, stage 3's parameter and
+gradient stores) registered as a source of dsio's one metrics mechanism (`dsio.metrics.track`); read
+from `statistics()` snapshots at scrape time only.
+
+A part an engine owns is that engine's: `initialize` hands it over once the engine is built (`own`),
+and from then on its series carry the engine's labels (``rank`` and ``engine``,
+`dstrain.metrics.labels`) beside ``kind``, and are exported exactly while the engine's own
+``dstrain_*`` series are (from ``dstrain.metrics.register(engine)`` until ``engine.close()``). Two
+engines' offload counters are so never added into one series (dsio's collector sums samples with
+equal labels), and a closed engine's series go whole instead of dipping a shared sum. A part built
+by hand (an `OffloadAdam` used as a torch optimizer) has no engine: it is exported from construction
+until ``close()`` with ``engine=""`` (every ``dstrain_offload_*`` series has the three labels).
+"""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsio.metrics import Sample, track, untrack
+from dstrain.metrics import labels as engine_labels
 from dstrain.offload.optimizer.statistics import OffloadOptimizerStatistics
 
-__all__ = ["register_offload", "samples", "unregister_offload"]
+if TYPE_CHECKING:
+    from dstrain.engine import Engine
+
+__all__ = ["own", "register_offload", "samples", "unregister_offload"]
 
 
-def samples(s: Any, rank: int, kind: str = "optimizer") -> Iterator[Sample]:
+def samples(s: Any, rank: int, kind: str = "optimizer", engine: str = "") -> Iterator[Sample]:
     """Samples of one `OffloadOptimizerStatistics` (``kind="optimizer"``), `ParamStoreStatistics`
-    (``kind="param"``) or `GradStoreStatistics` (``kind="grad"``) snapshot."""
-    base = {"rank": str(rank), "kind": kind}
+    (``kind="param"``) or `GradStoreStatistics` (``kind="grad"``) snapshot; ``engine``: the owning
+    engine's name (its ``engine`` label), ``""`` for a part no engine owns."""
+    base = {"rank": str(rank), "engine": engine, "kind": kind}
 
     def counter(name: str, doc: str, value: float, **labels: str) -> Sample:
         return Sample(name, "counter", float(value), doc, {**base, **labels})
@@ -59,12 +76,59 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+class _Series:
+    """How one tracked offload part's snapshot becomes samples: its kind, and its engine once owned."""
+
+    __slots__ = ("kind", "owner", "rank")
+
+    def __init__(self, kind: str, rank: int) -> None:
+        self.kind = kind
+        self.rank = rank
+        self.owner: weakref.ref[Engine] | None = None  # set once, by `own` (the scrape thread reads it)
+
+    def describe(self, snap: Any) -> Iterator[Sample]:
+        if self.owner is None:  # built by hand: no engine
+            return samples(snap, self.rank, self.kind)
+        engine = self.owner()
+        try:
+            mine = engine_labels(engine) if engine is not None else None
+        except KeyError:  # the engine is not registered (dstrain.metrics.register), or is closed
+            mine = None
+        if mine is None:
+            return iter(())
+        return samples(snap, int(mine["rank"]), self.kind, engine=mine["engine"])
+
+
+_series: weakref.WeakKeyDictionary[Any, _Series] = weakref.WeakKeyDictionary()  # tracked part -> its series
+
+
 def register_offload(stepper: Any, kind: str = "optimizer") -> None:
-    """Export ``stepper.statistics()`` (or a parameter store's, ``kind="param"``) as
-    ``dstrain_offload_*`` while it lives (held weakly)."""
-    rank = _rank()
-    track(stepper, kind="offload", namespace="dstrain", describe=lambda snap: samples(snap, rank, kind))
+    """Export ``stepper.statistics()`` (or a parameter store's, ``kind="param"``; a gradient
+    store's, ``kind="grad"``) as ``dstrain_offload_*`` while it lives (held weakly) and until
+    `unregister_offload`; labelled ``engine=""`` until `own` gives it an engine. Idempotent."""
+    if stepper in _series:
+        return
+    series = _Series(kind, _rank())
+    _series[stepper] = series
+    track(stepper, kind="offload", namespace="dstrain", describe=series.describe)
+
+
+def own(part: Any, engine: Engine) -> None:
+    """Make ``engine`` the owner of the registered offload ``part``: from the next scrape its series
+    carry ``engine``'s labels (``rank``, ``engine``: `dstrain.metrics.labels`) and are exported only
+    while ``engine`` is registered and open. Called by `initialize` (the offload room's
+    `dstrain.offload.compose.own_parts`). Raises ValueError for a part not registered (or already
+    unregistered), or owned by another engine."""
+    series = _series.get(part)
+    if series is None:
+        raise ValueError(f"{type(part).__name__} is not a registered offload part (register_offload)")
+    held = series.owner() if series.owner is not None else None
+    if held is not None and held is not engine:
+        raise ValueError(f"this {type(part).__name__} belongs to another engine")
+    series.owner = weakref.ref(engine)
 
 
 def unregister_offload(stepper: Any) -> None:
+    """Stop exporting ``stepper``'s series (its ``close()`` calls this; idempotent)."""
+    _series.pop(stepper, None)
     untrack(stepper)
