@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from dstrain.dist import comms_logger
 
-__all__ = ["Comm", "CommStatistics", "all_gather_single", "reduce_scatter_single"]
+__all__ = ["DONE", "All", "Comm", "CommStatistics", "Done", "all_gather_single", "reduce_scatter_single"]
 
 # torch.distributed's tensor-in/tensor-out collectives, the one place dstrain picks their names: torch
 # 2.13 renamed them (``all_gather_into_tensor`` -> ``all_gather_single``, ``reduce_scatter_tensor`` ->
@@ -43,11 +43,15 @@ class CommStatistics:
     """What fp32 ring all-reduces of the same elements would have sent (the traffic they replaced)."""
 
 
-class _Done:
-    """Handle of an operation that needed no communication."""
+class Done:
+    """Handle of an operation that needed no communication (or finished when it was issued)."""
 
     def wait(self) -> bool:
         return True
+
+
+DONE = Done()
+"""The one `Done` handle (it holds nothing)."""
 
 
 class Comm:
@@ -95,7 +99,7 @@ class Comm:
         self._wait += seconds
         if logger is not None:
             logger.record(kind, nbytes, seconds, self.world_size)
-        return _Done()
+        return DONE
 
     def count_compressed(self, wire_bytes: int, fp32_bytes: int, seconds: float) -> None:
         """A compressed all-reduce over this group (`dstrain.onebit.CompressedAllReduce` reports here)."""
@@ -111,7 +115,7 @@ class Comm:
     ):
         """In-place all-reduce of ``t``; returns a handle with ``wait()``."""
         if self.world_size == 1:
-            return _Done()
+            return DONE
         t = t.detach()  # collectives write in place; never through autograd views
         self._count("all_reduce", t)
         return self._run(
@@ -130,7 +134,7 @@ class Comm:
         """
         if self.world_size == 1:
             out.copy_(inp)
-            return _Done()
+            return DONE
         out, inp = out.detach(), inp.detach()
         self._count("reduce_scatter", inp)
         if self.emulate:
@@ -155,7 +159,7 @@ class Comm:
         if self.world_size == 1:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
-            return _Done()
+            return DONE
         out, inp = out.detach(), inp.detach()
         self._count("all_gather", inp)
         if self.emulate:
@@ -171,7 +175,7 @@ class Comm:
                     )
                     for i in range(self.world_size)
                 ]
-                return _All(works) if async_op else None
+                return All(works) if async_op else None
 
             return self._run(broadcasts, async_op, "all_gather", _nbytes(out))
         return self._run(
@@ -226,8 +230,8 @@ class Comm:
         )
 
 
-class _All:
-    """Several asynchronous works waited on as one."""
+class All:
+    """Several asynchronous works (handles) waited on as one, in order."""
 
     def __init__(self, works: list[Any]) -> None:
         self._works = works
@@ -241,10 +245,10 @@ class _All:
 class _Then:
     """A handle that runs ``then`` once the wrapped operation completed."""
 
-    def __init__(self, handle: _Done | _Timed, then: Callable[[], object]) -> None:
+    def __init__(self, handle: Done | _Timed, then: Callable[[], object]) -> None:
         self._handle = handle
         self._then: Callable[[], object] | None = then
-        if isinstance(handle, _Done):
+        if isinstance(handle, Done):
             self.wait()
 
     def wait(self) -> bool:

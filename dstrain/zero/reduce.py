@@ -22,7 +22,7 @@ import torch
 
 from dstrain.dist.comm import Comm
 
-__all__ = ["DONE", "DefaultReducer", "Handle", "ReductionQueue", "Reducer", "Route", "default_routes"]
+__all__ = ["DefaultReducer", "Handle", "ReductionQueue", "Reducer", "Route", "default_routes"]
 
 
 @runtime_checkable
@@ -30,17 +30,6 @@ class Handle(Protocol):
     """An operation in flight; its result is valid once ``wait()`` returned."""
 
     def wait(self) -> Any: ...
-
-
-class _Done:
-    """A `Handle` of something already finished."""
-
-    def wait(self) -> None:
-        return None
-
-
-DONE: Handle = _Done()
-"""The `Handle` of an operation that finished when it was issued."""
 
 
 @runtime_checkable

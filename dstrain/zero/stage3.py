@@ -19,14 +19,14 @@ import torch
 from dsio.checkpoint import LazyTensor
 from dstrain.checkpoint.sources import read_lazy
 from dstrain.config_sections import ZeroConfig
-from dstrain.dist.comm import Comm
+from dstrain.dist.comm import DONE, All, Comm
 from dstrain.errors import NotImplementedConfigError
 from dstrain.optim.clip import GradSet
 from dstrain.zero import init as zero_init
 from dstrain.zero.base import MasterPiece, ZeroStatistics, ZeroStrategy
 from dstrain.zero.flat import STEP_CHUNK
 from dstrain.zero.gather import GatherScheduler
-from dstrain.zero.reduce import DONE, DefaultReducer, Handle, ReductionQueue, Route, default_routes
+from dstrain.zero.reduce import DefaultReducer, Handle, ReductionQueue, Route, default_routes
 from dstrain.zero.units import ShardGroup, ShardStore, Unit
 
 __all__ = ["Stage3Zero", "master_fill"]
@@ -74,17 +74,6 @@ def master_fill(master: torch.Tensor | LazyTensor, total: int) -> MasterFill:
             out[lo : lo + n].copy_(window[:n])
 
     return read
-
-
-class _All:
-    """The `Handle` of several operations: each waited, in order."""
-
-    def __init__(self, handles: list[Handle]) -> None:
-        self._handles = handles
-
-    def wait(self) -> None:
-        for h in self._handles:
-            h.wait()
 
 
 class Stage3Zero(ZeroStrategy):
@@ -246,7 +235,7 @@ class Stage3Zero(ZeroStrategy):
             # the mean over the data-parallel group (an expert route of one rank may sit in a bigger one)
             landed.append(self._into(target[start : start + numel], grad, 1.0 / self.comm.world_size, first))
         unit.grads_ready = 0
-        self._queue.push(_All(landed), lambda: self._reduced(group.index, off, n))
+        self._queue.push(All(landed), lambda: self._reduced(group.index, off, n))
 
     def _reduce(self, unit: Unit) -> None:
         group = self._unit_group[unit.index]

@@ -26,9 +26,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dstrain.dist.comm import Comm
+from dstrain.dist.comm import DONE, Comm
 from dstrain.zero.flat import FlatLayout, optimizer_views
-from dstrain.zero.reduce import DONE
 
 if TYPE_CHECKING:
     from dstrain.zero.reduce import Handle, Route

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dstrain.zero.reduce import DONE
+from dstrain.dist.comm import DONE
 from dstrain.zero.units import ShardStore
 
 if TYPE_CHECKING:
