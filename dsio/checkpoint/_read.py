@@ -45,7 +45,7 @@ from ..errors import CheckpointMismatchError, ChecksumError, TensorLayoutError
 from ..file import AsyncFile
 from ..handle import AsyncIOHandle
 from ._format import MAX_HEADER_BYTES, Header, TensorEntry, parse_header, parse_header_length
-from ._integrity import crc_extend, crc_of, parse_blocks, parse_checksums
+from ._integrity import crc_continue, crc_extend, crc_of, parse_blocks, parse_checksums
 from ._stored import StoredFile, StoredTensor
 
 __all__ = ["piece_bounds", "placed", "read_file", "read_file_into", "read_header"]
@@ -71,6 +71,11 @@ CRC_THREADS = 2
 #: faults its buffers in: big fresh huge pages are slow on this VM).
 INTO_PIECE_BYTES = 64 << 20
 INTO_BUFFERS = 3
+#: `read_file_into` checksums and copies a part in steps of this many bytes, so that the copy
+#: reads what the checksum just brought into the cache: 0.53-0.79 CPU s per in-place load of the
+#: 2.84 GiB state vs 0.70-1.20 with the whole part checksummed, then copied (4 loads each, under
+#: load 4-4.5).
+COPY_STEP_BYTES = 1 << 20
 
 
 async def read_header(f: AsyncFile, path: str, size: int, limit: int = MAX_HEADER_BYTES) -> Header:
@@ -364,9 +369,18 @@ def _copy_sums(
     into each tensor's destination (``dst``: its address); ``(entry, offset in the tensor, crc32c,
     bytes)`` per part, as `_piece_sums`. Runs on a worker thread (neither call holds the GIL)."""
     out = []
+    step = COPY_STEP_BYTES
     for e, a, b in _parts(run, lo, hi):
-        crc = crc_of(src + a, b - a) if verify else 0
-        memcpy(dst[e.name] + a - e.begin, src + a, b - a)
+        to = dst[e.name] - e.begin
+        if not verify:
+            memcpy(to + a, src + a, b - a)
+            crc = 0
+        else:  # checksummed step by step just before each step is copied: one read from memory
+            crc = 0
+            for c in range(a, b, step):
+                k = min(step, b - c)
+                crc = crc_continue(src + c, k, crc)
+                memcpy(to + c, src + c, k)
         out.append((e, a - e.begin, crc, b - a))
     return out
 

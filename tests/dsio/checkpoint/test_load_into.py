@@ -52,9 +52,11 @@ def _scrambled(state):
 
 @pytest.fixture
 def small_pieces(monkeypatch):
-    """Bounce buffers of 64 KiB, 2 of them: every tensor over 64 KiB spans pieces, buffers recycle."""
+    """Bounce buffers of 64 KiB, 2 of them: every tensor over 64 KiB spans pieces, buffers recycle;
+    each part is checksummed and copied in 4 KiB steps (a running crc32c over several steps)."""
     monkeypatch.setattr(_read, "INTO_PIECE_BYTES", 64 << 10)
     monkeypatch.setattr(_read, "INTO_BUFFERS", 2)
+    monkeypatch.setattr(_read, "COPY_STEP_BYTES", 4096)
 
 
 def _big_state() -> dict[str, torch.Tensor]:
