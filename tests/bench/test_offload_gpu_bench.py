@@ -3,6 +3,7 @@ the same tiny run on CUDA so the real run cannot break on the device for a silly
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _forkserver
 import pytest
 import torch
 
@@ -21,6 +23,19 @@ from bench.offload_gpu import GpuBenchError, check_nvme_path, config, parse_args
 SCRIPT = str(ROOT / "bench" / "offload_gpu.py")
 
 
+def _driver(
+    cmd: list[str], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``cmd`` (``python bench/offload_gpu.py ARGS``) run in ROOT, forked from the session's fork server
+    (tests/_forkserver.py: the driver's exit status and output without a new interpreter's ~2-3 CPU-s of
+    imports; a CUDA run, which a fork server must not have initialized, keeps its own interpreter)."""
+    assert cmd[:2] == [sys.executable, SCRIPT], cmd
+    if "cuda" in cmd:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    call = functools.partial(_forkserver.script, SCRIPT, cmd[2:])
+    return _forkserver.run(call, cmd, cwd=ROOT, env=env, timeout=timeout)
+
+
 def _tiny(tmp_path: Path, device: str) -> dict[str, object]:
     swap = tmp_path / "swap"
     results = tmp_path / "results"  # make bench's DSIO_BENCH_RESULTS
@@ -28,7 +43,7 @@ def _tiny(tmp_path: Path, device: str) -> dict[str, object]:
     # on the CPU: --quick, what make bench runs (the tiny dry run); its files go under DSIO_BENCH_RESULTS
     how = ["--quick"] if device == "cpu" else ["--device", device, "--tiny"]
     cmd = [sys.executable, SCRIPT, *how, "--nvme-path", str(swap)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    out = _driver(cmd, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     (found,) = results.glob("offload-gpu-*.json")
     assert found.name.endswith("-quick.json") == (device == "cpu")
@@ -70,7 +85,7 @@ def test_cpu_dry_run(tmp_path: Path) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 def test_cuda_missing_fails_fast(tmp_path: Path) -> None:
     cmd = [sys.executable, SCRIPT, "--nvme-path", str(tmp_path), "--out", str(tmp_path / "x")]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = _driver(cmd, timeout=120)
     assert out.returncode == 2
     assert "torch.cuda.is_available() is False" in out.stderr and "--device cpu --tiny" in out.stderr
     assert not (tmp_path / "x.json").exists() and not list(tmp_path.iterdir())  # nothing built or written
@@ -236,7 +251,7 @@ def test_budget_stops_before_a_step_that_would_pass_it(tmp_path: Path) -> None:
     """With a spent budget the run stops after its first timed step (the warm-up never counts), says
     so, and ZeRO-Offload's placement is recorded (on a CPU run the store is composed, nothing apart)."""
     cmd = _quick_cmd(tmp_path, "--offload", "cpu", "--time-budget-s", "0")  # (--quick: 3 steps, 1 warm-up)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = _driver(cmd, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     r = json.loads((tmp_path / "r.json").read_text())["result"]
     assert len(r["steps_s"]) == 2 and r["timed_steps"] == 1 and r["tokens_per_s"] > 0
