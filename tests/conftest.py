@@ -127,8 +127,9 @@ _ONE_WORKER_DIRS = (
 # The longest files, handed out first so that no worker is left alone with one at the end (xdist's own
 # order is by number of tests, which puts test_demo's single ~40 s test last). Longest first, by their
 # seconds in a whole `make test` on 2 workers (2026-12-01 20:15, load 4.1 -> 1.3, 919037a, in
-# bench/results/suite-time-2026-12-01-s8.md; both workers ended within 1 s of each other); the order
-# only balances the workers: a file missing here, or one no longer long, costs balance, never a result.
+# bench/results/suite-time-2026-12-01-s8.md; both workers ended within 1 s of each other; since then
+# test_dist_timeout no longer sleeps 8 s twice, and test_exit_teardown's launchers fork: ~30% shorter); the
+# order only balances the workers: a file missing here, or one no longer long, costs balance, never a result.
 _LONG_FILES = (
     "tests/dstrain/dist/test_exit_teardown.py",
     "tests/dstrain/onebit/",
@@ -137,8 +138,8 @@ _LONG_FILES = (
     "tests/dstrain/zero/test_zero_init_memory.py",
     "tests/test_collection.py",
     "tests/dstrain/zero/test_zero_parity.py",
+    "tests/test_forked_commands.py",  # (new since that run: ~20 s under load)
     "tests/bench/test_offload_gpu_bench.py",
-    "tests/dstrain/dist/test_dist_timeout.py",
     "tests/dstrain/integrations/test_hf_trainer.py",
     "tests/dsio/test_read_path.py",
     "tests/dstrain/checkpoint/test_checkpoint_reshape.py",

@@ -107,9 +107,11 @@ SCRIPT = textwrap.dedent(
     """
     import os, sys
     import helper_mod  # from the PYTHONPATH entry the caller names
-    import torch
+    # torch's threads from OMP_NUM_THREADS (the crash case leaves torch out: a new interpreter's import of it
+    # is ~2 CPU-s)
+    threads = __import__("torch").get_num_threads() if sys.argv[1] == "exit" else 1
     print(f"name={__name__} argv={sys.argv[1:]} path0={sys.path[0]} helper={helper_mod.VALUE} "
-          f"cwd={os.getcwd()} probe={os.environ.get('FORKED_PROBE')} threads={torch.get_num_threads()}")
+          f"cwd={os.getcwd()} probe={os.environ.get('FORKED_PROBE')} threads={threads}")
     print("to stderr", file=sys.stderr)
     with open(f"/proc/{os.getpid()}/cmdline", "rb") as f:
         print("cmdline:", f.read().replace(b"\\0", b" ").decode())
