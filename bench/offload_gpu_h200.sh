@@ -16,7 +16,7 @@
 #              (GPU_TESTS=1 needs carry [".device-deepspeed", ".device-wheels"]: pytest-asyncio is not in the image)
 #              (the two pairs with the host master, GPU memory breakdowns in summary.md, then the -m gpu tests)
 #   session 9, h4-gpu's changes (world-1 gathers bound to the shards, gradients put straight into the page-locked
-#              partition, zero_grad without a memset): carry [".device-deepspeed", ".device-wheels"], command:
+#              partition): carry [".device-deepspeed", ".device-wheels"], command:
 #              MODES="cpu optimizer" TOTAL_S=400 GPU_TESTS=1 GPU_TESTS_S=110 bash bench/offload_gpu_h200.sh   (<= ~520 s)
 #              expected: dstrain's GPU peak ~8.6 GiB in both modes (activations 5.5 + shards 2.0 + backward's own
 #              ~1.0, no gathered copies: 1.72 GiB of them at the s9 call's peak) vs DeepSpeed's 9.5; cpu step <= 0.69 s

@@ -227,9 +227,7 @@ class Stage3Zero(ZeroStrategy):
         self._written.add(unit.index)
         landed: list[Handle] = []
         for p, start, numel in zip(unit.params, unit.layout.offsets, unit.layout.numels, strict=True):
-            if p.grad is None:  # unused this pass: zeros, or what earlier micro-steps of the window put
-                if first:
-                    target[start : start + numel].zero_()  # (`zero_grad` left the last window's values)
+            if p.grad is None:  # unused this pass: its range keeps its zeros (or earlier micro-steps')
                 continue
             grad, p.grad = p.grad.reshape(-1), None  # (numel,) in the compute dtype
             # the mean over the data-parallel group (an expert route of one rank may sit in a bigger one)
@@ -279,19 +277,6 @@ class Stage3Zero(ZeroStrategy):
         self._queue.drain()
         for unit in self.units:
             unit.release()
-        if boundary and self.store.grads is None:
-            self._zero_unwritten()
-
-    def _zero_unwritten(self) -> None:
-        """Zero the gradient ranges of the units no gradient reached in this accumulation window (their
-        parameters were not used): `zero_grad` left them as the last window wrote them. Before the step
-        reads them; no sub-group over them was stepped during backward (`EarlyStep` waits for every
-        unit of a sub-group to be reduced)."""
-        for g in self.groups:
-            for u in g.units:
-                if u.index not in self._written:
-                    off = g.offsets[u.index]
-                    g.master_grad[off : off + u.layout.shard].zero_()
 
     def reduce_gradients(self) -> None:
         return  # reduce-scattered during backward, every micro-step
@@ -311,15 +296,15 @@ class Stage3Zero(ZeroStrategy):
             unit.regather()  # persistent units stay gathered: refresh them
 
     def zero_grad(self) -> None:
-        """A new accumulation window. The gradient partitions are not written here: each unit's first
-        gradient of the window overwrites its range (`ShardStore.put_grad`) and the ranges no gradient
-        reaches are zeroed at the window's boundary (`after_backward`), so between a step and the end
-        of the next window's backward they still hold the last step's gradients (as DeepSpeed's
-        offload buffer does), and no step pays a pass over the whole partition (with ZeRO-Offload 4
-        bytes a parameter of host memory: a memset of 4.3 GB for the 1.07B GPT)."""
+        """A new accumulation window: the gradient partitions are zeros again (users read them so
+        after a step: tests/dstrain/offload/test_offload_optimizer_params.py), and each unit's first
+        gradient of the window is put over its range (`ShardStore.put_grad`), later ones added."""
         self._written.clear()
         if self.store.grads is not None:
             self.store.grads.zero()
+            return
+        for g in self.groups:
+            g.master_grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's master partitions, in memory (read from the swap files where they live there)."""

@@ -149,8 +149,8 @@ class ShardStore:
 
     def put_grad(self, target: torch.Tensor, grad: torch.Tensor, alpha: float) -> Handle:
         """``target = alpha * grad``: the first gradient into ``target`` in an accumulation window
-        (what ``target`` held is not read: `Stage3Zero.zero_grad` does not zero the partitions), the
-        values `add_grad` gives onto zeros (the upcast is exact, then one rounding of ``alpha * g``).
+        (``target`` holds zeros: nothing to add to, so a store need not read it), the values
+        `add_grad` gives onto zeros (the upcast is exact, then one rounding of ``alpha * g``).
         `HostMasterShards` copies it straight into page-locked host memory; the copy may still be in
         flight: ``target`` holds the values once the returned handle's ``wait()`` has returned."""
         target.copy_(grad)  # (the upcast to fp32)

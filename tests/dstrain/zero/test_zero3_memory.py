@@ -130,3 +130,37 @@ def test_stage3_world1_persistent_units_view_their_shards_and_train_the_same() -
         runs[threshold] = losses + engine_losses(engine, 1, start=3)
         engine.close()
     assert runs[0] == runs[10**9]
+
+
+def test_stage3_world1_what_a_caller_takes_between_steps_is_a_copy() -> None:
+    """Between steps (`gathered_module`, `gathered_units`, `GatheredParameters`) a unit gathers into
+    a buffer of its own even at world size 1, where a pass binds its parameters to the shard: a tensor
+    taken then keeps the values of then after the next step changes the shards."""
+    import torch
+    from _dstrain_helpers import base_config, engine_losses, make_model
+
+    import dstrain
+    from dstrain.zero import GatheredParameters
+
+    engine = dstrain.initialize(model=make_model(), config=base_config(3, world=1))[0]
+    try:
+        engine_losses(engine, 1)
+        engine.zero.gathered_module()
+        taken = [p.data for p in engine.module.parameters()]  # views, no copies
+        values = [t.clone() for t in taken]
+        engine.zero.release_all()
+        per_unit = [(ps[0].data, ps[0].detach().clone()) for ps in engine.zero.gathered_units()]
+        w = next(engine.module.parameters())
+        with GatheredParameters(w):
+            block_view = w.data
+            block_values = block_view.clone()
+        engine_losses(engine, 1, start=1)  # the step changes every shard
+        with GatheredParameters(w):
+            assert not torch.equal(w, block_values)  # (it trained)
+        for t, v in zip(taken, values, strict=True):
+            assert torch.equal(t, v)
+        for t, v in per_unit:
+            assert torch.equal(t, v)
+        assert torch.equal(block_view, block_values)
+    finally:
+        engine.close()
