@@ -139,8 +139,8 @@ async def load(
     checked as they are read in order; they keep the file open until they are all gone).
 
     ``into``: a state whose tensors are filled in place, as ``Checkpointer.load(into=)`` does
-    (same names, dtypes and shapes as the file's; contiguous CPU tensors); the state returned
-    holds those tensors.
+    (same names, dtypes and shapes as the file's; contiguous CPU tensors, no two sharing bytes);
+    the state returned holds those tensors.
     """
     targets = None if into is None else into_targets(into, device, lazy_from, allow_pickle)
     if lazy_from is not None:

@@ -332,7 +332,7 @@ def check_targets(header: Header, targets: dict[str, object], path: str) -> dict
 
     Checked before any byte is read: a name on one side only, another dtype or another shape is
     ``CheckpointMismatchError`` (naming up to 5 of each); a destination that is no tensor, not
-    contiguous, sparse or not on the CPU is ``TensorLayoutError``."""
+    contiguous, sparse or not on the CPU, or that shares bytes with another, is ``TensorLayoutError``."""
     names = {e.name for e in header.entries}
     missing, extra = sorted(names - targets.keys()), sorted(targets.keys() - names)
     if missing or extra:
@@ -359,6 +359,15 @@ def check_targets(header: Header, targets: dict[str, object], path: str) -> dict
         out[e.name] = t
     if wrong:
         raise CheckpointMismatchError(f"{path}: tensors differ from the state's: {'; '.join(wrong[:5])}")
+    # two destinations sharing bytes would each get the other's values there, unnoticed
+    reach, holder = 0, ""
+    for start, end, name in sorted(
+        (t.data_ptr(), t.data_ptr() + t.nbytes, n) for n, t in out.items() if t.nbytes
+    ):
+        if start < reach:
+            raise TensorLayoutError(f"{path}: the destinations of {holder!r} and {name!r} share memory")
+        if end > reach:
+            reach, holder = end, name
     return out
 
 

@@ -472,8 +472,8 @@ class Checkpointer:
         counters and ``param_groups``, come from the file). No memory is allocated for the
         tensors: the load a resume usually wants (``load_state_dict`` then copies nothing new).
         Its tensors must match the file's by name (as ``save`` named them), dtype and shape
-        (``CheckpointMismatchError`` otherwise) and be contiguous dense CPU tensors
-        (``TensorLayoutError``), checked before any byte is read. Every tensor is verified before
+        (``CheckpointMismatchError`` otherwise) and be contiguous dense CPU tensors, no two sharing
+        bytes (``TensorLayoutError``), checked before any byte is read. Every tensor is verified before
         ``load`` returns; on any error (``ChecksumError`` included) the tensors of ``into`` hold
         unspecified contents. Numpy arrays in it are filled too but come back as new arrays (as
         every load returns them). Not with ``lazy_from`` or another ``device``.

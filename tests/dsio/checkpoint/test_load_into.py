@@ -192,6 +192,22 @@ def test_a_state_that_does_not_match_the_file_is_refused_before_any_byte_is_read
     assert len(os.listdir("/proc/self/fd")) == fds
 
 
+def test_destinations_that_share_memory_are_refused_before_any_byte_is_read(tmp_path):
+    # two names whose destinations overlap (views of one buffer): both copies land in the same bytes,
+    # so one tensor would silently come back with the other's values (the checksums are of the file)
+    state = {"a": torch.arange(8, dtype=torch.float32), "b": torch.full((4,), -1.0)}
+    path = str(tmp_path / "s.safetensors")
+    run(C.save(state, path))
+    buf = torch.full((8,), 9.0)
+    for into in ({"a": buf, "b": buf[:4]}, {"a": buf, "b": buf[4:]}, {"a": buf, "b": buf.view(2, 4)[1]}):
+        with pytest.raises(TensorLayoutError):
+            run(C.load(path, into=into))
+        assert torch.equal(buf, torch.full((8,), 9.0))  # nothing was read into it
+    apart = torch.zeros(12)  # views of one buffer that do not overlap are fine (a flat parameter buffer)
+    back = run(C.load(path, into={"a": apart[:8], "b": apart[8:]}))
+    assert torch.equal(back["a"], state["a"]) and torch.equal(back["b"], state["b"])
+
+
 def test_into_is_not_combined_with_lazy_loads_or_another_device(tmp_path):
     state = _big_state()
     path = str(tmp_path / "s.safetensors")
