@@ -132,17 +132,24 @@ def test_stage3_world1_persistent_units_view_their_shards_and_train_the_same() -
     assert runs[0] == runs[10**9]
 
 
-def test_stage3_world1_what_a_caller_takes_between_steps_is_a_copy() -> None:
+@pytest.mark.parametrize("persistent", [False, True])
+def test_stage3_world1_what_a_caller_takes_between_steps_is_a_copy(persistent: bool) -> None:
     """Between steps (`gathered_module`, `gathered_units`, `GatheredParameters`) a unit gathers into
     a buffer of its own even at world size 1, where a pass binds its parameters to the shard: a tensor
-    taken then keeps the values of then after the next step changes the shards."""
+    taken then keeps the values of then after the next step changes the shards. A persistent unit
+    stays on that copy until the next step or block moves it back onto its shard (`Unit.regather`):
+    the copy is let go then, never gathered into again (the block after the step would overwrite
+    what was taken)."""
     import torch
     from _dstrain_helpers import base_config, engine_losses, make_model
 
     import dstrain
     from dstrain.zero import GatheredParameters
 
-    engine = dstrain.initialize(model=make_model(), config=base_config(3, world=1))[0]
+    cfg = base_config(3, world=1)
+    if persistent:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 10**9  # every unit
+    engine = dstrain.initialize(model=make_model(), config=cfg)[0]
     try:
         engine_losses(engine, 1)
         engine.zero.gathered_module()
