@@ -7,6 +7,7 @@ Fixtures and hooks only: helpers that tests import live in tests/_dsio_helpers.p
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import shutil
 import sys
@@ -59,6 +60,14 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "needs_mount: mounts a small filesystem (root: directly; else re-run under `unshare -Urm`, tests/_mount.py)",
     )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Everything imported and built by the collection (torch, dsio, dstrain, every test module: ~200k
+    objects) moves to the cyclic GC's permanent generation: each full collection during the tests skips
+    it instead of walking it (~0.1 s each; measured on 4 dsio files, 210 tests: 22 full collections,
+    2.32 -> 0.21 CPU-s). Frozen objects are never collected: they live as long as the session anyway."""
+    gc.freeze()
 
 
 def _reroutes(item: pytest.Item) -> bool:
