@@ -187,17 +187,20 @@ def test_the_cast_back_waits_once_a_step(monkeypatch) -> None:
 
     monkeypatch.setattr(hm, "STAGE_BYTES", 4096)
     waits = {"n": 0}
-    real = torch.cuda.current_stream
+    # Counted on torch's own classes, not through a stand-in stream: torch's `Event.record` (2.11 and
+    # later) refuses any object that is not a real stream. A whole-device synchronize counts too.
+    stream_sync, device_sync = torch.cuda.Stream.synchronize, torch.cuda.synchronize
 
-    class Counting:
-        def __init__(self, stream: Any) -> None:
-            self._s = stream
+    def counted_stream_sync(self: torch.cuda.Stream) -> None:
+        waits["n"] += 1
+        stream_sync(self)
 
-        def synchronize(self) -> None:
-            waits["n"] += 1
-            self._s.synchronize()
+    def counted_device_sync(*a: Any, **k: Any) -> None:
+        waits["n"] += 1
+        device_sync(*a, **k)
 
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Counting(real(*a)))
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", counted_stream_sync)
+    monkeypatch.setattr(torch.cuda, "synchronize", counted_device_sync)
     store = HostMasterShards(pin_memory=True)
     g = torch.Generator().manual_seed(1)
 
