@@ -205,6 +205,7 @@ METHODS: dict[str, Method] = {
         dataclasses.replace(_m("dstrain-nvme-serial", "nvme"), step_thread=False),
         _m("dstrain-param-cpu", "cpu", "cpu"),
         _m("dstrain-paramopt-nvme", "nvme", "nvme"),
+        dataclasses.replace(_m("dstrain-paramopt-nvme-serial", "nvme", "nvme"), step_thread=False),
         _m("deepspeed-none", "none"),
         _m("deepspeed-cpu", "cpu"),
         _m("deepspeed-nvme", "nvme"),
@@ -217,8 +218,8 @@ parameters) it silently keeps them in memory, and with ``max_in_cpu: 0`` its pre
 DEFAULT_METHODS = [m for m in METHODS if not m.endswith(("-late", "-serial"))]
 """What a plain run measures; ``dstrain-nvme-late`` (stepping during backward off, the before/after
 of `dstrain.offload.optimizer.early_step`) and ``dstrain-cpu-serial`` / ``dstrain-nvme-serial`` (the
-early steps on the backward thread, the before/after of `dstrain.offload.optimizer.step_thread`) run
-when named in ``--methods``."""
+early steps on the backward thread, the before/after of `dstrain.offload.optimizer.step_thread`; also
+``dstrain-paramopt-nvme-serial``) run when named in ``--methods``."""
 
 
 def expected_bytes(

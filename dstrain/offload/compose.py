@@ -151,8 +151,9 @@ def build_offload_optimizer(
     Where legal (`early_step_legal`: stage 3, no clipping, not fp16; with the master or the
     gradients in swap files, pools of at least two buffers) and ``offload.step_in_backward`` is on,
     sub-groups are stepped during the boundary backward as their gradients become final (`dstrain.offload.optimizer.early_step.EarlyStep`);
-    with the master and gradients in memory and ``offload.step_thread`` on, on a thread of their own
-    (`dstrain.offload.optimizer.step_thread.StepThread`).
+    with ``offload.step_thread`` on, on a thread of their own
+    (`dstrain.offload.optimizer.step_thread.StepThread`), the master and the gradients in memory or
+    swapped alike.
     """
     if not offload.enabled:
         raise ValueError("build_offload_optimizer needs offload_optimizer.device 'cpu' or 'nvme'")
@@ -195,13 +196,9 @@ def build_offload_optimizer(
         if grads < 1:
             why_not = "the gradient swap pool has one buffer: the accumulation needs it during backward"
     if why_not is None:
-        # the host step off the backward thread, where nothing it touches is swapped by the pass
-        thread = StepThread() if offload.step_thread and master_store is None and grad_store is None else None
-        if offload.step_thread and thread is None:
-            log.info(
-                "%s.step_thread: the master or the gradients are swapped: steps stay on the backward thread",
-                _FIELD,
-            )
+        # the host step (and its write-backs) off the backward thread; with the master or the
+        # gradients swapped their reads stay on the backward thread
+        thread = StepThread() if offload.step_thread else None
         optimizer.attach_early_step(EarlyStep(optimizer, zero), masters=masters, grads=grads, thread=thread)
     else:
         log.info("%s: sub-groups are stepped in engine.step(), not during backward: %s", _FIELD, why_not)

@@ -68,15 +68,15 @@ class OffloadOptimizerConfig(Section):
     """dstrain extension: at stage 3, step each sub-group during the accumulation boundary's
     backward as soon as its gradient is final, its state read ahead in the order backward finishes
     the gradients (`dstrain.offload.optimizer.early_step`); bitwise the same result. Used only where legal:
-    no gradient clipping, no fp16, master and gradients in memory; ``false`` steps everything in
-    ``engine.step()``."""
+    no gradient clipping, no fp16 (a master or gradients on NVMe are read during backward too);
+    ``false`` steps everything in ``engine.step()``."""
     step_thread: bool = True
     """dstrain extension: with ``step_in_backward``, run those sub-group steps on one thread of their
     own (`dstrain.offload.optimizer.step_thread`), so the host Adam overlaps backward instead of
-    delaying the kernels the backward thread launches; bitwise the same result. Used where the master
-    and gradients are in memory: not with parameters and optimizer state both on NVMe (the master is
-    in the parameter file), nor where the gradients went to NVMe (``offload_pinned_bytes`` below the
-    gradient shards); ``false`` steps them on the backward thread."""
+    delaying the kernels the backward thread launches; bitwise the same result. Also with parameters
+    and optimizer state both on NVMe (the master in the parameter file, the gradients there too when
+    ``offload_pinned_bytes`` is below their shards): the reads stay on the backward thread, the step
+    and its write-backs go to the thread. ``false`` steps them on the backward thread."""
 
     _NO_EFFECT: ClassVar[dict[str, str]] = {
         "pipeline_read": "dstrain always reads the state ahead, in step order",

@@ -483,9 +483,14 @@ def least_peak_growth(
 
 
 def run_child(
-    script: Path, root: Path, paths: Sequence[Path], what: str, forked: bool = False
+    script: Path,
+    root: Path,
+    paths: Sequence[Path],
+    what: str,
+    forked: bool = False,
+    args: Sequence[str] = (),
 ) -> dict[str, dict[str, Any]]:
-    """Run ``script root`` in a process of its own (a crash there is a failed test, not a dead test run)
+    """Run ``script root *args`` in a process of its own (a crash there is a failed test, not a dead test run)
     with ``paths`` first on PYTHONPATH (the helper modules it imports) and OMP_NUM_THREADS=1 unless
     set. Its stdout is one JSON object per line, each with a ``"name"``: returned by name. A SIGSEGV
     fails naming ``what`` crashed and the child's last ``# `` progress line on stderr; any other
@@ -497,11 +502,11 @@ def run_child(
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [*map(str, paths), env.get("PYTHONPATH", "")] if p)
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, str(script), str(root)]
+    cmd = [sys.executable, str(script), str(root), *args]
     if forked:
         import _forkserver
 
-        call = functools.partial(_forkserver.script, str(script), [str(root)], [str(p) for p in paths])
+        call = functools.partial(_forkserver.script, str(script), [str(root), *args], [str(p) for p in paths])
         child = _forkserver.run(call, cmd, env=env, timeout=600)
     else:
         child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

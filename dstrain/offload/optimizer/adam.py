@@ -215,11 +215,11 @@ class OffloadAdam(torch.optim.Optimizer):
         """Let ``early`` step sub-groups during the boundary backward (`step_ready`); with the master
         or the gradients swapped, at most ``masters`` / ``grads`` of their ranges are read at once
         during backward (buffers their pools can spare then). ``thread``: run those steps there, off
-        the backward thread (`dstrain.offload.optimizer.step_thread`; this optimizer closes it); only
-        where the master and gradients are in memory (their swapped ranges are read and written back
-        by the caller's bookkeeping)."""
-        if thread is not None and (self.swapped.master is not None or self._grads is not None):
-            raise ValueError("the step thread steps sub-groups whose master and gradients are in memory")
+        the backward thread (`dstrain.offload.optimizer.step_thread`; this optimizer closes it): the
+        reads and their bookkeeping stay on the backward thread, the kernel and the write-backs of m,
+        v and a swapped master (the hand-back of a swapped gradient) run there. A buffer a step on the
+        thread holds is, to the pass, like one a write-back holds: a read asked for meanwhile waits in
+        its pool's queue until the step (which waits for nothing of the pass) hands it back."""
         self._early = early
         self._thread = thread
         if self.swapped.reads is not None:
@@ -290,24 +290,28 @@ class OffloadAdam(torch.optim.Optimizer):
                 _run()
 
         def _run() -> None:
-            p_d, m_d, v_d = self._stager.to_device(grad.device, [p, m, v])
-            kernel = torch._fused_adamw_ if self.adamw else torch._fused_adam_
-            kernel(
-                [p_d],
-                [grad],
-                [m_d],
-                [v_d],
-                [],
-                [step_count],
-                lr=lr,
-                beta1=float(beta1),
-                beta2=float(beta2),
-                weight_decay=wd,
-                eps=eps,
-                amsgrad=False,
-                maximize=False,
-            )
-            self._stager.back([(p, p_d), (m, m_d), (v, v_d)])
+            try:
+                p_d, m_d, v_d = self._stager.to_device(grad.device, [p, m, v])
+                kernel = torch._fused_adamw_ if self.adamw else torch._fused_adam_
+                kernel(
+                    [p_d],
+                    [grad],
+                    [m_d],
+                    [v_d],
+                    [],
+                    [step_count],
+                    lr=lr,
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    weight_decay=wd,
+                    eps=eps,
+                    amsgrad=False,
+                    maximize=False,
+                )
+                self._stager.back([(p, p_d), (m, m_d), (v, v_d)])
+            except BaseException:
+                self._hand_back_unwritten(lease, master, swapped)  # the files keep the last step's bytes
+                raise
             if swapped is not None:
                 self._grads.discard(swapped[0])  # read-only: back to the pool unwritten
             if master is not None:
@@ -328,7 +332,19 @@ class OffloadAdam(torch.optim.Optimizer):
             thread.submit(run)
         except StepThreadError as e:  # this one and those dropped behind the failed one never ran
             self._thread_failed = e
+            self._hand_back_unwritten(lease, master, swapped)
             raise
+
+    def _hand_back_unwritten(self, lease: Any, master: Any, swapped: Any) -> None:
+        """A sub-group step that failed (or never ran): its swap buffers go back to their pools
+        unwritten, so the pass and `close` never wait for them (best effort: the step is lost)."""
+        with contextlib.suppress(Exception):
+            if swapped is not None:
+                self._grads.discard(swapped[0])
+            if master is not None:
+                self.swapped.master.discard_master(master[0])
+            if lease is not None and self.swapped.swapper is not None:
+                self.swapped.swapper.discard(lease)
 
     @torch.no_grad()
     def step_ready(self, ready: set[int]) -> int:

@@ -18,13 +18,19 @@ backward goes on (torch's CPU kernels release the GIL: the overlap is real on tw
   nothing waits for a thread that is gone.
 - `join` (at the end of every optimizer step's early part) waits until every job handed over is done;
   `close` joins, then ends the worker. The worker is a daemon: a process that never calls close()
-  still exits.
+  still exits. At exit the jobs handed over first run to their end (bounded, `EXIT_WAIT_S`), before
+  dsio's exit hook drains its loop: a job holds swap buffers and hands them back with the writes it
+  submits, so a read waiting for one of those buffers would otherwise keep that drain waiting for
+  its whole timeout (a minute), and the job's writes would find the loop closed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -37,6 +43,13 @@ __all__ = ["StepThread"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # a waiting caller re-checks that the worker is alive this often
+
+EXIT_WAIT_S = 30.0
+"""At interpreter exit, how long the jobs still handed over may take to finish (each is one
+sub-group's kernel and the submission of its writes)."""
+
+_started: weakref.WeakSet[StepThread] = weakref.WeakSet()  # threads whose worker ran: finished at exit
+_exit_hook = False
 
 
 class StepThread:
@@ -69,6 +82,7 @@ class StepThread:
                 raise StepThreadError("the step thread is closed")
             self._raise_failure()
             if self._thread is None:
+                _finish_at_exit(self)
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
             while self._busy >= self.depth:
@@ -96,6 +110,13 @@ class StepThread:
             self._thread.join()
         if error is not None:
             log.warning("a sub-group step on the step thread failed and was never raised: %r", error)
+
+    def _finish(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the jobs handed over (never raises: at exit)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._busy and self.alive and time.monotonic() < deadline:
+                self._cond.wait(_POLL_S)
 
     def _wait(self) -> None:
         """Wait for the worker (the condition held); raises at once if it failed or ended."""
@@ -143,3 +164,22 @@ class StepThread:
             if ended:
                 self._thread = None  # the next submit starts another
             self._cond.notify_all()
+
+
+def _finish_at_exit(thread: StepThread) -> None:
+    """Let ``thread``'s jobs finish at interpreter exit, before dsio's exit hook drains its loop
+    (threading's exit hooks run last registered first; dsio's is registered when its bridge is
+    imported, which ``import dsio``'s ``is_exiting`` makes sure of before ours)."""
+    global _exit_hook
+    _started.add(thread)
+    if _exit_hook:
+        return
+    from dsio import is_exiting  # noqa: F401  (dsio's exit hook registered first: ours runs before it)
+
+    def finish() -> None:
+        for t in list(_started):
+            t._finish(EXIT_WAIT_S)
+
+    with contextlib.suppress(AttributeError, RuntimeError):  # other interpreters / already exiting
+        threading._register_atexit(finish)  # type: ignore[attr-defined]
+    _exit_hook = True

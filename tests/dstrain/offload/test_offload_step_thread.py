@@ -323,3 +323,141 @@ def test_a_script_that_never_closes_exits_promptly_with_steps_handed_over(tmp_pa
     )
     assert out["handed"]["before"] > 0  # the thread was in use
     assert time.monotonic() - t0 < 120
+
+
+# -- parameters and optimizer state both on NVMe: the master (and the gradients) in swap files --------
+
+PARAMOPT_WIDTH, PARAMOPT_DEPTH = 256, 8  # 8 units of 66k elements, fp32 gradient shards 2.1 MB
+GRADS_IN_FILE = 2 << 20  # offload_pinned_bytes below the gradient shards: they go to NVMe too
+GRADS_IN_MEMORY = 8 << 20
+
+
+def _paramopt_config(root: Any, *, bf16: bool, budget: int, thread: bool) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "sub_group_size": 1 << 14,
+            "offload_param": {"device": "nvme", "nvme_path": str(root), "buffer_count": 3},
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": str(root),
+                "buffer_count": 2,
+                "step_thread": thread,
+            },
+            "offload_pinned_bytes": budget,
+        },
+        "steps_per_print": 1000,
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _paramopt_engine(cfg: dict[str, Any], complete_reads: bool = True) -> tuple[Any, Any]:
+    from _dstrain_helpers import TanhStack
+    from test_offload_grads import _complete_reads
+
+    torch.manual_seed(0)
+    engine, opt = dstrain.initialize(model=TanhStack(PARAMOPT_WIDTH, PARAMOPT_DEPTH), config=cfg)[:2]
+    if complete_reads:  # which sub-groups step during backward does not depend on the disk's timing
+        _complete_reads(opt)
+    return engine, opt
+
+
+def _paramopt_steps(engine: Any, opt: Any, steps: int, start: int = 0) -> list[float]:
+    losses = []
+    for _ in range(start, start + steps):
+        g = torch.Generator().manual_seed(100)  # the same batch every step: the loss must fall
+        x = torch.randn(2, PARAMOPT_WIDTH, generator=g)  # (B, WIDTH)
+        y = torch.randn(2, PARAMOPT_WIDTH, generator=g).tanh()
+        opt.drain()  # the m, v read ahead during forward: in before backward
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _paramopt_train(cfg: dict[str, Any]) -> dict[str, Any]:
+    engine, opt = _paramopt_engine(cfg)
+    try:
+        losses = _paramopt_steps(engine, opt, STEPS)
+        s = opt.statistics()
+        return {
+            "losses": losses,
+            "params": [t.clone() for t in engine.full_state_dict().values()],
+            "grads_in_file": engine.zero.store.grads is not None,
+            "early": s.stepped_in_backward,
+            "on_thread": s.stepped_on_thread,
+        }
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("budget", [GRADS_IN_MEMORY, GRADS_IN_FILE])
+def test_with_parameters_and_optimizer_on_nvme_the_thread_trains_bitwise_like_the_backward_thread(
+    tmp_path, bf16, budget
+) -> None:
+    """The master read from the parameter file (fp32: the shard; bf16: the master file, the stepped
+    ranges cast into the shard file on the thread) and the gradients in memory or in their own file:
+    the step thread runs the kernel and the write-backs of every sub-group stepped during backward,
+    with the same bits as the backward thread, step after step."""
+    serial = _paramopt_train(_paramopt_config(tmp_path, bf16=bf16, budget=budget, thread=False))
+    threaded = _paramopt_train(_paramopt_config(tmp_path, bf16=bf16, budget=budget, thread=True))
+    assert serial["grads_in_file"] == threaded["grads_in_file"] == (budget == GRADS_IN_FILE)
+    assert serial["on_thread"] == 0 and serial["early"] > 0
+    assert threaded["on_thread"] == threaded["early"] > 0  # every early step ran on the thread
+    assert threaded["losses"] == serial["losses"]
+    assert serial["losses"][-1] < serial["losses"][0]  # it trained
+    for a, b in zip(threaded["params"], serial["params"], strict=True):
+        assert torch.equal(a, b)
+    assert not _step_threads()
+
+
+@pytest.mark.parametrize("budget", [GRADS_IN_MEMORY, GRADS_IN_FILE])
+def test_with_parameters_and_optimizer_on_nvme_a_failure_on_the_thread_surfaces_typed(
+    monkeypatch, tmp_path, budget
+) -> None:
+    """The kernel fails on the thread: StepThreadError (its cause the kernel's error) from the backward
+    or the step after; the failed sub-group's swap buffers went back to their pools unwritten (the
+    m, v pool holds only what is read ahead), and close() neither hangs nor leaves the thread."""
+    engine, opt = _paramopt_engine(_paramopt_config(tmp_path, bf16=False, budget=budget, thread=True))
+    try:
+        _paramopt_steps(engine, opt, 1)  # the first armed pass only records; nothing on the thread yet
+        seen = _failing_kernel(monkeypatch)
+        with pytest.raises(StepThreadError) as info:
+            _paramopt_steps(engine, opt, 1, start=1)
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert seen["calls"] >= 1
+        opt.drain()  # the writes in flight
+        assert opt.statistics().swapper.buffers_in_use == len(opt.swapped.reads.ahead)
+    finally:
+        monkeypatch.undo()
+        engine.close()
+    assert not _step_threads()
+
+
+def test_with_parameters_and_optimizer_on_nvme_a_script_that_never_closes_exits_cleanly(tmp_path) -> None:
+    """Its steps on the thread hold swap buffers of three pools (m and v, master, gradients) and one is
+    still running (slowed down to 1 s) when the interpreter exits: no crash, and a prompt exit. (Before
+    the exit hook that lets them finish, a read waiting for such a buffer kept dsio's exit drain
+    waiting its full 60 s, and the step's writes found the loop closed.)"""
+    here = Path(__file__).resolve().parent
+    out = run_child(
+        here / "_step_thread_exit_child.py",
+        tmp_path,
+        [here, here.parent],
+        "exiting with the step thread (parameters + optimizer on NVMe)",
+        args=["paramopt"],
+    )
+    exited = time.time()
+    assert out["handed"]["before"] > 0  # the thread was in use
+    assert out["handed"]["in_flight"] > 0  # and still had steps when the interpreter exited
+    # from its last line to its end: the step in flight (1 s), dsio's drain, the interpreter's exit
+    # (~3 s measured under load; without the hook over 60 s)
+    assert exited - out["handed"]["t"] < 30
