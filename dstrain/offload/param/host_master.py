@@ -7,9 +7,8 @@ shards (2 bytes a parameter) and what a step gathers. This store does the same f
 `dstrain.offload.compose.build_param_store` for why not in a file):
 
 - the shards stay resident on the training device (the `ShardStore` default: gathers read them there);
-- the fp32 master is a host tensor (page-locked where ``pin_memory`` and CUDA), so `OffloadAdam`'s
-  sub-groups step on the CPU with its m, v beside them (nothing moves per step but gradients and
-  weights);
+- the fp32 master is a host tensor (page-locked where ``pin_memory`` and CUDA): `OffloadAdam`'s
+  sub-groups step on the CPU beside m and v (per step only gradients and weights move);
 - the gradient partitions are host tensors too (`new_master_grad`): `Stage3Zero` copies each unit's
   reduce-scattered gradient out as it arrives: the first of an accumulation window straight into the
   page-locked partition (`put_grad`: upcast on the device, one DMA, nothing done on the host), later
