@@ -65,6 +65,8 @@ def global_grad_norm(sets: Iterable[GradSet], *, agree: Comm | None = None) -> f
     total = 0.0
     for comm, sq in by_comm.values():
         if comm is not None:
+            if comm.backend == "nccl" and sq.device.type != "cuda":  # host gradients (offload): NCCL
+                sq = sq.to(torch.device("cuda", torch.cuda.current_device()))  # reduces CUDA tensors only
             comm.all_reduce(sq, op=dist.ReduceOp.SUM)
         total += float(sq)
     # a sum over ``agree`` itself already gives every rank the same total

@@ -12,7 +12,7 @@ shards (2 bytes a parameter) and what a step gathers. This store does the same f
 - the gradient partitions are host tensors too (`new_master_grad`): `Stage3Zero` copies each unit's
   reduce-scattered gradient out as it arrives: the first of an accumulation window straight into the
   page-locked partition (`put_grad`: upcast on the device, one DMA, nothing done on the host), later
-  ones added there (`add_grad`);
+  ones added there (`add_grad`); `HostGradCopies` makes those copies (`OffloadedShards` uses it too);
 - after the step the stepped master is cast into the device shards (`after_step`: one host-to-device
   copy of 2 bytes a parameter at bf16).
 
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from dstrain.zero.reduce import Handle
     from dstrain.zero.units import ShardGroup
 
-__all__ = ["PUT_BYTES", "STAGE_BYTES", "HostMasterShards"]
+__all__ = ["PUT_BYTES", "STAGE_BYTES", "HostGradCopies", "HostMasterShards"]
 
 HOST = torch.device("cpu")
 
@@ -96,23 +96,82 @@ class _Staging:
         return STAGE_BYTES // torch.empty(0, dtype=dtype).element_size()
 
 
-class HostMasterShards(ShardStore):
-    """Resident shards, fp32 master and gradient partitions in host memory (see the module's docstring)."""
+class HostGradCopies:
+    """Device gradients into host fp32 gradient partitions: the copies of `HostMasterShards` and, with
+    parameters and optimizer state on NVMe on a GPU, of `dstrain.offload.param.shards.OffloadedShards`
+    (one code for both). ``pin``: page-locked staging (where CUDA is)."""
 
-    def __init__(self, *, pin_memory: bool = True, separate: bool = False) -> None:
-        self._pin = pin_memory and torch.cuda.is_available()
-        self._separate = separate
-        self._staging: _Staging | None = None  # made at the first copy between devices
-        self._cast_on: torch.device | None = None  # copies into these shards are queued, not waited
+    def __init__(self, pin: bool) -> None:
+        self._pin = pin
+        self._staging: _Staging | None = None  # made at the first staged copy
 
-    def _stage(self) -> _Staging:
+    def staging(self) -> _Staging:
         if self._staging is None:
             self._staging = _Staging(self._pin)
         return self._staging
 
     @property
     def pinned_bytes(self) -> int:
+        """The staging buffers' page-locked bytes (0 until the first staged copy)."""
         return 2 * STAGE_BYTES if self._staging is not None and self._pin else 0
+
+    def add(self, target: torch.Tensor, grad: torch.Tensor, alpha: float) -> None:
+        """``target += alpha * grad``, ``grad`` on a device, ``target`` a host fp32 range: upcast on
+        the device a piece at a time, copied into page-locked staging, added on the host in fp32
+        (torch's own ``.to`` would convert on the host into pageable memory: 30x slower across PCIe)."""
+        stage, step = self.staging(), _Staging.elements(torch.float32)
+        pending: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = []
+        for lo in range(0, grad.numel(), step):
+            hi = min(grad.numel(), lo + step)
+            buf, slot = stage.take(torch.float32, hi - lo)
+            buf.copy_(grad[lo:hi].float(), non_blocking=True)  # (piece,) fp32 on the device, then PCIe
+            event = stage.copied(slot)
+            if pending:  # the previous piece has landed (or soon): add it while this one crosses
+                self._add_landed(pending.pop(), alpha)
+            pending.append((target[lo:hi], buf, event))
+        while pending:
+            self._add_landed(pending.pop(), alpha)
+
+    def put(self, target: torch.Tensor, grad: torch.Tensor, alpha: float) -> Handle:
+        """``target = alpha * grad`` (``target`` holds zeros, so it is not read), ``grad`` on a device,
+        ``target`` a host fp32 range: upcast on the device a `PUT_BYTES` piece at a time and copied
+        straight into the page-locked partition, a DMA the stream runs between backward's kernels: no
+        staging and no work on the host. The copies are queued; the handle's ``wait()`` returns once
+        they have landed. Pageable ``target`` (or a non-CUDA ``grad``): zeroed and staged (`add`)."""
+        if grad.device.type != "cuda" or not target.is_pinned():  # pageable memory: staged
+            target.zero_()
+            self.add(target, grad, alpha)
+            return DONE
+        step = PUT_BYTES // 4
+        for lo in range(0, grad.numel(), step):
+            hi = min(grad.numel(), lo + step)
+            piece = grad[lo:hi].float()  # (piece,) fp32 on the device; freed for the next one in stream order
+            if alpha != 1.0:
+                piece.mul_(alpha)  # the one rounding of 0 + alpha * g, as the add on the host
+            target[lo:hi].copy_(piece, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(grad.device))
+        return _Landed(event)
+
+    @staticmethod
+    def _add_landed(item: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event], alpha: float) -> None:
+        target, buf, event = item
+        event.synchronize()
+        target.add_(buf, alpha=alpha)
+
+
+class HostMasterShards(ShardStore):
+    """Resident shards, fp32 master and gradient partitions in host memory (see the module's docstring)."""
+
+    def __init__(self, *, pin_memory: bool = True, separate: bool = False) -> None:
+        self._pin = pin_memory and torch.cuda.is_available()
+        self._separate = separate
+        self._copies = HostGradCopies(self._pin)  # the gradients' copies out, and the cast back's staging
+        self._cast_on: torch.device | None = None  # copies into these shards are queued, not waited
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._copies.pinned_bytes
 
     def _apart(self, group: ShardGroup) -> bool:
         return self._separate or group.device.type != HOST.type
@@ -134,54 +193,21 @@ class HostMasterShards(ShardStore):
         return torch.zeros(group.total, dtype=torch.float32, device=HOST, pin_memory=self._pin)
 
     def add_grad(self, target: torch.Tensor, grad: torch.Tensor, alpha: float) -> None:
-        """A device gradient into its host fp32 range: upcast on the device a piece at a time,
-        copied into page-locked staging, added on the host in fp32 (torch's own ``.to`` would
-        convert on the host into pageable memory: 30x slower across PCIe)."""
+        """A device gradient into its host fp32 range through page-locked staging (`HostGradCopies.add`)."""
         if target.device == grad.device:
             target.add_(grad, alpha=alpha)
             return
-        stage, step = self._stage(), _Staging.elements(torch.float32)
-        pending: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = []
-        for lo in range(0, grad.numel(), step):
-            hi = min(grad.numel(), lo + step)
-            buf, slot = stage.take(torch.float32, hi - lo)
-            buf.copy_(grad[lo:hi].float(), non_blocking=True)  # (piece,) fp32 on the device, then PCIe
-            event = stage.copied(slot)
-            if pending:  # the previous piece has landed (or soon): add it while this one crosses
-                self._add_landed(pending.pop(), alpha)
-            pending.append((target[lo:hi], buf, event))
-        while pending:
-            self._add_landed(pending.pop(), alpha)
+        self._copies.add(target, grad, alpha)
 
     def put_grad(self, target: torch.Tensor, grad: torch.Tensor, alpha: float) -> Handle:
-        """The first gradient into a host range since it was zeroed (nothing to add it to): upcast
-        on the device a `PUT_BYTES` piece at a time and copied straight into the page-locked
-        partition, a DMA the stream runs between backward's kernels: no staging and no work on the
-        host (the add on the host was the step's largest host cost after Adam's). The copies are
-        queued; the handle's ``wait()`` returns once they have landed (`Stage3Zero` waits before it
-        tells anyone the range is final, after later units' backward has been queued)."""
+        """The first gradient into a host range since it was zeroed (nothing to add it to): straight
+        into the page-locked partition (`HostGradCopies.put`: one DMA between backward's kernels, no
+        staging and no add on the host, which was the step's largest host cost after Adam's).
+        `Stage3Zero` waits the handle before it tells anyone the range is final, after later units'
+        backward has been queued."""
         if target.device == grad.device:
             return super().put_grad(target, grad, alpha)  # (a CPU run)
-        if grad.device.type != "cuda" or not target.is_pinned():  # pageable memory: staged
-            target.zero_()
-            self.add_grad(target, grad, alpha)
-            return DONE
-        step = PUT_BYTES // 4
-        for lo in range(0, grad.numel(), step):
-            hi = min(grad.numel(), lo + step)
-            piece = grad[lo:hi].float()  # (piece,) fp32 on the device; freed for the next one in stream order
-            if alpha != 1.0:
-                piece.mul_(alpha)  # the one rounding of 0 + alpha * g, as the add on the host
-            target[lo:hi].copy_(piece, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(grad.device))
-        return _Landed(event)
-
-    @staticmethod
-    def _add_landed(item: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event], alpha: float) -> None:
-        target, buf, event = item
-        event.synchronize()
-        target.add_(buf, alpha=alpha)
+        return self._copies.put(target, grad, alpha)
 
     def after_step(self, group: ShardGroup) -> None:
         """The stepped host master cast into the device shards through page-locked staging (queued:
@@ -192,7 +218,7 @@ class HostMasterShards(ShardStore):
             super().after_step(group)
             return
         master = group.master.detach()
-        stage, step = self._stage(), _Staging.elements(shards.dtype)
+        stage, step = self._copies.staging(), _Staging.elements(shards.dtype)
         for lo in range(0, group.total, step):
             hi = min(group.total, lo + step)
             buf, slot = stage.take(shards.dtype, hi - lo)

@@ -24,9 +24,9 @@ shard copy stays in memory. At fp32 the master *is* the shard in the file; at bf
 a file of its own (`MasterFile`) and each stepped range is cast into the shard file as it is stored
 (`SwappedMaster.stream_shard`).
 
-Gradients: in memory (`Stage3Zero`'s ``master_grad``) unless ``host_budget`` (the
-``offload_pinned_bytes`` budget) cannot hold this rank's fp32 gradient shards; then `expect` makes
-an `OffloadedGrads` (``grads``) and they live in an NVMe file too.
+Gradients: in memory (`Stage3Zero`'s ``master_grad``; on a GPU with `holds_master` and ``pin_memory``,
+page-locked host tensors as ZeRO-Offload's: docs/offload.md) unless, on a CPU run, ``host_budget`` (the
+``offload_pinned_bytes`` budget) cannot hold them: then `expect` makes an `OffloadedGrads` (``grads``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import torch
 from dsio import all_done
 from dstrain.errors import ConfigError
 from dstrain.offload.param.grads import GradStoreStatistics, OffloadedGrads
+from dstrain.offload.param.host_master import HostGradCopies
 from dstrain.offload.param.master_file import MasterFile
 from dstrain.offload.param.read_ahead import TraceReadAhead
 from dstrain.offload.param.swapped_master import SwappedMaster
@@ -51,6 +52,7 @@ from dstrain.zero.units import ShardStore, Unit
 
 if TYPE_CHECKING:
     from dstrain.checkpoint.sources import SwapRegions
+    from dstrain.zero.reduce import Handle
     from dstrain.zero.units import ShardGroup
 
 __all__ = ["OffloadedShards", "ParamStoreStatistics"]
@@ -120,6 +122,7 @@ class OffloadedShards(ShardStore):
         holds_master: bool = False,
         io_config: Any = None,
         host_budget: int | None = None,
+        grads_on_host: bool = True,
     ) -> None:
         if device not in ("cpu", "nvme"):
             raise ConfigError(
@@ -140,6 +143,9 @@ class OffloadedShards(ShardStore):
         # gradients go to NVMe too when this many bytes (offload_pinned_bytes) cannot hold them
         self._host_budget = host_budget
         self.grads: OffloadedGrads | None = None
+        # on a GPU with `holds_master`: the gradient partitions in host memory, copied out through these
+        self._grads_on_host = grads_on_host
+        self._grad_copies: HostGradCopies | None = None
         # bf16/fp16 with `holds_master`: the fp32 master in a file of its own (at fp32 it is the shard)
         self._mfile: MasterFile | None = None
         # with `holds_master`: the fp32 master, for OffloadAdam (made by `expect`, once the file is open)
@@ -200,8 +206,10 @@ class OffloadedShards(ShardStore):
                     out[lo - start : hi - start].copy_(shard_of(u)[lo - off : hi - off])
 
         if self.holds_master:
-            # never touched (so never resident); storage-less once the views exist (`placed`)
-            group.master = torch.empty(group.total, dtype=torch.float32, device=group.device)
+            # never touched (so never resident); storage-less once the views exist (`placed`); on the
+            # host with the gradients there (a view's ``.grad`` is on its device)
+            where = torch.device("cpu") if self._grad_copies is not None else group.device
+            group.master = torch.empty(group.total, dtype=torch.float32, device=where)
         else:
             group.master = torch.empty(group.total, dtype=torch.float32, device=group.device)
             fill(group.master, 0)
@@ -232,7 +240,16 @@ class OffloadedShards(ShardStore):
         grad_bytes = 4 * sum(u.layout.shard for u in units)  # this rank's fp32 gradient shards
         on_cpu = all(u.full.device.type == "cpu" for u in units)  # on a GPU they stay in its memory
         over = self._host_budget is not None and grad_bytes > self._host_budget
-        if over and not on_cpu:
+        if self.holds_master and not on_cpu and self._grads_on_host and self._pin:
+            # the step reads nothing else from the GPU: its gradients go to the host beside the master
+            # (page-locked only: a copy into pageable memory crosses PCIe ~30x slower, see host_master)
+            self._grad_copies = HostGradCopies(self._pin)
+            log.info(
+                "offload: fp32 gradient shards (%d bytes) in page-locked host memory (beside %s)",
+                grad_bytes,
+                _BUDGET,
+            )
+        elif over and not on_cpu:
             log.info("offload: fp32 gradient shards (%d bytes) stay in the GPU's memory", grad_bytes)
         offload_grads = over and on_cpu
         own_master = self.holds_master and self.dtype != torch.float32
@@ -493,6 +510,24 @@ class OffloadedShards(ShardStore):
 
     def shard_numel(self, unit: Unit) -> int:
         return 0  # nothing of the shard stays in the training device's memory
+
+    def new_master_grad(self, group: ShardGroup) -> torch.Tensor:
+        """``group``'s fp32 gradient partition: in page-locked host memory on a GPU with `holds_master`
+        and ``pin_memory``, else on the group's device."""
+        if self._grad_copies is None:
+            return super().new_master_grad(group)
+        return torch.zeros(group.total, dtype=torch.float32, pin_memory=self._pin)
+
+    def add_grad(self, target: torch.Tensor, grad: torch.Tensor, alpha: float) -> None:
+        if self._grad_copies is None or target.device == grad.device:
+            super().add_grad(target, grad, alpha)
+            return
+        self._grad_copies.add(target, grad, alpha)  # a GPU gradient into its host range, staged
+
+    def put_grad(self, target: torch.Tensor, grad: torch.Tensor, alpha: float) -> Handle:
+        if self._grad_copies is None or target.device == grad.device:
+            return super().put_grad(target, grad, alpha)
+        return self._grad_copies.put(target, grad, alpha)  # one DMA into the host range, queued
 
     def after_step(self, group: ShardGroup) -> None:
         """Write the stepped master (cast to the shard dtype) once; nothing when the optimizer
