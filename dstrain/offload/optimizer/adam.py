@@ -163,6 +163,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self._hold_early = False  # an async save gates the next step: no stepping during its backward
         self._thread: StepThread | None = None  # runs the early steps off the backward thread
         self._thread_failed: StepThreadError | None = None  # this step's sub-groups are not all stepped
+        # sub-group -> the swap buffers of its step handed to the thread and not started yet: a failure
+        # there drops them unrun (`StepThread` clears its queue), so they are handed back here
+        self._queued: dict[int, tuple[Any, Any, Any]] = {}
         self._failed: BaseException | None = None  # an inline sub-group step raised: no step completes
         self._touch_pos: dict[int, int] = {}  # sub-group -> its touch set in the last touch order
         self._early_steps = 0
@@ -328,12 +331,24 @@ class OffloadAdam(torch.optim.Optimizer):
                 self._failed = e
                 raise
             return
+        self._queued[sg.index] = (lease, master, swapped)
+
+        def started() -> None:
+            self._queued.pop(sg.index, None)  # from here on `_run` hands them back if it fails
+            run()
+
         try:
-            thread.submit(run)
+            thread.submit(started)
         except StepThreadError as e:  # this one and those dropped behind the failed one never ran
             self._thread_failed = e
-            self._hand_back_unwritten(lease, master, swapped)
+            self._hand_back_dropped()
             raise
+
+    def _hand_back_dropped(self) -> None:
+        """The step thread failed: the steps queued behind the failed one were dropped unrun (and no
+        step runs there any more): their swap buffers go back unwritten."""
+        while self._queued:
+            self._hand_back_unwritten(*self._queued.popitem()[1])
 
     def _hand_back_unwritten(self, lease: Any, master: Any, swapped: Any) -> None:
         """A sub-group step that failed (or never ran): its swap buffers go back to their pools
@@ -393,6 +408,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 self._thread.join()  # the steps handed over during backward (raises if one failed)
             except StepThreadError as e:
                 self._thread_failed = e
+                self._hand_back_dropped()
                 raise
         gate, self._gate = self._gate, None
         if self._begun and self._hyperparameters() != self._hyper:

@@ -461,3 +461,43 @@ def test_with_parameters_and_optimizer_on_nvme_a_script_that_never_closes_exits_
     # from its last line to its end: the step in flight (1 s), dsio's drain, the interpreter's exit
     # (~3 s measured under load; without the hook over 60 s)
     assert exited - out["handed"]["t"] < 30
+
+
+@pytest.mark.timeout(120)
+def test_steps_dropped_behind_a_failure_on_the_thread_hand_their_buffers_back(monkeypatch, tmp_path) -> None:
+    """Optimizer state on NVMe: the failing step is still running when the next one is handed over,
+    which the thread then drops unrun (it clears its queue); that step's m, v buffers go back to the
+    pool unwritten, as the failed one's do. Else the pool lends them to nobody from then on: it holds
+    more than its read-ahead after the failure (and later reads wait for them)."""
+    cfg = _config(tmp_path, "nvme", False, True)
+    cfg["optimizer"]["type"] = "AdamW"
+    engine, opt = dstrain.initialize(model=make_model(), config=cfg)[:2]
+    try:
+        engine_losses(engine, 1, hook=lambda step, micro: opt.drain())  # the first armed pass records
+        queued = threading.Event()  # a second step is handed over while the first still runs
+        real_submit, real_kernel = StepThread.submit, torch._fused_adamw_
+        handed = {"n": 0}
+
+        def submit(self: StepThread, job: Any) -> None:
+            real_submit(self, job)
+            handed["n"] += 1
+            if handed["n"] == 2:
+                queued.set()
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name == NAME:
+                queued.wait(10)
+                raise RuntimeError("injected failure on the step thread")
+            return real_kernel(*args, **kwargs)
+
+        monkeypatch.setattr(StepThread, "submit", submit)
+        monkeypatch.setattr(torch, "_fused_adamw_", kernel)
+        with pytest.raises(StepThreadError):  # (reads done first: on NVMe the steps go early)
+            engine_losses(engine, 1, start=1, hook=lambda step, micro: opt.drain())
+        assert handed["n"] >= 2  # one failed, one dropped behind it
+        opt.drain()  # the writes in flight
+        assert opt.statistics().swapper.buffers_in_use == len(opt.swapped.reads.ahead)
+    finally:
+        monkeypatch.undo()
+        engine.close()
+    assert not _step_threads()
