@@ -396,10 +396,12 @@ def _paramopt_bytes(po: dict[str, Any]) -> list[str]:
     shard = 4 * po["params"]  # fp32, every rank's shard
     read, assembled = swap["param_read"], swap.get("master_from_gathers", 0.0)
     kept = swap.get("gather_from_step", 0.0)
-    total = read + assembled + kept
+    reused = swap.get("gather_reused", 0.0)
+    total = read + assembled + kept + reused
     return [
         f"- params + optimizer NVMe, parameter bytes per step: read {_mb(read)} + master ranges assembled "
         f"from the gathers' shards {_mb(assembled)} + the pass's first shard kept from the step {_mb(kept)} "
+        f"+ backward gathers served by the buffers of their forward gather {_mb(reused)} "
         f"= {_mb(total)} = {total / shard:.2f}x "
         f"the shards (formula: fwd + bwd gathers + master = 3.00x, {_mb(3 * shard)}; a tied weight "
         f"used twice in forward is gathered once more); written {_mb(swap.get('param_written', 0.0))} = "

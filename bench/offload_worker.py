@@ -114,6 +114,8 @@ def offload_counters(*sources: Any) -> dict[str, float] | None:
             out["gather_from_step_bytes"] = out.get("gather_from_step_bytes", 0) + int(
                 s.gathers_from_step_bytes
             )
+            # and the backward gathers served by the buffers their unit's forward gather kept
+            out["gather_reused_bytes"] = out.get("gather_reused_bytes", 0) + int(s.gathers_reused_bytes)
         if hasattr(s, "stepped_in_backward"):  # sub-groups stepped during backward (early_step)
             out["in_backward"] = out.get("in_backward", 0) + int(s.stepped_in_backward)
     return out

@@ -165,6 +165,7 @@ def test_counters_walk_nested_snapshots_once() -> None:
         prefetch_misses: int
         master_from_gathers_bytes: int = 0
         gathers_from_step_bytes: int = 0
+        gathers_reused_bytes: int = 0
 
     @dataclasses.dataclass(frozen=True)
     class Eng:
@@ -274,6 +275,7 @@ def test_paramopt_bytes_line_counts_assembled_master_ranges_as_reads_saved() -> 
             "param_read": 7e6,
             "master_from_gathers": 4e6,
             "gather_from_step": 1e6,
+            "gather_reused": 2e6,
             "param_written": 4e6,
         },
     }
@@ -281,6 +283,7 @@ def test_paramopt_bytes_line_counts_assembled_master_ranges_as_reads_saved() -> 
     assert (
         "read 7 MB + master ranges assembled from the gathers' shards 4 MB + the pass's first shard" in line
     )
-    assert "kept from the step 1 MB = 12 MB = 3.00x" in line
+    assert "kept from the step 1 MB + backward gathers served by the buffers of their forward gather" in line
+    assert "gather 2 MB = 14 MB = 3.50x" in line
     assert "written 4 MB = 1.00x" in line
     assert _paramopt_bytes({"params": params, "swap_bytes_per_step": {"optimizer_read": 1.0}}) == []

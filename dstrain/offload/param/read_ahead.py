@@ -4,12 +4,21 @@ Stage 3 gathers each unit's parameters once per use (forward, then backward), in
 the same from one pass to the next unless the model's control flow changes. `OffloadedShards`
 records the order of its shard reads during a pass (from `begin_pass` to the step), adopts it as the
 *trace* of the next pass, and keeps one pool buffer reading ahead per future position of that trace.
-Each read-ahead is consumed by exactly one gather, so a shard is read once per gather. When the pass
+Each read-ahead is consumed by one gather (or kept for the next, below), so a shard is read at most
+once per gather. When the pass
 leaves the trace, read-ahead stops and the pass is recorded again; a shard already read ahead is
 still used when its unit comes (shards change only at the step).
 
 A shard may take several pool buffers (``cost``: its pieces, when the pool's buffers are smaller than
 the largest shard); the read-ahead keeps as many shards queued as their buffers fit ``capacity``.
+
+A gather hands its shard's buffers back through `release`: when the trace reads the same unit again
+soon enough that the buffers would be held for that position anyway (the last units of forward are
+the first of backward), they are kept, unchanged, as the read for that position (`reused`) instead
+of being handed back and the same bytes read again into other buffers. "Soon enough": the reads the
+trace needs before that position and the kept buffers fit the capacity together; reads queued for
+later positions give way (they are read again when the buffers free). Shards change only at the
+step, so a kept buffer holds the values the later gather would read.
 """
 
 from __future__ import annotations
@@ -58,6 +67,9 @@ class TraceReadAhead:
         self._following = False  # this pass's reads match `_trace` so far
         self._deviated = False
         self._in_pass = False
+        self._taken_at: int | None = None  # trace position of the read `take` returned last
+        self.reused = 0
+        """Reads not made: gathers served by the buffers an earlier gather of the unit kept (`release`)."""
 
     @property
     def queued(self) -> int:
@@ -149,20 +161,75 @@ class TraceReadAhead:
             self._read_soon()
         if not self._following or self._trace is None:
             return
-        pos = self._queue[-1][0] + 1 if self._queue else self._cursor
-        held, room = self.held, self._capacity()
+        queued = {e[0] for e in self._queue}  # (buffers kept by `release` may be ahead of a gap)
+        units = {e[1] for e in self._queue}
+        pos, held, room = self._cursor, self.held, self._capacity()
         while True:
             pos = self._skip(pos)
             if pos >= len(self._trace):
                 break
-            unit = self._unit_of(self._trace[pos])
-            assert unit is not None
-            cost = self._cost(unit)
-            if held + cost > room:
-                break
-            self._queue.append((pos, unit.index, self._read(unit), cost))
-            held += cost
+            index = self._trace[pos]
+            # a unit queued for an earlier position: that gather keeps its buffers for this one
+            if pos not in queued and index not in units:
+                unit = self._unit_of(index)
+                assert unit is not None
+                cost = self._cost(unit)
+                if held + cost > room:
+                    break
+                self._insert((pos, unit.index, self._read(unit), cost))
+                units.add(index)
+                held += cost
             pos += 1
+
+    def _insert(self, entry: tuple[int, int, Read, int]) -> None:
+        """Queue ``entry`` in trace-position order (the order gathers consume them)."""
+        at = next((i for i, e in enumerate(self._queue) if e[0] > entry[0]), len(self._queue))
+        self._queue.insert(at, entry)
+
+    def release(self, unit: Unit, leases: list[Lease]) -> None:
+        """A gather is done with ``unit``'s shard in ``leases`` (from `take`): keep them as the read
+        of the unit's next trace position if the trace's reads up to it fit with them (see the
+        module's docstring), else hand them back."""
+        at, self._taken_at = self._taken_at, None
+        nxt = self._next_position(unit, at)
+        if nxt is None:
+            self._discard(leases)
+            return
+        # what the trace holds up to ``nxt`` if these buffers stay: the reads queued before it and
+        # those still to submit (a unit once: its gather keeps the buffers for its next position)
+        room = self._capacity()
+        before = [e for e in self._queue if e[0] < nxt]
+        need = self._cost(unit) + sum(e[3] for e in before)
+        seen = {unit.index, *(e[1] for e in before)}
+        assert self._trace is not None
+        pos = self._cursor
+        while need <= room:
+            pos = self._skip(pos)
+            if pos >= nxt:
+                break
+            if self._trace[pos] not in seen:
+                seen.add(self._trace[pos])
+                other = self._unit_of(self._trace[pos])
+                need += self._cost(other) if other is not None else 0
+            pos += 1
+        if need > room:
+            self._discard(leases)
+            return
+        done: Read = _Kept()
+        done.set_result(leases)
+        self._insert((nxt, unit.index, done, self._cost(unit)))
+        while self.held > room and self._queue[-1][0] > nxt:  # later reads give way
+            self._discard(self._queue.pop()[2].result())
+
+    def _next_position(self, unit: Unit, at: int | None) -> int | None:
+        """The trace position after ``at`` where ``unit`` is read again in this pass, None if none (or
+        off the trace)."""
+        if at is None or not self._following or self._trace is None or not self._in_pass:
+            return None
+        for pos in range(max(at + 1, self._cursor), len(self._trace)):
+            if self._trace[pos] == unit.index and self._skip(pos) == pos:
+                return pos if not any(e[0] == pos for e in self._queue) else None
+        return None
 
     def will_read(self, unit: Unit) -> bool:
         """Whether a gather of this pass is still to read ``unit``'s shard (the pass follows the
@@ -194,15 +261,17 @@ class TraceReadAhead:
         giving up the furthest read-ahead). Records the read in this pass's order."""
         if self._in_pass:
             self._recording.append(unit.index)
+        self._taken_at = None
         if self._following and self._trace is not None:
             self._cursor = self._skip(self._cursor)
             if self._cursor < len(self._trace) and self._trace[self._cursor] == unit.index:
                 fut = None
                 if self._queue and self._queue[0][0] == self._cursor:
                     fut = self._queue.popleft()[2]
+                self._taken_at = self._cursor
                 self._cursor += 1
                 if fut is not None:
-                    return fut
+                    return self._counted(fut)
             else:  # the model took another path: stop reading ahead, re-record this pass
                 self._following = False
                 self._deviated = True
@@ -211,8 +280,17 @@ class TraceReadAhead:
         hit = next((e for e in self._queue if e[1] == unit.index), None)
         if hit is not None:
             self._queue.remove(hit)
-            return hit[2]
+            return self._counted(hit[2])
         cost = self._cost(unit)
         while self._queue and self.held + cost > self._capacity():
             self._discard(self._queue.pop()[2].result())
         return self._read(unit)
+
+    def _counted(self, fut: Read) -> Read:
+        if isinstance(fut, _Kept):
+            self.reused += 1
+        return fut
+
+
+class _Kept(concurrent.futures.Future[list[Lease]]):
+    """A read not made: buffers a gather kept for the unit's next position (`TraceReadAhead.release`)."""

@@ -9,13 +9,12 @@ end to end (the group's ``offsets``), as in the resident layout:
   (dsio handle on dsio's loop thread, bounded pinned pool). Reads run ahead along the order of
   the shard reads of the last pass (recorded here, from `begin_pass` to the step: the gathers'
   own order, whatever the gather prefetch depth, a unit used in forward and backward once per
-  use); a gather copies the shard out of its buffer, which goes back to the pool unwritten at
-  once. Each read-ahead buffer is consumed by exactly one gather, so a shard is read once per
-  gather. Shards are written once per step, after the optimizer. With `holds_master` at fp32 the
-  pass's first gather is the exception: the step's last master writes are its shard's (a GPT's
-  embedding is final last in backward and gathered first in forward), so that shard is kept as
-  the step stores it (`_stepped_range`) and the gather copies it instead of waiting for those
-  writes and reading the bytes back (``gathers_from_step``).
+  use); a gather copies the shard out of its buffer, which goes back to the pool unwritten (or
+  stays as the read of the unit's next gather when the read-ahead holds it until then anyway:
+  `TraceReadAhead.release`, ``gathers_reused``), so a shard is read at most once per gather.
+  Shards are written once per step, after the optimizer. At fp32 with `holds_master` the pass's
+  first shard is kept as the step stores it (`_stepped_range`: a GPT's embedding, final last in
+  backward, gathered first in forward) and copied instead of read back (``gathers_from_step``).
 
 The fp32 master: resident (a tensor of the group) unless `holds_master` (parameters and optimizer
 state both on NVMe): then `OffloadAdam` reads and writes it sub-group by sub-group through the
@@ -102,6 +101,12 @@ class ParamStoreStatistics:
     had just stored (the pass's first unit, fp32 with `holds_master`) instead of reading it back."""
     gathers_from_step_bytes: int = 0
     """Their shards' page-rounded bytes: what reading them would have cost."""
+    gathers_reused: int = 0
+    """Of ``prefetch_hits``, gathers served by the buffers an earlier gather of the same unit in the
+    same pass kept (`TraceReadAhead.release`: the last units of forward, first in backward) instead
+    of reading the shard again."""
+    gathers_reused_bytes: int = 0
+    """Their shards' page-rounded bytes: what reading them again would have cost."""
 
 
 class OffloadedShards(ShardStore):
@@ -175,6 +180,7 @@ class OffloadedShards(ShardStore):
         self._hits = self._misses = 0
         self._shard_writes = 0
         self._from_step = self._from_step_bytes = 0
+        self._reused = self._reused_bytes = 0
         self.buffer_bytes = 0
         from dstrain.offload.metrics import register_offload
 
@@ -490,7 +496,11 @@ class OffloadedShards(ShardStore):
             self._from_step_bytes += sum(p[1] for p in self._pieces(unit))
             self._ahead.passed(unit)
         else:
+            reused = self._ahead.reused
             fut = self._ahead.take(unit)  # read ahead along the recorded order, or now
+            if self._ahead.reused > reused:  # the buffers an earlier gather of this pass kept
+                self._reused += 1
+                self._reused_bytes += sum(p[1] for p in self._pieces(unit))
             if fut.done():
                 self._hits += 1
             else:
@@ -502,7 +512,7 @@ class OffloadedShards(ShardStore):
             for lease, (p, _, e0, n) in zip(leases, self._pieces(unit), strict=True):
                 at = self._base[group.index] + (off + e0) * self._esize - p  # its first byte in the buffer
                 own[e0 : e0 + n].copy_(lease.view(self.dtype, at, n))
-            self._discard(leases)  # unchanged: back to the pool without a write
+            self._ahead.release(unit, leases)  # unchanged: kept for its next gather, or back unwritten
         if self.master is not None and self.master.file is None:  # fp32: the shard is master too
             self.master.capture(group.index, off, own, unit.index)
         self._ahead.top_up()  # its buffers are free again: read the next shards of the trace into them
@@ -628,6 +638,8 @@ class OffloadedShards(ShardStore):
             master_from_gathers_bytes=self.master.from_gathers_bytes if self.master is not None else 0,
             gathers_from_step=self._from_step,
             gathers_from_step_bytes=self._from_step_bytes,
+            gathers_reused=self._reused,
+            gathers_reused_bytes=self._reused_bytes,
             master_writes=self.master.writes if self.master is not None else 0,
             shard_writes=self._shard_writes + (self.master.shard_writes if self.master is not None else 0),
             pinned_budget=self._budget

@@ -2,7 +2,10 @@
 
 With parameters and optimizer state both on NVMe (fp32: the master is the shard in the file), a step
 reads each unit's shard twice (its forward gather and its backward gather) and each optimizer
-sub-group's master range once, every read rounded out to whole pages. The read-ahead follows the
+sub-group's master range once, every read rounded out to whole pages, less what it takes from memory
+instead: master ranges assembled from the gathers' shards, the pass's first shard kept from the
+step, backward gathers served by the buffers their unit's forward gather kept (counted, so the sum
+is exact). The read-ahead follows the
 order of the store's own reads, whatever the gather prefetch depth; before that, reads queued by
 unit index were discarded and re-issued (3.9x-4.5x the shard per step instead of ~3x on this model).
 """
@@ -100,6 +103,7 @@ def _check_reads(root: str, prefetch: int, device: str) -> None:
         per_step = []
         saved = 0
         kept: list[int] = []
+        reused: list[int] = []
         for _ in range(STEPS):
             gathers.clear()
             before, b_st = store.statistics().swapper, store.statistics()
@@ -114,6 +118,10 @@ def _check_reads(root: str, prefetch: int, device: str) -> None:
             kept.append(a_st.gathers_from_step - b_st.gathers_from_step)
             n_saved += kept[-1]
             b_saved += a_st.gathers_from_step_bytes - b_st.gathers_from_step_bytes
+            # nor a backward gather served by the buffers its unit's forward gather kept
+            reused.append(a_st.gathers_reused - b_st.gathers_reused)
+            n_saved += reused[-1]
+            b_saved += a_st.gathers_reused_bytes - b_st.gathers_reused_bytes
             saved += n_saved
             per_step.append(
                 (after.read_bytes - before.read_bytes + b_saved, after.reads - before.reads + n_saved)
@@ -129,6 +137,13 @@ def _check_reads(root: str, prefetch: int, device: str) -> None:
         assert st.prefetch_hits > 0  # the read-ahead was used
         assert saved > 0  # some steps' master ranges came from the gathers (the pass followed its order)
         assert kept == [0] + [1] * (STEPS - 1)  # each pass after the first: its first gather
+        assert reused[0] == 0
+        if prefetch == 0:
+            # backward gathers the units in reverse: a pass that follows its trace keeps the last
+            # forward units' buffers for backward (3 buffers, 1 lent to the master ranges: room for
+            # 2 reads ahead, so the last one's). With the gather prefetch the whole backward gathers
+            # at its start in forward's order: no unit comes back within 2 reads
+            assert all(r >= 1 for r in reused[2:]), reused
         assert st.pinned_bytes <= st.pinned_budget
     finally:
         engine.close()
@@ -177,7 +192,7 @@ def _train(
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
-            if offloaded:  # (read, bytes not read: master ranges from gathers, the first shard from the step)
+            if offloaded:  # (read, bytes not read: master ranges from gathers, the first shard from the step, kept buffers)
                 st1 = store.statistics()
                 info["read_per_step"].append(
                     (
@@ -185,7 +200,9 @@ def _train(
                         st1.master_from_gathers_bytes
                         - st0.master_from_gathers_bytes
                         + st1.gathers_from_step_bytes
-                        - st0.gathers_from_step_bytes,
+                        - st0.gathers_from_step_bytes
+                        + st1.gathers_reused_bytes
+                        - st0.gathers_reused_bytes,
                     )
                 )
         params = [t.clone() for t in engine.full_state_dict().values()]
