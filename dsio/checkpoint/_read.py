@@ -332,7 +332,8 @@ def check_targets(header: Header, targets: dict[str, object], path: str) -> dict
 
     Checked before any byte is read: a name on one side only, another dtype or another shape is
     ``CheckpointMismatchError`` (naming up to 5 of each); a destination that is no tensor, not
-    contiguous, sparse or not on the CPU, or that shares bytes with another, is ``TensorLayoutError``."""
+    contiguous, sparse, not on the CPU, a lazy conjugate / negative view, or that shares bytes with
+    another, is ``TensorLayoutError``."""
     names = {e.name for e in header.entries}
     missing, extra = sorted(names - targets.keys()), sorted(targets.keys() - names)
     if missing or extra:
@@ -345,11 +346,20 @@ def check_targets(header: Header, targets: dict[str, object], path: str) -> dict
     wrong = []
     for e in header.entries:
         t = targets[e.name]
-        if not isinstance(t, torch.Tensor) or t.is_sparse or t.device.type != "cpu" or not t.is_contiguous():
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.is_sparse
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
+            or t.is_conj()  # lazy views: the memory holds the values before the conjugation / negation
+            or t.is_neg()
+        ):
             what = (
                 type(t).__name__
                 if not isinstance(t, torch.Tensor)
-                else f"{'non-contiguous ' if not t.is_contiguous() else ''}{t.layout} on {t.device}"
+                else f"{'non-contiguous ' if not t.is_contiguous() else ''}"
+                f"{'lazily conjugated ' if t.is_conj() else ''}{'lazily negated ' if t.is_neg() else ''}"
+                f"{t.layout} on {t.device}"
             )
             raise TensorLayoutError(
                 f"{path}: the destination of {e.name!r} must be a contiguous dense CPU tensor, not {what}"

@@ -208,6 +208,22 @@ def test_destinations_that_share_memory_are_refused_before_any_byte_is_read(tmp_
     assert torch.equal(back["a"], state["a"]) and torch.equal(back["b"], state["b"])
 
 
+def test_a_destination_whose_bytes_are_not_its_values_is_refused(tmp_path):
+    # a lazily conjugated or negated view is contiguous, but its memory holds the values before the
+    # conjugation / negation: the file's bytes copied there would read back conjugated / negated
+    state = {"c": torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64), "x": torch.tensor([1.0, -2.0])}
+    path = str(tmp_path / "s.safetensors")
+    run(C.save(state, path))
+    for into in (
+        {"c": torch.zeros(2, dtype=torch.complex64).conj(), "x": torch.zeros(2)},
+        {"c": torch.zeros(2, dtype=torch.complex64), "x": torch.zeros(2)._neg_view()},
+    ):
+        with pytest.raises(TensorLayoutError):
+            run(C.load(path, into=into))
+    back = run(C.load(path, into={"c": torch.zeros(2, dtype=torch.complex64), "x": torch.zeros(2)}))
+    assert torch.equal(back["c"], state["c"]) and torch.equal(back["x"], state["x"])
+
+
 def test_into_is_not_combined_with_lazy_loads_or_another_device(tmp_path):
     state = _big_state()
     path = str(tmp_path / "s.safetensors")
