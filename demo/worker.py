@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     import dstrain
+    import dstrain.metrics
     from dsio.metrics import serve
 
     torch.set_num_threads(1)
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT(shape)
     n_params = sum(p.numel() for p in model.parameters())
     engine, optimizer, _, _ = dstrain.initialize(model=model, config=config)
+    # its dstrain_* and dstrain_offload_* series in the /metrics this rank serves (and in swap_bytes) until close
+    dstrain.metrics.register(engine)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" else None
     text = corpus()
 

@@ -31,6 +31,16 @@ RANK = textwrap.dedent(
            f"cwd={os.getcwd()} tmp={tempfile.gettempdir()} torch_loaded={'torch' in sys.modules}")
     say(1, f"rank {rank} launcher: {launcher}")
     say(2, f"rank {rank} to stderr")
+    # rank 1 fails only once rank 0 has said everything: torchrun ends the other ranks when one fails,
+    # and a loaded machine may not have run rank 0's writes yet (its lines were missing once)
+    done = os.path.join(os.getcwd(), "rank0-said")
+    if rank == "0":
+        open(done, "w").close()
+    else:
+        import time
+        t = time.monotonic()
+        while not os.path.exists(done) and time.monotonic() - t < 60:
+            time.sleep(0.01)
     sys.exit(int(os.environ.get("TORCHRUN_PROBE_EXIT", "0")) if rank == "1" else 0)
     """
 )
