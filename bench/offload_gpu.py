@@ -232,6 +232,18 @@ def _swap_counters(sources: tuple[Any, ...]) -> dict[str, float]:
     return offload_counters(*sources) or {}
 
 
+def _drain(optimizer: Any) -> None:
+    """Let the offloaded optimizer's swap transfers in flight finish, so the swap counters (counted
+    when a transfer completes) between two such points count exactly the steps between them: a
+    sub-group's m and v are written behind its step (on the step thread, maybe after `step()`
+    returns), so a window closed without this missed the last sub-group's write now and then while
+    the one before it had landed (one 16384-element sub-group short in the --quick run, under load)."""
+    from dstrain.offload import OffloadAdam
+
+    if isinstance(optimizer, OffloadAdam):
+        optimizer.drain()
+
+
 def host_peak_mib() -> float:
     """This process's peak resident memory (VmHWM), MiB."""
     with open("/proc/self/status") as f:
@@ -436,6 +448,7 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
         for i in range(args.steps):
             if i == args.warmup:
                 _sync(args.device)
+                _drain(optimizer)  # the warm-up steps' writes behind: counted before the window
                 c0, b0, timed_start = _swap_counters(sources), block_bytes(nvme_dir), time.perf_counter()
             one_step(i)
             stopped = budget_stop(
@@ -444,6 +457,7 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
             if stopped:
                 break
         _sync(args.device)
+        _drain(optimizer)  # the timed steps' writes behind (their time in the window: they are theirs)
         timed_s = time.perf_counter() - timed_start if timed_start else 0.0
         c1, b1 = _swap_counters(sources), block_bytes(nvme_dir)
         if args.device == "cuda":

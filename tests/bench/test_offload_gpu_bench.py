@@ -59,7 +59,10 @@ def _tiny(tmp_path: Path, device: str) -> dict[str, object]:
     # (one 16384-element sub-group short) once more of the state reads moved into backward.
     per_step = 8 * r["params"]
     assert 1 * per_step <= moved["optimizer_read_bytes"] <= 3 * per_step
-    assert moved["optimizer_written_bytes"] >= 2 * per_step
+    # Writes behind: the driver drains the optimizer's transfers at both ends of the window, so it
+    # holds exactly the two timed steps' m,v writes (a sub-group's slot padding aside): undrained,
+    # the last sub-group's write, in flight on the step thread, fell out of it now and then.
+    assert 2 * per_step <= moved["optimizer_written_bytes"] < 3 * per_step
     # the parameter shards: read for the gathers, written once per step
     assert moved["param_read_bytes"] >= 2 * shard and moved["param_written_bytes"] >= 2 * shard
     assert r["swap_read_gbps"] > 0 and r["swap_write_gbps"] > 0
