@@ -17,16 +17,24 @@ default group) registers one ``atexit`` hook that, while the interpreter is whol
    so a rank that died does not hold the others), so no message is still in flight towards a rank
    that is going;
 3. destroys the default process group, and with it every group made from it (the topology's, the
-   pipeline's, the checkpoints'): their threads are joined now, not at finalization.
+   pipeline's, the checkpoints'): their threads are joined now, not at finalization;
+4. drops the references torch itself keeps to destroyed groups (`_forget_destroyed_groups`): a gloo
+   group's threads are joined only when its last reference goes, not by ``destroy_process_group``, and
+   ``torch.distributed.nn.functional``'s functions hold the default group in their default arguments
+   (``group=group.WORLD``, evaluated at its import). That module is imported lazily, after the group
+   exists (the first ``torch.optim.Adam(fused=True)``: initialize's optimizer), so the world group's
+   threads outlived step 3 and aborted the README pipeline block at exit in one of many launches.
 
-A script that called ``destroy_process_group()`` itself has nothing left for step 3.
+A script that called ``destroy_process_group()`` itself has nothing left for step 3; step 4 still runs.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import inspect
 import logging
+import sys
 import threading
 import weakref
 from typing import Protocol
@@ -77,6 +85,7 @@ def _at_exit() -> None:
             log.debug("dstrain: closing an engine at exit: %r", e)
     _open.clear()
     if not (dist.is_available() and dist.is_initialized()):
+        _forget_destroyed_groups()
         return
     try:
         if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
@@ -87,3 +96,28 @@ def _at_exit() -> None:
         dist.destroy_process_group()
     except Exception as e:
         log.warning("dstrain: destroying the process group at exit failed: %r", e)
+    _forget_destroyed_groups()
+
+
+_HOLDS_GROUPS = ("torch.distributed.nn.functional",)
+"""torch modules whose functions take ``group=group.WORLD``: the group of their import, kept for good."""
+
+
+def _forget_destroyed_groups() -> None:
+    """With no process group left, turn the default arguments of `_HOLDS_GROUPS`' functions that are
+    process groups (destroyed ones) into None (the default group, as torch reads it), so that the last
+    reference to the destroyed groups goes now and their gloo threads are joined while the
+    interpreter is whole. No-op while a group is initialized."""
+    if not dist.is_available() or dist.is_initialized():
+        return
+    for name in _HOLDS_GROUPS:
+        module = sys.modules.get(name)
+        if module is None:  # never imported: nothing holds a group there
+            continue
+        for fn in vars(module).values():
+            if not inspect.isfunction(fn) or not fn.__defaults__:
+                continue
+            if any(isinstance(d, dist.ProcessGroup) for d in fn.__defaults__):
+                fn.__defaults__ = tuple(
+                    None if isinstance(d, dist.ProcessGroup) else d for d in fn.__defaults__
+                )

@@ -91,12 +91,16 @@ def test_a_rank_dead_of_sigabrt_at_exit_is_counted_as_an_abort() -> None:
 
 def test_at_exit_the_engine_is_closed_and_the_process_group_destroyed(tmp_path: Path) -> None:
     """An ``atexit`` hook registered before dstrain's runs after it: by then the engine the script
-    left open is closed and no process group is left."""
+    left open is closed, no process group is left and no gloo thread runs, although the script still
+    holds the engine and imported ``torch.distributed.nn`` after the group existed (as the first
+    ``torch.optim.Adam(fused=True)`` does: its functions keep the world group in their defaults, whose
+    threads then outlived the hook and aborted the README pipeline block at exit)."""
     script = tmp_path / "late_look.py"
     script.write_text(
         textwrap.dedent(
             """
             import atexit
+            import os
 
             import torch
             import torch.distributed as dist
@@ -106,6 +110,14 @@ def test_at_exit_the_engine_is_closed_and_the_process_group_destroyed(tmp_path: 
             def late_look():  # registered first, so it runs after dstrain's teardown
                 engine = engines[0]
                 print(f"rank {engine.topology.dp.rank}: pg={dist.is_initialized()}", flush=True)
+                names = []
+                for t in os.listdir("/proc/self/task"):
+                    try:
+                        with open(f"/proc/self/task/{t}/comm") as f:
+                            names.append(f.read().strip())
+                    except OSError:  # the thread ended meanwhile
+                        pass
+                print(f"gloo threads={sorted(n for n in names if 'gloo' in n)}", flush=True)
                 engine.close()  # idempotent: closed already, nothing happens
                 print("closed twice ok", flush=True)
 
@@ -114,6 +126,7 @@ def test_at_exit_the_engine_is_closed_and_the_process_group_destroyed(tmp_path: 
             import dstrain
 
             dstrain.init_distributed()
+            import torch.distributed.nn  # after the group: its functions' defaults hold the world group
             model = torch.nn.Linear(8, 8)
             config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
                       "zero_optimization": {"stage": 1}}
@@ -128,3 +141,4 @@ def test_at_exit_the_engine_is_closed_and_the_process_group_destroyed(tmp_path: 
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert r.stdout.count("pg=False") == 2 and r.stdout.count("closed twice ok") == 2, out[-4000:]
+    assert r.stdout.count("gloo threads=[]") == 2, out[-4000:]
