@@ -127,6 +127,7 @@ SCRIPT = textwrap.dedent(
         print("cmdline:", f.read().replace(b"\\0", b" ").decode())
     if sys.argv[1] == "crash":
         import ctypes
+        sys.stdout.flush()  # a pipe's stdout is block-buffered (without PYTHONUNBUFFERED): a crash loses it
         ctypes.string_at(0)  # SIGSEGV
     sys.exit(5)
     """
