@@ -353,12 +353,15 @@ class OffloadAdam(torch.optim.Optimizer):
     def _hand_back_unwritten(self, lease: Any, master: Any, swapped: Any) -> None:
         """A sub-group step that failed (or never ran): its swap buffers go back to their pools
         unwritten, so the pass and `close` never wait for them (best effort: the step is lost)."""
-        with contextlib.suppress(Exception):
-            if swapped is not None:
+        # each on its own: one give-back that raises must not keep the others' buffers from their pools
+        if swapped is not None:
+            with contextlib.suppress(Exception):
                 self._grads.discard(swapped[0])
-            if master is not None:
+        if master is not None:
+            with contextlib.suppress(Exception):
                 self.swapped.master.discard_master(master[0])
-            if lease is not None and self.swapped.swapper is not None:
+        if lease is not None and self.swapped.swapper is not None:
+            with contextlib.suppress(Exception):
                 self.swapped.swapper.discard(lease)
 
     @torch.no_grad()

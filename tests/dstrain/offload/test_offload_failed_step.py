@@ -76,3 +76,28 @@ def test_a_failed_inline_sub_group_step_is_never_skipped(monkeypatch, tmp_path, 
     finally:
         monkeypatch.undo()
         engine.close()
+
+
+def test_a_failed_steps_buffers_all_go_back_when_one_give_back_raises() -> None:
+    """`_hand_back_unwritten` (a step that failed or never ran): the gradient, master and m, v buffers go
+    back to their pools each on its own, so one give-back that raises (best effort) does not keep the
+    others lent to nobody, which would make later reads of those pools wait."""
+    from types import SimpleNamespace
+
+    from dstrain.offload.optimizer.adam import OffloadAdam
+
+    back: list[str] = []
+
+    def raising(_: Any) -> None:
+        back.append("grad")
+        raise RuntimeError("grad pool closed")
+
+    fake = SimpleNamespace(
+        _grads=SimpleNamespace(discard=raising),
+        swapped=SimpleNamespace(
+            master=SimpleNamespace(discard_master=lambda b: back.append("master")),
+            swapper=SimpleNamespace(discard=lambda lease: back.append("m, v")),
+        ),
+    )
+    OffloadAdam._hand_back_unwritten(fake, object(), (object(),), (object(),))  # type: ignore[arg-type]
+    assert back == ["grad", "master", "m, v"]
