@@ -20,6 +20,10 @@
 #              MODES="cpu optimizer" TOTAL_S=400 GPU_TESTS=1 GPU_TESTS_S=110 bash bench/offload_gpu_h200.sh   (<= ~520 s)
 #              expected: dstrain's GPU peak ~8.6 GiB in both modes (activations 5.5 + shards 2.0 + backward's own
 #              ~1.0, no gathered copies: 1.72 GiB of them at the s9 call's peak) vs DeepSpeed's 9.5; cpu step <= 0.69 s
+#   session 10, h8's params + optimizer gradient partitions in page-locked host memory (dac1440): carry
+#              [".device-deepspeed", ".device-wheels"], command:
+#              MODES=both TOTAL_S=420 GPU_TESTS=1 GPU_TESTS_S=150 bash bench/offload_gpu_h200.sh
+#              (GPU_TEST_PATHS overrides the -m gpu test paths: every offload, bench and dsio GPU test by default)
 #   DS_MODES (default: MODES) names the modes whose DeepSpeed twin runs; the others record it as skipped
 #   here:   DEVICE=cpu DSIO_DEEPSPEED_VENV=/work/venv-deepspeed bash bench/offload_gpu_h200.sh   (CPU dry run, tiny)
 #
@@ -205,8 +209,7 @@ if [ "${GPU_TESTS:-0}" = 1 ] && [ "$DEVICE" = cuda ]; then
             && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     fi
     timeout -k 10 "${GPU_TESTS_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
-        tests/dstrain/offload/test_offload_host_master.py tests/dstrain/offload/test_offload_step_thread.py \
-        tests/bench/test_offload_gpu_bench.py 2>&1 | tail -n 25
+        ${GPU_TEST_PATHS:-tests/dstrain/offload tests/bench/test_offload_gpu_bench.py tests/dsio/test_gpu.py} 2>&1 | tail -n 40
 fi
 "$PY" bench/offload_gpu_table.py "$OUT" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
     --out "$OUT/summary.md" > /dev/null
