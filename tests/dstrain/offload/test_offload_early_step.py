@@ -184,9 +184,10 @@ def _early_vs_reference(root: str, device: str, model_device: str) -> None:
     """Sub-groups step during backward with the masters on ``model_device`` (state on the host or
     NVMe, stepped there by the same fused kernel), bitwise equal to no offload."""
     out: dict[str, Any] = {}
-    # With the optimizer on the CPU and the model on CUDA, ZeRO-Offload steps the fp32 master on the host
-    # (another Adam kernel than the GPU's): the reference is then the same placement stepped after backward.
-    host_master = device == "cpu" and model_device.startswith("cuda")
+    # With the optimizer offloaded (CPU or NVMe) and the model on CUDA, ZeRO-Offload / -Infinity step the
+    # fp32 master on the host (another Adam kernel than the GPU's): the reference is then the same
+    # placement stepped after backward.
+    host_master = model_device.startswith("cuda")
     for name, where in (("ref", device if host_master else "none"), ("early", device)):
         cfg = offload_config(3, where, root, sub_group=1024)
         if name == "ref" and host_master:
