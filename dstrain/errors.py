@@ -189,7 +189,8 @@ class PartitionedSaveError(DstrainError, RuntimeError):
 
 class IncompleteStepError(DstrainError, RuntimeError):
     """Raised by every `OffloadAdam.step` (so `engine.step()`) after a sub-group step of the optimizer
-    step under way failed (``__cause__``: its error, raised when it happened): some sub-groups are
+    step under way failed, or could not start (its state's read failed, an async save's gate raised)
+    (``__cause__``: its error, raised when it happened): the step is counted, some sub-groups are
     stepped, that one may be half-updated and others are not, so the step can be neither finished nor
     re-run. Load a checkpoint into a new engine to go on."""
 

@@ -258,14 +258,24 @@ class OffloadAdam(torch.optim.Optimizer):
         With ``thread`` the taking is done here and the step and write-back there."""
         g = self.param_groups[sg.group]
         lease = master = swapped = None
-        if self.swapped.swapper is not None:
-            assert self.swapped.reads is not None
-            lease, master, swapped = self.swapped.reads.take(sg)
-            self._top_up()
-            m, v = self.swapped.views(lease, sg)
-        else:
-            assert sg.m is not None and sg.v is not None
-            m, v = sg.m, sg.v
+        try:
+            if self.swapped.swapper is not None:
+                assert self.swapped.reads is not None
+                lease, master, swapped = self.swapped.reads.take(sg)
+                self._top_up()
+                m, v = self.swapped.views(lease, sg)
+            else:
+                assert sg.m is not None and sg.v is not None
+                m, v = sg.m, sg.v
+            if gate is not None:  # an async save may still be reading this sub-group's bytes
+                gate(self._touch_pos.get(sg.index, sg.index))
+        except BaseException as e:
+            # Not stepped, but the step under way is counted (`_begin`) and may have stepped others;
+            # its read-ahead no longer holds this sub-group: `step` refuses from now on, as for a
+            # sub-group step that failed (a re-run would find neither its reads nor its count)
+            self._failed = e
+            self._hand_back_unwritten(lease, master, swapped)
+            raise
         if swapped is not None:  # the gradient range as read from the gradient file
             grad = swapped[1]
             p = (
@@ -279,8 +289,6 @@ class OffloadAdam(torch.optim.Optimizer):
             p, grad = sg.slices()
         # one path for every device: state (and a swapped master) to the gradient's device,
         # stepped there by that device's fused kernel, copied back (nothing moves on a CPU run)
-        if gate is not None:  # an async save may still be reading this sub-group's bytes
-            gate(self._touch_pos.get(sg.index, sg.index))
         beta1, beta2 = g["betas"]
         lr, wd, eps = float(g["lr"]), float(g["weight_decay"]), float(g["eps"])
         step_count = self.swapped.steps[sg.group]

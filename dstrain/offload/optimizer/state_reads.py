@@ -116,11 +116,27 @@ class StateReads:
             t0 = time.perf_counter()
             concurrent.futures.wait(futs)
             self.stall += time.perf_counter() - t0
+        if any(f.exception() is not None for f in futs):
+            # a failed read gave its own buffer back; the others go back unused, then it raises
+            self._discard(fut, mfut, gfut)
+            for f in futs:
+                f.result()
         return (
             fut.result(),
             mfut.result() if mfut is not None else None,
             gfut.result() if gfut is not None else None,
         )
+
+    def _discard(self, fut: Any, mfut: Any, gfut: Any) -> None:
+        """Hand the buffers of one entry's reads that succeeded back unused (a failed read already
+        gave its own back)."""
+        for f, give_back in (
+            (fut, self.swapper.discard),
+            (mfut, lambda got: self.master.discard_master(got[0])),
+            (gfut, lambda got: self.grads.discard(got[0])),
+        ):
+            if f is not None and f.exception() is None:
+                give_back(f.result())
 
     def cancel(self) -> None:
         """Hand every buffer read ahead back unused and restart at the order's head."""
@@ -129,9 +145,6 @@ class StateReads:
             self.master.settle()
         while self.ahead:
             _, fut, mfut, gfut = self.ahead.popleft()
-            self.swapper.discard(fut.result())
-            if mfut is not None:
-                self.master.discard_master(mfut.result()[0])
-            if gfut is not None:
-                self.grads.discard(gfut.result()[0])
+            concurrent.futures.wait([f for f in (fut, mfut, gfut) if f is not None])
+            self._discard(fut, mfut, gfut)  # every entry's, even behind a read that failed
         self.swapper.drain()

@@ -2,7 +2,9 @@
 boundary backward, or in ``step()``) leaves the optimizer step incomplete. That sub-group is marked
 stepped before it runs (a late reduction of it is an error either way), so a later ``engine.step()``
 that went on would finish the step without it: each raises `IncompleteStepError` instead (its cause
-the original error). The step thread's twin is in test_offload_step_thread.py."""
+the original error). So does a failure before a sub-group is marked stepped (its state's read): the
+step is counted and others may be stepped, and the read-ahead no longer holds it. The step thread's
+twin is in test_offload_step_thread.py."""
 
 from __future__ import annotations
 
@@ -101,3 +103,128 @@ def test_a_failed_steps_buffers_all_go_back_when_one_give_back_raises() -> None:
     )
     OffloadAdam._hand_back_unwritten(fake, object(), (object(),), (object(),))  # type: ignore[arg-type]
     assert back == ["grad", "master", "m, v"]
+
+
+def test_a_sub_group_whose_state_read_failed_makes_the_step_incomplete(monkeypatch, tmp_path) -> None:
+    """A sub-group's step can fail before it is marked stepped (its m, v read failed: the disk's EIO).
+    The step's counters are already counted and earlier sub-groups stepped, so a later ``engine.step()``
+    refuses with `IncompleteStepError` (cause: the read's error) rather than re-running the step."""
+    import concurrent.futures
+    import errno
+
+    from dsio.errors import IOFailedError
+
+    cfg = offload_config(3, "nvme", str(tmp_path), sub_group=256)
+    cfg["optimizer"]["type"] = "AdamW"
+    section = cfg["zero_optimization"]["offload_optimizer"]
+    section["step_thread"] = False
+    section["step_in_backward"] = False
+    engine, opt = dstrain.initialize(model=make_model(), config=cfg)[:2]
+    try:
+        engine_losses(engine, 1)
+        stats = opt.statistics()
+        assert stats.sub_groups >= 3
+        swapper = opt.swapped.swapper
+        real = swapper.fetch
+        calls = {"n": 0}
+
+        def fetch(key: Any) -> Any:  # the third m, v read from here on fails, as the disk's EIO would
+            calls["n"] += 1
+            if calls["n"] != 3:
+                return real(key)
+            failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            failed.set_exception(IOFailedError(errno.EIO, swapper.path, 0))
+            return failed
+
+        opt.swapped.cancel_ahead()  # the next step's reads, submitted again below
+        monkeypatch.setattr(swapper, "fetch", fetch)
+        idx, targets = global_batch(1, engine.config.train_batch_size)
+        engine.backward(engine(idx, targets))
+        seen = _fail_call(monkeypatch, 0)  # counts the kernel's calls
+        with pytest.raises(IOFailedError):
+            engine.step()
+        stepped = seen["calls"]
+        assert 0 < stepped < stats.sub_groups  # some stepped, the failed one and some others not
+        for _ in range(2):
+            with pytest.raises(IncompleteStepError) as info:
+                engine.step()
+            assert isinstance(info.value.__cause__, IOFailedError)
+        assert seen["calls"] == stepped  # nothing stepped after the failure
+    finally:
+        monkeypatch.undo()
+        engine.close()
+
+
+def test_a_failed_read_ahead_never_taken_is_dropped_with_the_others(monkeypatch, tmp_path) -> None:
+    """A read ahead that failed and was never taken (the read-ahead is handed back first: a state_dict
+    between backward and step, or close) does not raise there, and every other buffer read ahead goes
+    back to its pool: the reads start afresh and the step completes."""
+    import concurrent.futures
+    import errno
+
+    from dsio.errors import IOFailedError
+
+    cfg = offload_config(3, "nvme", str(tmp_path), sub_group=256)
+    section = cfg["zero_optimization"]["offload_optimizer"]
+    section["step_thread"] = False
+    section["step_in_backward"] = False
+    engine, opt = dstrain.initialize(model=make_model(), config=cfg)[:2]
+    try:
+        engine_losses(engine, 1)
+        swapper = opt.swapped.swapper
+        real = swapper.fetch
+        calls = {"n": 0}
+
+        def fetch(key: Any) -> Any:  # the first m, v read from here on fails
+            calls["n"] += 1
+            if calls["n"] != 1:
+                return real(key)
+            failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            failed.set_exception(IOFailedError(errno.EIO, swapper.path, 0))
+            return failed
+
+        opt.swapped.cancel_ahead()
+        monkeypatch.setattr(swapper, "fetch", fetch)
+        idx, targets = global_batch(1, engine.config.train_batch_size)
+        engine.backward(engine(idx, targets))  # reads the step's state ahead: the first read fails
+        assert calls["n"] >= 2
+        monkeypatch.undo()
+        state = opt.state_dict()  # hands the read-ahead back first
+        assert len(state["state"]) > 0
+        assert opt.statistics().swapper.buffers_in_use == 0
+        engine.step()  # its reads submitted afresh
+        assert opt.statistics().steps == 2
+    finally:
+        monkeypatch.undo()
+        engine.close()
+
+
+def test_a_take_whose_state_read_failed_hands_its_master_and_gradient_buffers_back() -> None:
+    """`StateReads.take` of a sub-group whose m, v read failed raises that error, and the master and
+    gradient ranges read for the same sub-group go back to their pools (the parameter store's buffers
+    also serve the gathers: one lent to nobody would leave forward one buffer short for good)."""
+    import concurrent.futures
+    import errno
+    from types import SimpleNamespace
+
+    from dsio.errors import IOFailedError
+    from dstrain.offload.optimizer.state_reads import StateReads
+
+    back: list[str] = []
+
+    def done(value: Any = None, error: BaseException | None = None) -> concurrent.futures.Future[Any]:
+        f: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        f.set_exception(error) if error is not None else f.set_result(value)
+        return f
+
+    reads = StateReads(
+        SimpleNamespace(discard=lambda lease: back.append("m, v")),  # type: ignore[arg-type]
+        SimpleNamespace(discard_master=lambda b: back.append(f"master {b}"), settle=lambda: None),
+        SimpleNamespace(discard=lambda b: back.append(f"grad {b}"), took=lambda f: None),
+    )
+    sg = object()
+    state = done(error=IOFailedError(errno.EIO, "swap", 0))
+    reads.ahead.append([sg, state, done(("mb", None)), done(("gb", None))])
+    with pytest.raises(IOFailedError):
+        reads.take(sg)  # type: ignore[arg-type]
+    assert sorted(back) == ["grad gb", "master mb"]
