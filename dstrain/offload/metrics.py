@@ -9,11 +9,14 @@ and from then on its series carry the engine's labels (``rank`` and ``engine``,
 engines' offload counters are so never added into one series (dsio's collector sums samples with
 equal labels), and a closed engine's series go whole instead of dipping a shared sum. A part built
 by hand (an `OffloadAdam` used as a torch optimizer) has no engine: it is exported from construction
-until ``close()`` with ``engine=""`` (every ``dstrain_offload_*`` series has the three labels).
+until ``close()`` with ``engine=":N"``, ``N`` the smallest number no other open hand-built part of
+its kind holds (``:`` is in no engine's name), so two of them are never added into one series either
+(every ``dstrain_offload_*`` series has the three labels).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -77,18 +80,20 @@ def _rank() -> int:
 
 
 class _Series:
-    """How one tracked offload part's snapshot becomes samples: its kind, and its engine once owned."""
+    """How one tracked offload part's snapshot becomes samples: its kind, and its engine once owned
+    (until then its ``engine`` label is ``hand``: ``":N"``)."""
 
-    __slots__ = ("kind", "owner", "rank")
+    __slots__ = ("hand", "kind", "owner", "rank")
 
-    def __init__(self, kind: str, rank: int) -> None:
+    def __init__(self, kind: str, rank: int, hand: str) -> None:
         self.kind = kind
         self.rank = rank
+        self.hand = hand
         self.owner: weakref.ref[Engine] | None = None  # set once, by `own` (the scrape thread reads it)
 
     def describe(self, snap: Any) -> Iterator[Sample]:
         if self.owner is None:  # built by hand: no engine
-            return samples(snap, self.rank, self.kind)
+            return samples(snap, self.rank, self.kind, engine=self.hand)
         engine = self.owner()
         try:
             mine = engine_labels(engine) if engine is not None else None
@@ -100,16 +105,27 @@ class _Series:
 
 
 _series: weakref.WeakKeyDictionary[Any, _Series] = weakref.WeakKeyDictionary()  # tracked part -> its series
+_series_lock = threading.Lock()  # parts are built on any thread
+
+
+def _hand_label(kind: str) -> str:
+    """``":N"``: the smallest ``N`` no registered part of ``kind`` that no engine owns holds (the
+    lock held; a part garbage-collected or unregistered frees its number)."""
+    held = {s.hand for s in list(_series.values()) if s.kind == kind and s.owner is None}
+    return next(f":{i}" for i in range(len(held) + 1) if f":{i}" not in held)
 
 
 def register_offload(stepper: Any, kind: str = "optimizer") -> None:
     """Export ``stepper.statistics()`` (or a parameter store's, ``kind="param"``; a gradient
     store's, ``kind="grad"``) as ``dstrain_offload_*`` while it lives (held weakly) and until
-    `unregister_offload`; labelled ``engine=""`` until `own` gives it an engine. Idempotent."""
-    if stepper in _series:
-        return
-    series = _Series(kind, _rank())
-    _series[stepper] = series
+    `unregister_offload`; labelled ``engine=":N"`` (the module's docstring) until `own` gives it an
+    engine. Idempotent."""
+    rank = _rank()
+    with _series_lock:
+        if stepper in _series:
+            return
+        series = _Series(kind, rank, _hand_label(kind))
+        _series[stepper] = series
     track(stepper, kind="offload", namespace="dstrain", describe=series.describe)
 
 
@@ -119,7 +135,8 @@ def own(part: Any, engine: Engine) -> None:
     while ``engine`` is registered and open. Called by `initialize` (the offload room's
     `dstrain.offload.compose.own_parts`). Raises ValueError for a part not registered (or already
     unregistered), or owned by another engine."""
-    series = _series.get(part)
+    with _series_lock:
+        series = _series.get(part)
     if series is None:
         raise ValueError(f"{type(part).__name__} is not a registered offload part (register_offload)")
     held = series.owner() if series.owner is not None else None
@@ -130,5 +147,6 @@ def own(part: Any, engine: Engine) -> None:
 
 def unregister_offload(stepper: Any) -> None:
     """Stop exporting ``stepper``'s series (its ``close()`` calls this; idempotent)."""
-    _series.pop(stepper, None)
+    with _series_lock:
+        _series.pop(stepper, None)
     untrack(stepper)

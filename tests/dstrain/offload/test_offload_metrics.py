@@ -142,7 +142,7 @@ def test_an_engines_offload_series_follow_its_registration(tmp_path) -> None:
 
     registry = prometheus_client.CollectorRegistry()
     metrics.register(registry)
-    gc.collect()  # offload parts built by hand in earlier tests are exported (engine="") until collected
+    gc.collect()  # offload parts built by hand in earlier tests are exported (engine=":N") until collected
     engine = dstrain.initialize(model=make_model(), config=offload_config(1, "nvme", str(tmp_path)))[0]
     try:
         engine_losses(engine, 1)
@@ -157,3 +157,51 @@ def test_an_engines_offload_series_follow_its_registration(tmp_path) -> None:
     finally:
         engine.close()
     assert _offload_of(_scrape(registry)[0], name) == {}
+
+
+def _hand_built(tmp_path: Any, n: int) -> Any:
+    """An `OffloadAdam` used as a torch optimizer (no engine), state on NVMe, stepped once."""
+    import torch
+
+    from dstrain.offload.optimizer.adam import OffloadAdam
+
+    tmp_path.mkdir()
+    view = torch.zeros(n, requires_grad=True)
+    view.grad = torch.ones(n)
+    off = OffloadAdam([view], device="nvme", nvme_path=str(tmp_path), sub_group_size=4096, buffer_count=2)
+    off.step()
+    off.drain()
+    return off
+
+
+def test_hand_built_parts_of_one_kind_are_series_of_their_own(tmp_path) -> None:
+    """Parts no engine owns, of one kind, never add into one series: each is labelled ``engine=":N"``
+    (``N`` the smallest number no other open hand-built part of its kind holds; ``:`` is in no engine's
+    name), so closing one leaves the other's counters where they were instead of dipping a sum."""
+    from dsio import metrics
+
+    gc.collect()  # hand-built parts an earlier test dropped unclosed are exported until collected
+    registry = prometheus_client.CollectorRegistry()
+    metrics.register(registry)
+    first = _hand_built(tmp_path / "1", 9000)
+    second = _hand_built(tmp_path / "2", 20000)
+    try:
+        scrape = _scrape(registry)[0]
+        names = {dict(lab)["engine"] for name, lab in scrape if name.startswith("dstrain_offload_")}
+        assert {":0", ":1"} <= names
+        written = [s.swapper.written_bytes for s in (first.statistics(), second.statistics())]
+        assert written[0] != written[1]
+        assert [_swap(_offload_of(scrape, n), "optimizer", "write") for n in (":0", ":1")] == written
+        first.close()
+        after = _scrape(registry)[0]
+        assert _offload_of(after, ":0") == {}  # gone whole with its part
+        assert _swap(_offload_of(after, ":1"), "optimizer", "write") == written[1]  # not a dipped sum
+        third = _hand_built(tmp_path / "3", 9000)  # takes the number the closed one freed
+        try:
+            third_written = third.statistics().swapper.written_bytes
+            assert _swap(_offload_of(_scrape(registry)[0], ":0"), "optimizer", "write") == third_written
+        finally:
+            third.close()
+    finally:
+        first.close()
+        second.close()

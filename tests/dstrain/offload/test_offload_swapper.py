@@ -195,8 +195,8 @@ def test_offload_metrics_on_dsio_exporter(tmp_path) -> None:
 
     from dsio import metrics
 
-    # a part built by hand has no engine (engine=""): one an earlier test dropped unclosed, in a
-    # reference cycle, would add into this one's series until collected
+    # a part built by hand has no engine (engine=":N", the smallest number free): one an earlier test
+    # dropped unclosed, in a reference cycle, would hold ":0" until collected
     gc.collect()
     registry = prometheus_client.CollectorRegistry()
     metrics.register(registry)
@@ -207,7 +207,7 @@ def test_offload_metrics_on_dsio_exporter(tmp_path) -> None:
         off.step()
     off.swapped.swapper.drain()  # type: ignore[union-attr]  # the last writes are behind
     st = off.statistics()
-    labels = {"rank": "0", "engine": "", "kind": "optimizer"}  # built by hand: no engine owns it
+    labels = {"rank": "0", "engine": ":0", "kind": "optimizer"}  # built by hand: no engine owns it
 
     def value(name: str, **extra: str) -> float | None:
         return registry.get_sample_value(name, {**labels, **extra})
