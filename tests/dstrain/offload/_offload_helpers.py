@@ -65,6 +65,37 @@ def final_params(engine: Any) -> list[torch.Tensor]:
     return [t for t in engine.full_state_dict().values()]
 
 
+def train_drained(
+    cfg: dict[str, Any], model: torch.nn.Module, steps: int, measure: Any = None
+) -> dict[str, Any]:
+    """Train ``model`` (on its device) ``steps`` optimizer steps under ``cfg``, the optimizer's reads
+    ahead drained before each backward (with m, v on NVMe a sub-group steps during backward only if its
+    state is in memory: this makes it so on a loaded machine too); the engine is closed after. Returns
+    the losses, the final parameters, the sub-groups stepped during backward, the gradient partitions'
+    devices, what ``measure(engine)`` adds, and on CUDA the GPU peak since the first step."""
+    import dstrain
+
+    engine, opt = dstrain.initialize(model=model, config=cfg)[:2]
+    cuda = next(model.parameters()).device.type == "cuda"
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        losses = engine_losses(engine, steps, hook=lambda step, micro: opt.drain())
+        out = {
+            "losses": losses,
+            "params": final_params(engine),
+            "early": opt.statistics().stepped_in_backward,
+            "grad_devices": {g.master_grad.device.type for g in engine.zero.groups},
+            **(measure(engine) if measure is not None else {}),
+        }
+        if cuda:
+            out["gpu_peak"] = torch.cuda.max_memory_allocated()
+        return out
+    finally:
+        engine.close()
+
+
 def parity_run(scenarios: dict[str, dict[str, Any]], steps: int) -> dict[str, Any]:
     """Per scenario: losses of ``steps`` steps, the final parameters, grad norm, offload statistics."""
     import dstrain

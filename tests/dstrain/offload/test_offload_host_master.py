@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from _dstrain_helpers import engine_losses, make_model
-from _offload_helpers import final_params, offload_config
+from _offload_helpers import offload_config, train_drained
 
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 
@@ -28,33 +28,22 @@ STEPS = 4
 
 
 def _train(cfg: dict[str, Any], monkeypatch: Any, store: Any = None, device: str = "cpu") -> dict[str, Any]:
-    if store is not None:
-        monkeypatch.setattr(compose, "build_param_store", lambda *a, **k: store)
-    engine, opt = dstrain.initialize(model=make_model().to(device), config=cfg)[:2]
-    try:
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        # reads ahead done before each backward: with m, v on NVMe a sub-group steps during backward
-        # only if its state is in memory, which this makes so on a loaded machine too
-        losses = engine_losses(engine, STEPS, hook=lambda step, micro: opt.drain())
+    def measure(engine: Any) -> dict[str, Any]:
         groups = engine.zero.groups
-        out = {
-            "losses": losses,
-            "params": final_params(engine),
-            "early": opt.statistics().stepped_in_backward,
+        return {
             "master_devices": {g.master.device.type for g in groups},
-            "grad_devices": {g.master_grad.device.type for g in groups},
             "shard_devices": {g.shards.device.type for g in groups},
             "apart": all(g.master.data_ptr() != g.shards.data_ptr() for g in groups),
             "pinned": all(g.master.is_pinned() and g.master_grad.is_pinned() for g in groups),
             # parameter elements gathered beyond the shards at the peak (world size 1: none)
             "gathered": engine.zero.statistics().peak_resident_param_numel - sum(g.total for g in groups),
         }
-        if device == "cuda":
-            out["gpu_peak"] = torch.cuda.max_memory_allocated()
-        return out
+
+    if store is not None:
+        monkeypatch.setattr(compose, "build_param_store", lambda *a, **k: store)
+    try:
+        return train_drained(cfg, make_model().to(device), STEPS, measure)
     finally:
-        engine.close()
         monkeypatch.undo()
 
 

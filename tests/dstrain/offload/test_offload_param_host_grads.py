@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from _dstrain_helpers import engine_losses, make_model
-from _offload_helpers import final_params, param_config
+from _dstrain_helpers import make_model
+from _offload_helpers import param_config, train_drained
 
 pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
 
-import dstrain  # noqa: E402
 import dstrain.offload.param.shards as shards_mod  # noqa: E402
 
 STEPS = 4
@@ -30,28 +29,16 @@ DIM = 256  # ~0.55M parameters: the partitions' 2.2 MB stand well above the allo
 
 
 def _train(cfg: dict[str, Any], device: str) -> dict[str, Any]:
-    engine, opt = dstrain.initialize(model=make_model(dim=DIM).to(device), config=cfg)[:2]
-    try:
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        losses = engine_losses(engine, STEPS, hook=lambda step, micro: opt.drain())
+    def measure(engine: Any) -> dict[str, Any]:
         groups = engine.zero.groups
-        out = {
-            "losses": losses,
-            "params": final_params(engine),
+        return {
             "store": type(engine.zero.store).__name__,
-            "grad_devices": {g.master_grad.device.type for g in groups},
             "grads_pinned": all(g.master_grad.is_pinned() for g in groups),
             "master_bytes": sum(g.master.untyped_storage().nbytes() for g in groups),
             "grad_numel": sum(g.master_grad.numel() for g in groups),
-            "early": opt.statistics().stepped_in_backward,
         }
-        if device == "cuda":
-            out["gpu_peak"] = torch.cuda.max_memory_allocated()
-        return out
-    finally:
-        engine.close()
+
+    return train_drained(cfg, make_model(dim=DIM).to(device), STEPS, measure)
 
 
 def _config(root: str, bf16: bool, gas: int) -> dict[str, Any]:

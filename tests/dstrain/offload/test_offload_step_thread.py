@@ -13,8 +13,10 @@ backward run on one thread of their own, beside backward.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,18 @@ NAME = "dstrain-offload-step"
 
 def _step_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == NAME]
+
+
+@contextlib.contextmanager
+def _torn_down(engine: Any, monkeypatch: Any) -> Iterator[None]:
+    """A failure test's teardown: the patches undone (the kernel works again), the engine closed, and,
+    when the block passed, no step thread left behind."""
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        engine.close()
+    assert not _step_threads()
 
 
 def _config(tmp_path: Any, optimizer: str, bf16: bool, thread: bool) -> dict[str, Any]:
@@ -150,17 +164,13 @@ def test_a_failure_on_the_thread_surfaces_typed(monkeypatch, tmp_path, optimizer
     cfg = _config(tmp_path, optimizer, False, True)
     cfg["optimizer"]["type"] = "AdamW"
     engine, opt = dstrain.initialize(model=make_model(), config=cfg)[:2]
-    try:
+    with _torn_down(engine, monkeypatch):
         engine_losses(engine, 1)  # the first armed pass only records; nothing on the thread yet
         seen = _failing_kernel(monkeypatch)
         with pytest.raises(StepThreadError) as info:  # (reads done first: on NVMe the steps go early)
             engine_losses(engine, 1, start=1, hook=lambda step, micro: opt.drain())
         assert isinstance(info.value.__cause__, RuntimeError)
         assert seen["calls"] >= 1
-    finally:
-        monkeypatch.undo()
-        engine.close()
-    assert not _step_threads()
 
 
 def test_after_a_failure_raised_in_backward_the_step_never_completes(monkeypatch, tmp_path) -> None:
@@ -172,7 +182,7 @@ def test_after_a_failure_raised_in_backward_the_step_never_completes(monkeypatch
     cfg = _config(tmp_path, "cpu", False, True)
     cfg["optimizer"]["type"] = "AdamW"
     engine = dstrain.initialize(model=make_model(), config=cfg)[0]
-    try:
+    with _torn_down(engine, monkeypatch):
         engine_losses(engine, 1)  # the first armed pass only records; nothing on the thread yet
         assert engine.config.gradient_accumulation_steps == 1
         seen = _failing_kernel(monkeypatch)
@@ -186,10 +196,6 @@ def test_after_a_failure_raised_in_backward_the_step_never_completes(monkeypatch
             with pytest.raises(StepThreadError) as info:
                 engine.step()
             assert isinstance(info.value.__cause__, StepThreadError)
-    finally:
-        monkeypatch.undo()
-        engine.close()
-    assert not _step_threads()
 
 
 def test_the_optimizer_step_returns_after_every_step_handed_to_the_thread(monkeypatch, tmp_path) -> None:
@@ -427,7 +433,7 @@ def test_with_parameters_and_optimizer_on_nvme_a_failure_on_the_thread_surfaces_
     or the step after; the failed sub-group's swap buffers went back to their pools unwritten (the
     m, v pool holds only what is read ahead), and close() neither hangs nor leaves the thread."""
     engine, opt = _paramopt_engine(_paramopt_config(tmp_path, bf16=False, budget=budget, thread=True))
-    try:
+    with _torn_down(engine, monkeypatch):
         _paramopt_steps(engine, opt, 1)  # the first armed pass only records; nothing on the thread yet
         seen = _failing_kernel(monkeypatch)
         with pytest.raises(StepThreadError) as info:
@@ -436,10 +442,6 @@ def test_with_parameters_and_optimizer_on_nvme_a_failure_on_the_thread_surfaces_
         assert seen["calls"] >= 1
         opt.drain()  # the writes in flight
         assert opt.statistics().swapper.buffers_in_use == len(opt.swapped.reads.ahead)
-    finally:
-        monkeypatch.undo()
-        engine.close()
-    assert not _step_threads()
 
 
 def test_with_parameters_and_optimizer_on_nvme_a_script_that_never_closes_exits_cleanly(tmp_path) -> None:
@@ -472,7 +474,7 @@ def test_steps_dropped_behind_a_failure_on_the_thread_hand_their_buffers_back(mo
     cfg = _config(tmp_path, "nvme", False, True)
     cfg["optimizer"]["type"] = "AdamW"
     engine, opt = dstrain.initialize(model=make_model(), config=cfg)[:2]
-    try:
+    with _torn_down(engine, monkeypatch):
         engine_losses(engine, 1, hook=lambda step, micro: opt.drain())  # the first armed pass records
         queued = threading.Event()  # a second step is handed over while the first still runs
         real_submit, real_kernel = StepThread.submit, torch._fused_adamw_
@@ -497,7 +499,3 @@ def test_steps_dropped_behind_a_failure_on_the_thread_hand_their_buffers_back(mo
         assert handed["n"] >= 2  # one failed, one dropped behind it
         opt.drain()  # the writes in flight
         assert opt.statistics().swapper.buffers_in_use == len(opt.swapped.reads.ahead)
-    finally:
-        monkeypatch.undo()
-        engine.close()
-    assert not _step_threads()
