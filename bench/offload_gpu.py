@@ -84,6 +84,37 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=4, help="micro batch per rank")
 
 
+def add_gather_args(p: argparse.ArgumentParser) -> None:
+    """The gathered-parameter cap of the comparison: one flag for dstrain's driver and DeepSpeed's twin,
+    which both put `max_live_params` into their config."""
+    p.add_argument(
+        "--max-live-params",
+        type=float,
+        default=None,
+        help="zero_optimization.stage3_max_live_parameters of both dstrain and DeepSpeed (default with the "
+        "parameters on NVMe: the embedding plus one transformer layer, vocab*d + 12*d*d elements; else "
+        "unset, DeepSpeed's 1e9)",
+    )
+
+
+def max_live_params(args: argparse.Namespace) -> int | None:
+    """``zero_optimization.stage3_max_live_parameters`` of the run: ``--max-live-params``; else, with the
+    parameters on NVMe (``--offload both`` / ``param``), the embedding plus one transformer layer
+    (``vocab*d + 12*d*d`` elements, 115.9M on the 1.07B GPT: the tied embedding stays gathered through
+    backward, and one layer's units prefetched beside it is what overlap needs: each gather copies its
+    shard from a read-ahead buffer, which the store's own read-ahead keeps reading ahead whatever the
+    gather prefetch depth); else None (unset: DeepSpeed's 1e9, where a world-1 pass binds the
+    parameters to the resident shards and gathers no copies). Prefetching up to 1e9 kept 1.85 GiB of
+    gathered copies on the GPU at the 1.07B GPT's peak (bench/results/offload-gpu-h200-2026-12-01-s9-call2.md).
+    DeepSpeed's twin gets the same value (a no-op there with its ``stage3_prefetch_bucket_size`` 0:
+    DeepSpeed counts it only when prefetching)."""
+    if args.max_live_params is not None:
+        return int(args.max_live_params)
+    if args.offload in ("both", "param"):
+        return args.vocab * args.dim + 12 * args.dim * args.dim
+    return None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -104,6 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="steps in all (default 20; --tiny: 3)")
     p.add_argument("--warmup", type=int, default=2, help="steps before the timed ones")
     add_model_args(p)
+    add_gather_args(p)
     p.add_argument("--pinned-gib", type=float, default=4.0, help="dstrain offload_pinned_bytes per rank, GiB")
     p.add_argument("--sub-group", type=int, default=100_000_000, help="zero_optimization.sub_group_size")
     p.add_argument("--probe-gib", type=float, default=1.0, help="size of the disk probe's file")
@@ -339,6 +371,9 @@ def config(args: argparse.Namespace, nvme_dir: str | None = None) -> dict[str, A
         cfg["zero_optimization"]["offload_param"] = dict(nvme)
     if args.offload == "cpu":
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    live = max_live_params(args)
+    if live is not None:
+        cfg["zero_optimization"]["stage3_max_live_parameters"] = live
     return cfg
 
 
@@ -402,6 +437,8 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
     build_s = time.perf_counter() - t0
     progress.update(params=params, build_s=build_s, world=world, rank=rank)
     cfg = config(args, nvme_dir)
+    # (None: unset, DeepSpeed's default 1e9)
+    progress["max_live_params"] = cfg["zero_optimization"].get("stage3_max_live_parameters")
     dstrain = import_dstrain()
     history = args.device == "cuda" and args.memory_breakdown
     if history:  # the shards and buffers initialize makes carry their allocation sites
@@ -480,6 +517,7 @@ def train(args: argparse.Namespace, nvme_dir: str, progress: dict[str, Any]) -> 
         "build_s": build_s,
         "init_s": init_s,
         "placement": where,
+        "max_live_params": progress["max_live_params"],
         "steps_s": times,
         "losses": losses,
         "timed_steps": len(timed),
@@ -516,6 +554,10 @@ _WHAT = {
 }
 
 
+def _live(n: int | None) -> str:
+    return "unset (1e9)" if n is None else f"{n / 1e6:,.1f}M"
+
+
 def _bytes(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
 
@@ -537,7 +579,8 @@ def render(meta: dict[str, Any], result: dict[str, Any]) -> str:
         f"dstrain ZeRO-3, bf16, world {result['world']} on {meta['device']}: GPT of bench/train.py, "
         f"{result['params'] / 1e6:,.1f}M parameters ({a['layers']} layers, d={a['dim']}, {a['heads']} heads, vocab "
         f"{a['vocab']}, seq {a['seq']}), micro batch {a['batch']}; {_WHAT[a['offload']]} "
-        f"({meta['nvme_path']}, {meta['fs']}), pinned budget {a['pinned_gib']:g} GiB per rank.",
+        f"({meta['nvme_path']}, {meta['fs']}), pinned budget {a['pinned_gib']:g} GiB per rank, "
+        f"stage3_max_live_parameters {_live(result.get('max_live_params'))}.",
         "",
         "| tokens/s | step s (median) | timed steps | swap read GB/s | swap write GB/s | swapped per step | stall s/step | "
         "prefetch hits |",

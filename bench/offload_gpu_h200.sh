@@ -24,6 +24,12 @@
 #              [".device-deepspeed", ".device-wheels"], command:
 #              MODES=both TOTAL_S=420 GPU_TESTS=1 GPU_TESTS_S=150 bash bench/offload_gpu_h200.sh
 #              (GPU_TEST_PATHS overrides the -m gpu test paths: every offload, bench and dsio GPU test by default)
+#   session 10, h3-gpumem's gathered-parameter cap (stage3_max_live_parameters = vocab*d + 12*d*d = 115.9M elements
+#              with the parameters on NVMe, the same value in DeepSpeed's config; MAX_LIVE=N sets another for both):
+#              carry [".device-deepspeed", ".device-wheels"], command:
+#              MODES=both TOTAL_S=420 GPU_TESTS=1 GPU_TESTS_S=150 bash bench/offload_gpu_h200.sh
+#              expected: dstrain's GPU peak ~6.7 GiB (activations 5.53 + backward's own ~1.04 + gathered copies
+#              <= 0.22, was 1.85) vs DeepSpeed's 7.49; tokens/s as before (~275 vs ~177: disk-bound)
 #   DS_MODES (default: MODES) names the modes whose DeepSpeed twin runs; the others record it as skipped
 #   here:   DEVICE=cpu DSIO_DEEPSPEED_VENV=/work/venv-deepspeed bash bench/offload_gpu_h200.sh   (CPU dry run, tiny)
 #
@@ -53,7 +59,9 @@ DEVICE=${DEVICE:-cuda}; NVME=${NVME:-/var/tmp/offload-h200}; PROBE_GIB=${PROBE_G
 # 21.5 s in s10-call1, where the 80 s cap before cut its second step); measured on the H200 (2026-12-01): dstrain both ~13 s a step after a
 # 17.6 s first, ~25 s to start; DeepSpeed both asserted in its second step after a 20.6 s first; the anchor's
 # DeepSpeed optimizer-on-NVMe ~17 s a step
-STEPS_DSTRAIN_BOTH=${STEPS_DSTRAIN_BOTH:-3}; CAP_DSTRAIN_BOTH=${CAP_DSTRAIN_BOTH:-100}
+# (dstrain both: 130 s, so that its step budget, the cap less 45 s, holds the recorded extra step after its 3 of
+# ~46 s: s10-call1's 100 s left 55 s, no room, and no breakdown at the peak)
+STEPS_DSTRAIN_BOTH=${STEPS_DSTRAIN_BOTH:-3}; CAP_DSTRAIN_BOTH=${CAP_DSTRAIN_BOTH:-130}
 STEPS_DEEPSPEED_BOTH=${STEPS_DEEPSPEED_BOTH:-2}; CAP_DEEPSPEED_BOTH=${CAP_DEEPSPEED_BOTH:-140}
 STEPS_DSTRAIN_CPU=${STEPS_DSTRAIN_CPU:-5}; CAP_DSTRAIN_CPU=${CAP_DSTRAIN_CPU:-90}
 STEPS_DEEPSPEED_CPU=${STEPS_DEEPSPEED_CPU:-5}; CAP_DEEPSPEED_CPU=${CAP_DEEPSPEED_CPU:-110}
@@ -100,6 +108,9 @@ else  # the CPU dry run: a tiny GPT, DeepSpeed from its CPU venv (ops already bu
     BIG_ARGS="--fit-disk --layers 2 --max-params 1e6"
 fi
 set +e  # (a failing run must not end the call: each run records its own failure)
+# the same stage3_max_live_parameters for both drivers: MAX_LIVE, else each driver's default (the embedding plus
+# one transformer layer with the parameters on NVMe: bench/offload_gpu.py's max_live_params; else unset)
+LIVE=(); [ -n "${MAX_LIVE:-}" ] && LIVE=(--max-live-params "$MAX_LIVE")
 
 left() { echo $(( TOTAL_S - (SECONDS - T0) )); }
 
@@ -160,14 +171,14 @@ run() {
         [ "$mode" = big ] && { what=both; read -r -a extra <<< "$BIG_ARGS"; }
         timeout -k 10 "$cap" "$PY" bench/offload_gpu.py --offload "$what" --nvme-path "$NVME" \
             --steps "$steps" --warmup 1 --probe-gib 0.25 --time-budget-s "$budget" --out "${json%.json}" \
-            "${TINY[@]}" "${extra[@]}" > "$LOGS/$name.log" 2>&1
+            "${TINY[@]}" "${extra[@]}" "${LIVE[@]}" > "$LOGS/$name.log" 2>&1
         rc=$?
         grep -v "^$" "$LOGS/$name.log" | grep -v "^wrote \|^Command: " | tail -n 22
         rm -f "${json%.json}.md"
     else
         timeout -k 10 "$cap" "$DSPY" bench/baselines/deepspeed_offload_gpu.py --offload "$mode" \
             --nvme-path "$NVME/ds" --steps "$steps" --warmup 1 --time-budget-s "$budget" --out "$json" \
-            "${DS_TINY[@]}" > "$LOGS/$name.log" 2>&1
+            "${DS_TINY[@]}" "${LIVE[@]}" > "$LOGS/$name.log" 2>&1
         rc=$?
         grep -v "^\[\|^$\|Warning\|warn\|^ *warnings\.\|^  return " "$LOGS/$name.log" | tail -n 12
     fi

@@ -8,7 +8,10 @@ Run with DeepSpeed importable (on the GPU machine: ``source bench/baselines/deep
 ``both``: parameters and optimizer state on NVMe (``max_in_cpu: 0`` so the parameters really go there,
 ``stage3_prefetch_bucket_size: 0``: with prefetching DeepSpeed's parameter swapper asserts "Not
 enough buffers" with ``max_in_cpu: 0``, shared/anchors; ``stage3_max_reuse_distance: 0`` and 16 buffers of
-7e7 elements, env DS_PARAM_BUFFER_COUNT / DS_PARAM_BUFFER_SIZE / DS_MAX_REUSE_DISTANCE); ``optimizer``: optimizer state on NVMe;
+7e7 elements, env DS_PARAM_BUFFER_COUNT / DS_PARAM_BUFFER_SIZE / DS_MAX_REUSE_DISTANCE;
+``stage3_max_live_parameters`` as dstrain's driver sets it, ``--max-live-params`` or
+bench/offload_gpu.py's `max_live_params` default: DeepSpeed counts it only when it prefetches, so with
+the prefetch bucket 0 it changes nothing there, and the two configs say the same); ``optimizer``: optimizer state on NVMe;
 ``cpu``: optimizer state on the CPU (ZeRO-Offload). bf16, ZeRO-3, AdamW lr 1e-4, micro batch 4.
 Writes one JSON: tokens/s over the timed steps, step times, losses, GPU peak (bytes/parameter too;
 over the training steps, the peak stats reset after ``deepspeed.initialize``, and over the whole run),
@@ -35,10 +38,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.offload_gpu import (  # noqa: E402  (as dstrain's)
     BudgetKilled,
+    add_gather_args,
     add_model_args,
     block_bytes,
     budget_stop,
     host_peak_mib,
+    max_live_params,
 )
 
 
@@ -55,17 +60,22 @@ def _io() -> dict[str, int]:
     return out
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--offload", default="both", choices=("both", "optimizer", "cpu"))
     p.add_argument("--nvme-path", default="/var/tmp/ds-offload")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     add_model_args(p)
+    add_gather_args(p)
     p.add_argument("--time-budget-s", type=float, default=240.0, help="stop the steps after this long")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the dry run")
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> int:
+    a = parse_args()
     res: dict = {"impl": "deepspeed", "offload": a.offload, "argv": sys.argv[1:]}
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
@@ -79,6 +89,40 @@ def main() -> int:
         Path(a.out).write_text(json.dumps(res, indent=1))
         print(json.dumps({k: v for k, v in res.items() if k != "traceback"}), flush=True)
     return 0
+
+
+def ds_config(a: argparse.Namespace) -> dict:
+    """DeepSpeed's config of the run (``a``: `parse_args`'s), the shape of bench/offload_gpu.py's `config`."""
+    nv = {"device": "nvme", "nvme_path": a.nvme_path, "pin_memory": True}
+    zero: dict = {"stage": 3}
+    if a.offload in ("both", "optimizer"):
+        zero["offload_optimizer"] = dict(nv)
+    else:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if a.offload == "both":
+        # the same pinned bytes as the 8 x 1.5e8 that asserted on the H200 (2026-12-01), in more, smaller
+        # buffers (one holds the largest partition, the 65.5M-element embedding) and with parameters released
+        # after use (`stage3_max_reuse_distance` 0: with its default 1e9 the second step's forward keeps
+        # swapped-in parameters live until every buffer is held: "Not enough buffers 0 for swapping 1")
+        count = int(os.environ.get("DS_PARAM_BUFFER_COUNT", "16"))
+        size = int(float(os.environ.get("DS_PARAM_BUFFER_SIZE", "7e7")))
+        zero["offload_param"] = dict(nv, buffer_count=count, buffer_size=size, max_in_cpu=0)
+        zero["stage3_prefetch_bucket_size"] = 0
+        zero["stage3_max_reuse_distance"] = int(float(os.environ.get("DS_MAX_REUSE_DISTANCE", "0")))
+    live = max_live_params(a)  # dstrain's value (bench/offload_gpu.py): the same config on both sides
+    if live is not None:
+        zero["stage3_max_live_parameters"] = live
+    cfg = {
+        "train_micro_batch_size_per_gpu": a.batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "zero_optimization": zero,
+        "aio": {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 2, "overlap_events": True,
+                "single_submit": False},
+    }  # fmt: skip
+    return cfg
 
 
 def _run(a: argparse.Namespace, res: dict) -> None:
@@ -95,33 +139,9 @@ def _run(a: argparse.Namespace, res: dict) -> None:
     with torch.device("cuda" if cuda else "cpu"):  # built where it trains, as dstrain's twin
         model = build_model(a)
     params = sum(q.numel() for q in model.parameters())
-    nv = {"device": "nvme", "nvme_path": a.nvme_path, "pin_memory": True}
-    zero: dict = {"stage": 3}
     if a.offload in ("both", "optimizer"):
         os.makedirs(a.nvme_path, exist_ok=True)
-        zero["offload_optimizer"] = dict(nv)
-    else:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if a.offload == "both":
-        # the same pinned bytes as the 8 x 1.5e8 that asserted on the H200 (2026-12-01), in more, smaller
-        # buffers (one holds the largest partition, the 65.5M-element embedding) and with parameters released
-        # after use (`stage3_max_reuse_distance` 0: with its default 1e9 the second step's forward keeps
-        # swapped-in parameters live until every buffer is held: "Not enough buffers 0 for swapping 1")
-        count = int(os.environ.get("DS_PARAM_BUFFER_COUNT", "16"))
-        size = int(float(os.environ.get("DS_PARAM_BUFFER_SIZE", "7e7")))
-        zero["offload_param"] = dict(nv, buffer_count=count, buffer_size=size, max_in_cpu=0)
-        zero["stage3_prefetch_bucket_size"] = 0
-        zero["stage3_max_reuse_distance"] = int(float(os.environ.get("DS_MAX_REUSE_DISTANCE", "0")))
-    cfg = {
-        "train_micro_batch_size_per_gpu": a.batch,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
-        "zero_optimization": zero,
-        "aio": {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 2, "overlap_events": True,
-                "single_submit": False},
-    }  # fmt: skip
+    cfg = ds_config(a)
     res.update(params=params, build_s=time.perf_counter() - t0, config=cfg, deepspeed=deepspeed.__version__)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     del model

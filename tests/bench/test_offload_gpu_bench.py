@@ -357,6 +357,29 @@ def test_config_places_what_offload_names() -> None:
         config(parse_args(["--offload", "param"]))  # NVMe without a swap folder
 
 
+def test_both_drivers_cap_the_gathered_parameters_alike() -> None:
+    """With the parameters on NVMe both drivers' configs carry the same ``stage3_max_live_parameters``:
+    the embedding plus one transformer layer by default (115.9M elements on the 1.07B GPT; DeepSpeed's
+    1e9 kept 1.85 GiB of gathered copies on the H200), ``--max-live-params`` for both; unset in the
+    modes with resident parameters (DeepSpeed's default, both sides)."""
+    from bench.baselines.deepspeed_offload_gpu import ds_config
+    from bench.baselines.deepspeed_offload_gpu import parse_args as ds_args
+
+    def caps(argv: list[str]) -> tuple[object, object]:
+        ours = config(parse_args(argv), "/swap")["zero_optimization"].get("stage3_max_live_parameters")
+        theirs = ds_config(ds_args([*argv, "--out", "x"]))["zero_optimization"].get(
+            "stage3_max_live_parameters"
+        )
+        return ours, theirs
+
+    assert caps(["--offload", "both"]) == (32000 * 2048 + 12 * 2048 * 2048,) * 2 == (115_867_648,) * 2
+    assert caps(["--offload", "both", "--max-live-params", "2e8"]) == (200_000_000,) * 2
+    assert caps(["--offload", "optimizer"]) == (None, None)
+    assert caps(["--offload", "cpu", "--max-live-params", "5e7"]) == (50_000_000,) * 2
+    # DeepSpeed's twin keeps its prefetch off in that mode (its swapper asserts with it on)
+    assert ds_config(ds_args(["--out", "x"]))["zero_optimization"]["stage3_prefetch_bucket_size"] == 0
+
+
 def test_gpu_memory_breakdown_replays_the_trace_to_its_peak() -> None:
     """bench/gpu_memory.py on a made-up allocator snapshot: the blocks live before the step (with their
     sites) plus the step's allocations, minus its frees, at the point where the sum peaked; summed by

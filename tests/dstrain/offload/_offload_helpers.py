@@ -4,6 +4,7 @@ parameterised parity run (once _offload_device_helpers.py)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -72,11 +73,21 @@ def train_drained(
     ahead drained before each backward (with m, v on NVMe a sub-group steps during backward only if its
     state is in memory: this makes it so on a loaded machine too); the engine is closed after. Returns
     the losses, the final parameters, the sub-groups stepped during backward, the gradient partitions'
-    devices, what ``measure(engine)`` adds, and on CUDA the GPU peak since the first step."""
+    devices, what ``measure(engine)`` adds, and on CUDA the GPU peak over the steps above what was
+    allocated before ``initialize`` other than the model (after a collection: what earlier tests left,
+    e.g. a failed test's traceback keeping its engine's tensors, goes first, and no collection between
+    two runs compared moves either peak; param_host_grads[True-2] failed in the H200's whole -m gpu
+    run at 2722f3b and passed alone, its reason not in the log)."""
     import dstrain
 
-    engine, opt = dstrain.initialize(model=model, config=cfg)[:2]
     cuda = next(model.parameters()).device.type == "cuda"
+    base = 0
+    if cuda:
+        gc.collect()
+        torch.cuda.synchronize()
+        own = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}.values()  # (tied once)
+        base = torch.cuda.memory_allocated() - sum(t.numel() * t.element_size() for t in own)
+    engine, opt = dstrain.initialize(model=model, config=cfg)[:2]
     try:
         if cuda:
             torch.cuda.synchronize()
@@ -90,7 +101,7 @@ def train_drained(
             **(measure(engine) if measure is not None else {}),
         }
         if cuda:
-            out["gpu_peak"] = torch.cuda.max_memory_allocated()
+            out["gpu_peak"] = torch.cuda.max_memory_allocated() - base
         return out
     finally:
         engine.close()
