@@ -531,3 +531,65 @@ def test_cancel_hands_back_every_read_ahead_then_raises_the_first_failure() -> N
     assert info.value.strerror == "read 1 failed"
     assert discarded == [["lease 0"], ["lease 2"], ["lease 3"]]
     assert ahead.queued == 0 and ahead.held == 0
+
+
+@pytest.mark.parametrize("room", [2, 5])
+def test_kept_gather_buffers_stay_within_the_read_ahead_and_replace_reads(room: int) -> None:
+    """`TraceReadAhead.release` (a gather's buffers kept as the read of the unit's next gather), on a
+        trace of forward [0, 1, 2, 3] then backward [3, 2, 1, 0] with room for ``room`` buffers (2: fewer
+    than the units; 5: more, so a second read of a unit queued already would fit): the buffers held
+        (queued reads, kept ones, the gather's own) never exceed that room; from the second pass on every
+        gather's read was submitted ahead (none is made inside `take`, where the gather waits for it), the
+        last unit of forward is read once for its two gathers, and no read is handed back unconsumed."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from dstrain.offload.param.read_ahead import TraceReadAhead
+
+    units = [SimpleNamespace(index=i, persistent=False, gathered=False) for i in range(4)]
+    held = {"now": 0, "peak": 0}
+    log: dict[str, list[int]] = {"read": [], "read_in_take": [], "unconsumed": []}
+    in_take = [False]
+    lent: dict[int, int] = {}  # lease -> unit, for the leases out of the pool
+    taken: set[int] = set()  # leases a gather took
+
+    def read(unit: Any) -> concurrent.futures.Future[Any]:
+        held["now"] += 1
+        held["peak"] = max(held["peak"], held["now"])
+        log["read_in_take" if in_take[0] else "read"].append(unit.index)
+        lease = object()
+        lent[id(lease)] = unit.index
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        fut.set_result([lease])
+        return fut
+
+    def discard(leases: list[Any]) -> None:
+        held["now"] -= len(leases)
+        for lease in leases:
+            if id(lease) not in taken:
+                log["unconsumed"].append(lent[id(lease)])
+            del lent[id(lease)]
+
+    ahead = TraceReadAhead(read, discard, lambda i: units[i], lambda: room)
+    order = [0, 1, 2, 3, 3, 2, 1, 0]
+    for step in range(3):
+        log = {k: [] for k in log}
+        ahead.begin_pass()
+        for i in order:
+            in_take[0] = True
+            leases = ahead.take(units[i]).result()  # type: ignore[arg-type]
+            in_take[0] = False
+            taken.update(id(lease) for lease in leases)
+            assert [lent[id(lease)] for lease in leases] == [i]  # the buffers hold this unit's shard
+            ahead.release(units[i], leases)  # type: ignore[arg-type]
+            ahead.top_up()
+            assert held["peak"] <= room
+        ahead.end_pass()
+        if step == 0:  # recording: every read made when asked for
+            assert log["read_in_take"] == order
+            continue
+        assert log["read_in_take"] == []  # each gather's read was ahead of it
+        assert log["unconsumed"] == []
+        assert log["read"].count(3) == 1  # backward's first gather took forward's last buffers
+        assert ahead.reused >= step
+    assert held["now"] == ahead.held  # only the next pass's first reads are out of the pool
