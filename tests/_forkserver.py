@@ -8,7 +8,7 @@ fresh RNG state and nothing of an earlier child's, but it skips the imports.
 
 multiprocessing has ONE fork server per process and its preload list is fixed when the server starts,
 so every user takes its context from here: whichever test starts the server first, the list is the same.
-`run` runs a call (`script`: a Python script) in a process forked from it where a test would start an
+`run` runs a call (`script`: a Python script; `module`: ``python -m``) in a process forked from it where a test would start an
 interpreter for it, and returns what ``subprocess.run`` would (tests/_torchrun.py launches torchrun so).
 What a forked child does NOT get from the caller (it is forked from the server, not from pytest): the
 caller's current environment (the server's is the one at its start) and anything the C library reads
@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.context import BaseContext
 from pathlib import Path
 
-__all__ = ["PRELOAD", "context", "run", "script"]
+__all__ = ["PRELOAD", "context", "module", "run", "script"]
 
 #: Imported by the fork server before it forks anything. A module that cannot be imported there is
 #: skipped by multiprocessing (the child imports it itself, as a spawned one would).
@@ -133,3 +133,11 @@ def script(path: str, args: Sequence[str], paths: Sequence[str] = ()) -> None:
     sys.argv = [path, *args]
     sys.path[:0] = [os.path.dirname(os.path.abspath(path)), *paths]
     runpy.run_path(path, run_name="__main__")
+
+
+def module(name: str, args: Sequence[str]) -> None:
+    """``python -m NAME ARGS`` for `run` (``functools.partial``): the working directory first on sys.path,
+    argv[0] the module's file, run as ``__main__``."""
+    sys.argv = [name, *args]  # runpy puts the module's file in argv[0]
+    sys.path.insert(0, os.getcwd())
+    runpy.run_module(name, run_name="__main__", alter_sys=True)

@@ -10,25 +10,40 @@ got whichever was imported last (the child pytest that a ``needs_mount`` test st
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import _forkserver
 import pytest
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
 
+def _fresh_pytest(args: list[str]) -> None:
+    """``python -m pytest ARGS`` in a forked child, every module loaded from tests/ forgotten first (this
+    one and _forkserver came with the call): what this file tests is how pytest finds and imports them,
+    and a module already in sys.modules would be found there instead."""
+    run = _forkserver.module
+    for name, mod in list(sys.modules.items()):
+        if str(getattr(mod, "__file__", None) or "").startswith(str(TESTS) + os.sep):
+            del sys.modules[name]
+    run("pytest", args)
+
+
 def _pytest(*args: str, cwd: str) -> subprocess.CompletedProcess[str]:
+    """A pytest session of its own: forked from the fork server (torch, dsio, dstrain and pytest imported,
+    no test module), as ``python -m pytest`` would run it (tests/test_forked_commands.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+    argv = ["-p", "no:cacheprovider", *args]
+    return _forkserver.run(
+        functools.partial(_fresh_pytest, argv),
+        [sys.executable, "-m", "pytest", *argv],
         cwd=cwd,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
 

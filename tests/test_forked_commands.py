@@ -168,3 +168,34 @@ def test_a_forked_script_runs_as_a_new_interpreter_runs_it(
             assert "to stderr" in r.stderr and "to stderr" not in r.stdout
         cmdlines = [x for r in (forked, plain) for x in r.stdout.splitlines() if x.startswith("cmdline:")]
         assert "multiprocessing.forkserver" in cmdlines[0] and "s.py" in cmdlines[1], cmdlines
+
+
+MODULE = textwrap.dedent(
+    """
+    import os, sys
+    print(f"name={__name__} argv={sys.argv} path0={sys.path[0]} cwd={os.getcwd()} "
+          f"probe={os.environ.get('FORKED_PROBE')}")
+    sys.exit(7)
+    """
+)
+
+
+def test_a_forked_module_runs_as_python_m_runs_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_forkserver.module`: ``python -m NAME ARGS`` (tests/test_collection.py runs pytest so)."""
+    results = []
+    for forked in (True, False):
+        d = tmp_path / ("forked" if forked else "plain")
+        d.mkdir()
+        (d / "probe_mod.py").write_text(MODULE)
+        if forked:
+            monkeypatch.delenv("DSTRAIN_TESTS_SPAWN_ONLY", raising=False)
+        else:
+            monkeypatch.setenv("DSTRAIN_TESTS_SPAWN_ONLY", "1")
+        env = dict(os.environ, FORKED_PROBE="from the caller")
+        call = functools.partial(_forkserver.module, "probe_mod", ["a", "b"])
+        r = _forkserver.run(call, [sys.executable, "-m", "probe_mod", "a", "b"], cwd=d, env=env, timeout=120)
+        assert r.returncode == 7, (forked, r.stderr[-2000:])
+        results.append(r.stdout.strip())
+        assert results[-1] == (
+            f"name=__main__ argv={[str(d / 'probe_mod.py'), 'a', 'b']} path0={d} cwd={d} probe=from the caller"
+        ), r.stdout + r.stderr[-2000:]
