@@ -126,7 +126,7 @@ def engine_losses(
     world, rank = engine.comm.world_size, engine.comm.rank
     mb, gas = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
     device = next(engine.module.parameters()).device
-    losses = []
+    totals = []  # this rank's (), one a step
     for step in range(start, start + steps):
         idx, targets = (t.to(device) for t in global_batch(step, cfg.train_batch_size))
         total = torch.zeros((), device=device)
@@ -138,11 +138,16 @@ def engine_losses(
             engine.backward(loss)
             engine.step()
             total += loss.detach().float() / gas
-        if world > 1:
-            dist.all_reduce(total)
-            total /= world
-        losses.append(total.item())
-    return losses
+        totals.append(total)
+    if not totals:
+        return []
+    # the ranks' sums of all steps in one all-reduce at the end, not one a step (a small collective costs ~1 ms
+    # of CPU per rank on the loaded 2-core machine): at world 2 each element is the same a + b, then / world
+    stacked = torch.stack(totals)  # (steps,)
+    if world > 1:
+        dist.all_reduce(stacked)
+        stacked /= world
+    return stacked.tolist()
 
 
 @contextlib.contextmanager
