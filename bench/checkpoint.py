@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 import dsio
 import dsio.checkpoint as C
+from dsio._tuning import switched
 from dsio.checkpoint._integrity import crc_of, crc_path
 from dsio.checkpoint._state import flatten
 
@@ -345,6 +346,16 @@ class Bench:
         touch(self.held)
         return time.perf_counter() - t
 
+    async def dsio_load_sums_after(self) -> float:
+        """A/B: the load with its checksums computed after each read (halves of the span, the
+        next read overlapping), as before the engine's copier computed them as the bytes landed."""
+        drop_caches(self.p("ckpt"))
+        with switched(engine_sums=False):
+            t = time.perf_counter()
+            self.held = await self.ckpt.load(self.step)
+            touch(self.held)
+            return time.perf_counter() - t
+
     async def dsio_load_noverify(self) -> float:
         drop_caches(self.p("ckpt"))
         t = time.perf_counter()
@@ -411,6 +422,7 @@ LOADS: list[tuple[str, str]] = [
     ("dsio raw read (ceiling)", "raw_read"),
     ("dsio Checkpointer load (crc32c verified)", "dsio_load"),
     ("dsio Checkpointer load (verify=False)", "dsio_load_noverify"),
+    ("dsio Checkpointer load, A/B: checksums after each read (engine_sums=False)", "dsio_load_sums_after"),
     (RAW_RESIDENT, "raw_read_resident"),
     (INTO, "dsio_load_into"),
     ("torch.load", "torch_load"),

@@ -54,10 +54,14 @@ PYBIND11_MODULE(_C, m) {
            py::arg("overlap_events"))
       .def("submit", &Engine::submit, py::arg("op"), py::arg("fd"), py::arg("buf"), py::arg("nbytes"),
            py::arg("offset"), py::arg("tag"), py::arg("copy_dst") = 0,
-           py::arg("copy_src") = 0)
+           py::arg("copy_src") = 0, py::arg("sum_cuts") = 0, py::arg("sum_ncuts") = 0, py::arg("sum_out") = 0,
+           "One request; reads may name checksum fragments (sum_cuts: uint64 file offsets, sum_out: one "
+           "uint64 per fragment, (1 << 32) | crc32c once computed by the copier)")
       .def("submit_staged", &Engine::submit_staged, py::arg("op"), py::arg("fd"), py::arg("user"),
-           py::arg("nbytes"), py::arg("offset"), py::arg("tag"), py::arg("slots"),
-           "A staged read/write as one request cycling through `slots` (staging buffers of >= block_size)")
+           py::arg("nbytes"), py::arg("offset"), py::arg("tag"), py::arg("slots"), py::arg("sum_cuts") = 0,
+           py::arg("sum_ncuts") = 0, py::arg("sum_out") = 0,
+           "A staged read/write as one request cycling through `slots` (staging buffers of >= block_size); "
+           "checksum fragments as submit's")
       .def(
           "prefault",
           [](Engine& e, uintptr_t ptr, uint64_t nbytes, bool hugepage) {
@@ -105,6 +109,8 @@ PYBIND11_MODULE(_C, m) {
         cp["bytes"] = e.copy_bytes_.load();
         cp["busy_ns"] = e.copy_ns_.load();
         cp["backlog_max"] = e.copy_backlog_max_.load();
+        cp["summed_bytes"] = e.summed_bytes_.load();
+        cp["summed_fragments"] = e.summed_fragments_.load();
         d["copy"] = cp;
         d["submit_syscalls"] = e.submit_syscalls();
         d["wait_syscalls"] = e.wait_syscalls();
@@ -153,6 +159,23 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("ptr"), py::arg("nbytes"), py::arg("value"),
       "crc32c of nbytes at ptr continuing value (the crc32c package's convention); GIL released for >= 32 KiB");
+  m.def("crc32c_sse42_supported", &crc32c_sse42_supported, "True if this CPU has the SSE4.2 crc32 instruction");
+  m.def(
+      "crc32c_sse42",
+      [](uintptr_t ptr, size_t nbytes, uint32_t value) {
+        static const bool supported = crc32c_sse42_supported();
+        if (!supported) throw std::runtime_error("crc32c_sse42: this CPU lacks SSE4.2");
+        const auto* p = reinterpret_cast<const uint8_t*>(ptr);
+        if (nbytes < (size_t{1} << 15)) return crc32c_sse42(p, nbytes, value);
+        py::gil_scoped_release nogil;
+        return crc32c_sse42(p, nbytes, value);
+      },
+      py::arg("ptr"), py::arg("nbytes"), py::arg("value"),
+      "crc32c of nbytes at ptr continuing value, three interleaved crc32 instruction streams");
+  m.def("crc32c_hw_supported", &crc32c_hw_supported,
+        "True if the engine's copier can checksum reads here (AVX-512 folds or the SSE4.2 instruction)");
+  m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
+        "crc32c(A + B) from crc32c(A), crc32c(B) and len(B)");
   m.def("populate_write_supported", &populate_write_supported,
         "True if the kernel has madvise(MADV_POPULATE_WRITE) (Linux >= 5.14): prefaulting works");
   m.def("probably_resident", &probably_resident, py::arg("ptr"), py::arg("nbytes"),

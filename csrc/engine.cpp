@@ -1,6 +1,7 @@
 #include "engine.hpp"
 
 #include "clock.hpp"
+#include "crc32c.hpp"
 #include "cuda.hpp"
 
 #include <sys/eventfd.h>
@@ -74,8 +75,19 @@ void Engine::close() {
   efd_ = -1;
 }
 
+void Engine::set_sums(Request* r, uintptr_t cuts, uint64_t ncuts, uintptr_t out) {
+  if (cuts == 0 || ncuts < 2) return;
+  if (out == 0) throw std::invalid_argument("sum_cuts needs sum_out");
+  if (r->op != Op::Read) throw std::invalid_argument("checksums (sum_cuts) are for reads only");
+  if (!crc32c_hw_supported()) return;  // the caller checksums every fragment left unmarked
+  r->sum_cuts = reinterpret_cast<const uint64_t*>(cuts);
+  r->sum_ncuts = ncuts;
+  r->sum_out = reinterpret_cast<uint64_t*>(out);
+}
+
 void Engine::submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offset, uint64_t tag,
-                    uintptr_t copy_dst, uintptr_t copy_src) {
+                    uintptr_t copy_dst, uintptr_t copy_src, uintptr_t sum_cuts, uint64_t sum_ncuts,
+                    uintptr_t sum_out) {
   if (op < 0 || op > 2) throw std::invalid_argument("op must be 0 (read), 1 (write) or 2 (fsync)");
   if (copy_dst != 0 && op != static_cast<int>(Op::Read))
     throw std::invalid_argument("copy_dst is for reads only");
@@ -90,11 +102,18 @@ void Engine::submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offs
   r->offset = offset;
   r->copy_dst = reinterpret_cast<char*>(copy_dst);
   r->copy_src = reinterpret_cast<char*>(copy_src);
+  try {
+    set_sums(r, sum_cuts, sum_ncuts, sum_out);
+  } catch (...) {
+    delete r;
+    throw;
+  }
   enqueue(r);
 }
 
 void Engine::submit_staged(int op, int fd, uintptr_t user, uint64_t nbytes, int64_t offset, uint64_t tag,
-                           const std::vector<uintptr_t>& slots) {
+                           const std::vector<uintptr_t>& slots, uintptr_t sum_cuts, uint64_t sum_ncuts,
+                           uintptr_t sum_out) {
   // Reads only: staged writes go one request per pool buffer (copy_src), measured faster.
   if (op != static_cast<int>(Op::Read)) throw std::invalid_argument("a staged (ring) transfer is a read (0)");
   if (slots.empty()) throw std::invalid_argument("a staged transfer needs at least one staging slot");
@@ -110,6 +129,12 @@ void Engine::submit_staged(int op, int fd, uintptr_t user, uint64_t nbytes, int6
   r->ring = true;
   r->stage_free.reserve(slots.size());
   for (auto it = slots.rbegin(); it != slots.rend(); ++it) r->stage_free.push_back(reinterpret_cast<char*>(*it));
+  try {
+    set_sums(r, sum_cuts, sum_ncuts, sum_out);
+  } catch (...) {
+    delete r;
+    throw;
+  }
   enqueue(r);
 }
 
@@ -269,7 +294,8 @@ void Engine::run(Worker& w) {
       stats[static_cast<int>(s.req->op)].piece_hist[bucket_for(now_ns() - s.t_submit_ns)].fetch_add(
           1, std::memory_order_relaxed);
       trace(kTraceComplete, static_cast<int>(w.id), s.pos);
-      if (s.req->copy_dst != nullptr && s.full != 0 && c.result >= 0 && static_cast<uint64_t>(c.result) == s.len) {
+      bool handed = s.req->copy_dst != nullptr || s.req->sum_cuts != nullptr;  // a copy or checksums
+      if (handed && s.full != 0 && c.result >= 0 && static_cast<uint64_t>(c.result) == s.len) {
         if (copy_threads_.load(std::memory_order_relaxed) != 0) {
           defer_copy(s, c.result);  // read in full: the copier copies it out and completes it
         } else {

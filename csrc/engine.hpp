@@ -67,6 +67,13 @@ struct Request {
   // trip to the caller per slot.
   std::vector<char*> stage_free;
   bool ring = false;
+  // Reads only, optional: checksums computed as the bytes arrive (see Engine::submit). sum_cuts
+  // holds sum_ncuts sorted file offsets; fragment j is [sum_cuts[j], sum_cuts[j + 1]). The copier
+  // writes (1 << 32) | crc32c into sum_out[j] for each fragment lying wholly inside one piece read
+  // in full, right before (or while) it copies that piece out; other fragments are left as they are.
+  const uint64_t* sum_cuts = nullptr;
+  uint64_t sum_ncuts = 0;
+  uint64_t* sum_out = nullptr;
   uint64_t cursor = 0;                 // next byte to carve (guarded by the queue mutex)
   std::atomic<int64_t> outstanding{1};  // carved pieces not yet done, +1 until fully carved
   std::atomic<uint64_t> done{0};
@@ -91,14 +98,25 @@ class Engine {
   // goes on submitting), before the request completes. A piece
   // that failed or came back short is never copied. copy_src (writes only, 0 = none): each piece
   // is copied from the same position under copy_src into buf by its worker just before submission.
+  //
+  // sum_cuts / sum_ncuts / sum_out (reads only, 0 = none; both calls): the copier checksums (crc32c,
+  // the fastest kernel the CPU has) each fragment [sum_cuts[j], sum_cuts[j + 1]) of file offsets that
+  // lies wholly inside one piece read in full, while the piece is in its cache: fused with the copy
+  // out of a staged piece (crc32c of a step, then the step copied), or on its own for a piece read
+  // straight into the caller's memory (the piece then goes to the copier too). Its result goes to
+  // sum_out[j] as (1 << 32) | crc. A fragment straddling pieces, or in a piece that failed, is left
+  // untouched: the caller checksums what is not marked. The caller keeps both arrays alive until
+  // the request completes. Ignored where the CPU has no crc32c instruction (crc32c_hw_supported).
   void submit(int op, int fd, uintptr_t buf, uint64_t nbytes, int64_t offset, uint64_t tag,
-              uintptr_t copy_dst = 0, uintptr_t copy_src = 0);
+              uintptr_t copy_dst = 0, uintptr_t copy_src = 0, uintptr_t sum_cuts = 0, uint64_t sum_ncuts = 0,
+              uintptr_t sum_out = 0);
   // A staged read as one request: ``user`` is the caller's memory (the destination),
   // ``slots`` staging buffers of at least block_size bytes each (aligned
   // for O_DIRECT), cycled by the workers piece by piece (see Request::stage_free). The caller keeps
   // user memory and slots alive until the request completes.
   void submit_staged(int op, int fd, uintptr_t user, uint64_t nbytes, int64_t offset, uint64_t tag,
-                     const std::vector<uintptr_t>& slots);
+                     const std::vector<uintptr_t>& slots, uintptr_t sum_cuts = 0, uint64_t sum_ncuts = 0,
+                     uintptr_t sum_out = 0);
   std::vector<Result> reap();
   // Completes `tag` (result 0) through the eventfd once `stream` (a CUstream) reaches this point.
   // 0, -ENOSYS without a CUDA driver, or -CUresult.
@@ -121,6 +139,8 @@ class Engine {
   std::atomic<uint64_t> submitted_{0}, finished_{0}, pieces_{0}, short_{0};
   // Staging copies done by the workers (see submit's copy_dst / copy_src): pieces, bytes, time spent.
   std::atomic<uint64_t> copies_{0}, copy_bytes_{0}, copy_ns_{0};
+  // Bytes the copier checksummed for sum_out (fragments marked), and the fragments.
+  std::atomic<uint64_t> summed_bytes_{0}, summed_fragments_{0};
   // Most pieces ever waiting for the copier at once (read back-pressure on the staging ring).
   std::atomic<uint64_t> copy_backlog_max_{0};
   // Per-piece timeline for diagnosis (bench/experiments/io_read_diag.py --timeline): off unless trace_start.
@@ -171,6 +191,8 @@ class Engine {
   };
   void defer_copy(const Slot& s, int64_t res);
   void copy_out(const Slot& s, int thread);  // staging -> copy_dst for one piece, timed and traced
+  void sum_piece(const Request& r, const char* src, char* dst, uint64_t off, uint64_t n);
+  void set_sums(Request* r, uintptr_t cuts, uint64_t ncuts, uintptr_t out);
   void run_copier(unsigned idx);
   void trace(int kind, int thread, uint64_t pos);
 

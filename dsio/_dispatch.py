@@ -80,6 +80,7 @@ class Dispatcher:
         copy_dst: int = 0,
         copy_src: int = 0,
         slots: list[int] | None = None,
+        sums: tuple[int, int, int] = (0, 0, 0),
     ) -> asyncio.Future:
         """Start one request. ``finalize(result)`` runs when the kernel is done, before the future
         resolves, whether or not anyone still awaits it; ``keep`` is held alive until then.
@@ -90,7 +91,9 @@ class Dispatcher:
         ``copy_src`` (writes only): each piece is first copied from the same position under
         ``copy_src`` into ``ptr`` by the worker submitting it (a staged write's tensor -> pool copy).
         ``slots`` (reads only): a staged read as one request: ``ptr`` is the caller's
-        memory and every piece cycles through these staging buffers (``Engine.submit_staged``)."""
+        memory and every piece cycles through these staging buffers (``Engine.submit_staged``).
+        ``sums`` (reads only): `dsio._sums.ReadSums.engine_args`, checksums the engine computes as the
+        pieces land (the caller keeps the `ReadSums` alive through ``keep``)."""
         if self.closed:
             raise ClosedError("the handle is closed")
         loop = self.loop()
@@ -99,9 +102,9 @@ class Dispatcher:
         self._entries[tag] = _Entry(fut, nbytes, path, offset, finalize, keep)
         try:
             if slots is not None:
-                self.engine.submit_staged(op, fd, ptr, nbytes, offset, tag, slots)
-            elif copy_dst or copy_src:
-                self.engine.submit(op, fd, ptr, nbytes, offset, tag, copy_dst, copy_src)
+                self.engine.submit_staged(op, fd, ptr, nbytes, offset, tag, slots, *sums)
+            elif copy_dst or copy_src or sums[0]:
+                self.engine.submit(op, fd, ptr, nbytes, offset, tag, copy_dst, copy_src, *sums)
             else:
                 self.engine.submit(op, fd, ptr, nbytes, offset, tag)
         except BaseException:

@@ -87,26 +87,46 @@ class Operations:
         """Accounting of one user operation (in flight, counts, errors) as a cheap context manager."""
         return _OpScope(self, op, n)
 
-    def start(self, op: int, ref: FileRef, ptr: int, n: int, off: int, keep: object) -> Awaitable[object]:
+    def start(
+        self,
+        op: int,
+        ref: FileRef,
+        ptr: int,
+        n: int,
+        off: int,
+        keep: object,
+        sums: tuple[int, int, int] = (0, 0, 0),
+    ) -> Awaitable[object]:
         """One transfer, its route decided once (`whole_route`). The common case, memory, offset and
         length 4096-aligned, is one O_DIRECT request submitted now with no coroutine of its own
         (its future is returned); the others return the general path's coroutine, told whether the
-        aligned destination is fresh memory so it does not probe again."""
+        aligned destination is fresh memory so it does not probe again. ``sums`` (reads): checksums
+        the engine computes on the way (`dsio._sums.ReadSums.engine_args`)."""
         route = whole_route(ref, op, ptr, n, off)
         if route != DIRECT:  # unaligned, or fresh memory (staged, faulted in on the copier threads)
-            return self._general(op, ref, ptr, n, off, keep, True if route == FRESH else None)
+            return self._general(op, ref, ptr, n, off, keep, True if route == FRESH else None, sums)
         if op == READ:
             check_readable(ref, n, off)
-        fut = submit_one(self.disp, ref, op, ptr, n, off, keep)
+        fut = submit_one(self.disp, ref, op, ptr, n, off, keep, sums=sums)
         self.counters.direct += n
         return fut
 
     async def _general(
-        self, op: int, ref: FileRef, ptr: int, n: int, off: int, keep: object, fresh: bool | None
+        self,
+        op: int,
+        ref: FileRef,
+        ptr: int,
+        n: int,
+        off: int,
+        keep: object,
+        fresh: bool | None,
+        sums: tuple[int, int, int],
     ) -> None:
         if op == READ:
             check_readable(ref, n, off)
-        await transfer(self.disp, self.pool, ref, op, ptr, n, off, keep, self.counters, fresh=fresh)
+        await transfer(
+            self.disp, self.pool, ref, op, ptr, n, off, keep, self.counters, fresh=fresh, sums=sums
+        )
 
     def begin(self) -> None:
         self.in_flight += 1

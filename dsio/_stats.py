@@ -80,7 +80,10 @@ class IOEngineStatistics:
     staged_copy_bytes: int = 0
     """Bytes the engine's workers copied between pool buffers and caller memory (staged I/O)."""
     staged_copy_seconds_total: float = 0.0
-    """Worker time spent on those copies (off the event-loop thread, GIL-free)."""
+    """Worker time spent on those copies (off the event-loop thread, GIL-free), and on the
+    checksums computed with them or on their own (``checksummed_bytes``)."""
+    checksummed_bytes: int = 0
+    """Read bytes the engine's copier checksummed as they arrived (reads given `dsio._sums.ReadSums`)."""
 
     @classmethod
     def from_native(cls, backend: str, d: dict) -> IOEngineStatistics:
@@ -102,6 +105,7 @@ class IOEngineStatistics:
             prefault_seconds_total=d.get("prefault", {}).get("busy_ns", 0) / 1e9,
             staged_copy_bytes=d.get("copy", {}).get("bytes", 0),
             staged_copy_seconds_total=d.get("copy", {}).get("busy_ns", 0) / 1e9,
+            checksummed_bytes=d.get("copy", {}).get("summed_bytes", 0),
         )
 
 

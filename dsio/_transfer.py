@@ -200,8 +200,12 @@ async def transfer(
     counters: TransferCounters,
     *,
     fresh: bool | None = None,
+    sums: tuple[int, int, int] = (0, 0, 0),
 ) -> None:
     """Move ``nbytes`` between memory at ``ptr`` and ``ref`` at ``offset``; raise if any part fails.
+
+    ``sums`` (reads): `dsio._sums.ReadSums.engine_args`, given to every request of the transfer
+    (the fragments are file offsets, so each request checksums those inside its own pieces).
 
     ``fresh``: `whole_route` already found this whole aligned request a read into fresh memory
     (True) or not (False); None (unaligned requests, the GPU path's buffers): `transfer` probes the
@@ -216,7 +220,7 @@ async def transfer(
     end = offset + nbytes
     if not ref.direct:
         counters.buffered += nbytes
-        await submit_one(disp, ref, op, ptr, nbytes, offset, keep)
+        await submit_one(disp, ref, op, ptr, nbytes, offset, keep, sums=sums)
         return
     body_start = min(_align_up(offset), end)
     body_end = max(_align_down(end), body_start)
@@ -242,7 +246,17 @@ async def transfer(
         dst, src = (stage_of, 0) if op == READ else (0, stage_of)
         try:
             f = disp.submit(
-                op, fd, p, n, off, path=ref.path, finalize=fin, keep=keep, copy_dst=dst, copy_src=src
+                op,
+                fd,
+                p,
+                n,
+                off,
+                path=ref.path,
+                finalize=fin,
+                keep=keep,
+                copy_dst=dst,
+                copy_src=src,
+                sums=sums,
             )
         except BaseException:
             fin(-errno.ECANCELED)  # never reached the engine: give back the ref and any lease now
@@ -272,7 +286,7 @@ async def transfer(
                 and not SWITCHES.loop_thread_copy
                 and _ring_ok(disp, pool)
             ):
-                await _staged_ring(disp, pool, ref, op, body_ptr, body_len, body_start, keep, futs)
+                await _staged_ring(disp, pool, ref, op, body_ptr, body_len, body_start, keep, futs, sums)
                 counters.staged += body_len
             elif body_len:
                 await _staged(submit, pool, op, ref.fd, body_ptr, body_len, body_start, failed)
@@ -295,16 +309,25 @@ async def transfer(
 
 
 def submit_one(
-    disp: Dispatcher, ref: FileRef, op: int, ptr: int, n: int, off: int, keep: object
+    disp: Dispatcher,
+    ref: FileRef,
+    op: int,
+    ptr: int,
+    n: int,
+    off: int,
+    keep: object,
+    *,
+    sums: tuple[int, int, int] = (0, 0, 0),
 ) -> asyncio.Future:
     """One request on ``ref.fd``, holding a reference to the file until the kernel is done.
 
-    A large read first queues its destination for prefaulting, cancelled when the kernel is done."""
+    A large read first queues its destination for prefaulting, cancelled when the kernel is done.
+    ``sums``: as `transfer`'s."""
     ref.acquire()
     token = prefault(disp, op, ptr, n, direct=True)
     fin = ref.done if not token else _then_release(lambda _res: cancel_prefault(disp, token), ref)
     try:
-        return disp.submit(op, ref.fd, ptr, n, off, path=ref.path, finalize=fin, keep=keep)
+        return disp.submit(op, ref.fd, ptr, n, off, path=ref.path, finalize=fin, keep=keep, sums=sums)
     except BaseException:
         cancel_prefault(disp, token)
         ref.release()
@@ -362,6 +385,7 @@ async def _staged_ring(
     off: int,
     keep: object,
     futs: list[asyncio.Future],
+    sums: tuple[int, int, int] = (0, 0, 0),
 ) -> None:
     """A staged read's body as one engine request: take one pool buffer (waiting if none is free)
     and every other free one the transfer can use, cut them into block_size slots, and let the
@@ -390,7 +414,9 @@ async def _staged_ring(
     ref.acquire()
     done = _then_release(fin, ref)
     try:
-        f = disp.submit(op, ref.fd, ptr, n, off, path=ref.path, finalize=done, keep=keep, slots=slots)
+        f = disp.submit(
+            op, ref.fd, ptr, n, off, path=ref.path, finalize=done, keep=keep, slots=slots, sums=sums
+        )
     except BaseException:
         done(-errno.ECANCELED)  # never reached the engine: give back the ref and the buffers now
         raise

@@ -42,6 +42,12 @@ class Switches:
     the disk. The ring was measured slower for writes (quiet, 1 GiB ordinary tensor, new file +
     fsync, 4 interleaved reps: ring 0.92 GB/s vs per-buffer 1.64), so writes do not take it."""
 
+    engine_sums: bool = True
+    """A read given `dsio._sums.ReadSums` has its checksums computed by the engine's copier as each
+    piece lands (fused with a staged piece's copy out: one pass over the bytes while they are in the
+    cache). Benchmarks' and tests' A/B switch: False leaves every fragment to the caller (a
+    checkpoint load then checksums each piece after it is read, as before the engine did it)."""
+
     loop_thread_copy: bool = False
     """Benchmarks' A/B switch only: True restores the earlier staging copies made on the event-loop
     thread (a whole chunk at a time, GIL released, loop blocked) instead of in the engine's workers."""

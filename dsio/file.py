@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._dispatch import READ, WRITE
+from ._sums import ReadSums
 from ._tensor import as_bytes, check_range
 from ._transfer import FileRef, fsync
 from .errors import ClosedError
@@ -65,17 +66,26 @@ class AsyncFile:
             await h.start(WRITE, ref, ptr, n, off, tensor)
         return n
 
-    async def pread(self, tensor: torch.Tensor, offset: int = 0) -> int:
-        """Fill the tensor from ``offset``; a file too short is ``ShortIOError``."""
+    async def pread(self, tensor: torch.Tensor, offset: int = 0, *, sums: ReadSums | None = None) -> int:
+        """Fill the tensor from ``offset``; a file too short is ``ShortIOError``.
+
+        ``sums`` (CPU tensors): fragments of file offsets whose crc32c the engine computes as the
+        bytes arrive (`dsio._sums`); once this returns, ``sums.values()`` holds them (None for the
+        ones the engine left to the caller)."""
         ptr, n = as_bytes(tensor)
         ref = self._live()
         if tensor.is_cuda:
+            if sums is not None:
+                raise ValueError("checksums on the way (sums=) are for CPU tensors")
             return int(await self._gpu().pread_file(ref, tensor, check_range(offset, n)))
         h = self._ops
         h.ready()
         off = check_range(offset, n)
         with h.scope(READ, n):
-            await h.start(READ, ref, ptr, n, off, tensor)
+            if sums is None:
+                await h.start(READ, ref, ptr, n, off, tensor)
+            else:
+                await h.start(READ, ref, ptr, n, off, (tensor, sums), sums.engine_args)
         return n
 
     async def fsync(self) -> None:

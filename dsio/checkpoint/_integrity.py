@@ -14,7 +14,9 @@ has avx512f/bw/vl + vpclmulqdq) or ``portable`` (the ``crc32c`` package: the SSE
 instruction, ~14 GB/s per core here; any CPU, and where the native core is not built). Both give
 the same values, release the GIL for large spans, and run on the copier threads while the disk is
 busy. ``DSIO_CRC32C=portable`` forces the package (``auto``, the default, picks ``avx512`` where it
-runs); `crc_path` says which one this process uses. Checksums are stored as fixed-width hex strings
+runs); `crc_path` says which one this process uses. A fresh load's checksums are the engine
+copier's (`dsio._sums`: the native AVX-512 folds, else the SSE4.2 instruction, whatever this
+variable says; ``SWITCHES.engine_sums=False`` hands them back to `crc_of`). Checksums are stored as fixed-width hex strings
 in ``__metadata__``, so the header length is known before the data has been checksummed.
 """
 
@@ -85,10 +87,15 @@ def _crc_portable(ptr: int, nbytes: int, value: int) -> int:
 
 def crc_paths() -> dict[str, CrcFn]:
     """The crc32c paths this machine runs, by name: ``portable`` always, ``avx512`` where the native
-    core is built and the CPU has AVX-512 + VPCLMULQDQ (each ``(ptr, nbytes, value) -> crc32c``)."""
+    core is built and the CPU has AVX-512 + VPCLMULQDQ, ``sse42`` where it is built and the CPU has
+    the SSE4.2 crc32 instruction (the engine copier's kernel where AVX-512 is missing: `dsio._sums`;
+    never chosen for `crc_of`, the package runs the same instruction). Each ``(ptr, nbytes, value)
+    -> crc32c``."""
     out: dict[str, CrcFn] = {"portable": _crc_portable}
     if available() and native().crc32c_avx512_supported():
         out["avx512"] = native().crc32c_avx512
+    if available() and native().crc32c_sse42_supported():
+        out["sse42"] = native().crc32c_sse42
     return out
 
 
@@ -324,4 +331,6 @@ def crc_extend(crc: int, piece_crc: int, piece_len: int) -> int:
         t0, t1, t2, t3 = tables
         reg = t0[reg & 0xFF] ^ t1[(reg >> 8) & 0xFF] ^ t2[(reg >> 16) & 0xFF] ^ t3[reg >> 24]
         return reg ^ piece_crc
+    if available():  # any other length: the native core's combine (~1 us vs ~50 us here)
+        return int(native().crc32c_combine(reg, piece_crc & 0xFFFFFFFF, piece_len))
     return _advance(reg, piece_len) ^ piece_crc

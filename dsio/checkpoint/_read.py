@@ -4,16 +4,23 @@ The tensors to read (all of them, or those a lazy load does not leave in the fil
 spans: each run of tensors that lie back to back in the file gets ONE fresh allocation, placed so
 that its address has the same offset within a 4096-byte page as its first byte in the file, and
 the tensors are views of it (one span instead of 329 separately staged tensors: 1.90 vs 2.32 s,
-quiet). A span is read straight from the disk in file order (O_DIRECT where the handle uses it:
-dsio's own raw read path, no copy out per tensor) in a few large requests, each half of what is
-left of it (`piece_bounds`: 1454, 727, 364, ... 45 MiB, 7 requests for the 2.84 GiB state of
-bench/checkpoint.py), `IN_FLIGHT` at a time. Each piece is checksummed as soon as it lands, in
-`CRC_BYTES` parts on `CRC_THREADS` threads, while the next pieces are read; only the last, small
-piece's checksum is left once the disk is done. Why halves and not equal pieces: each request is
-one run of the handle's staged read (its pool cycled, its fresh destination prefaulted ahead),
-and each turn between requests costs a drained disk queue and an event-loop wake-up. Under load
-(bench/results/checkpoint-load-s8-under-load.md), without checksums: the span as one request
-1.57 s (min of 8) vs the raw read's 1.55 s, in 89 pieces of 32 MiB 1.75 s.
+quiet). A span is read with dsio's raw read path (fresh page-aligned memory: staged through the
+handle's pool on huge pages, the copier threads faulting the destination in behind the disk) as ONE
+request, the raw read's shape. Its checksums are computed by the engine's copier as each 1 MiB piece
+lands (`dsio._sums`): each 64 KiB step's crc32c, then its copy out, while the step is in the cache,
+so they cost no pass over memory of their own and overlap the disk like the copies. For that the
+span's bytes are cut into fragments at every tensor's bounds and on the engine's piece grid
+(`_cuts`); each tensor's crc32c is joined from its fragments' (`crc_extend`) and checked before
+`read_file` returns. Whatever the engine left (the file's unaligned tail page, read buffered on its
+own; all of it on a CPU without a crc32c instruction) is checksummed here once its request is read.
+Under load 4-5.6 (bench/results/checkpoint-2026-12-02-load-s10-under-load.md, 4 interleaved reps,
+medians): verified load 1.66 s / 1.72 CPU s, verify=False 1.50 s / 1.61, the raw read 1.57 s / 1.62;
+checksummed after each read instead (the former way, `SWITCHES.engine_sums=False`) 1.59 s / 1.84.
+
+Where the checksums are this reader's to compute (``SWITCHES.engine_sums`` off, or no crc32c
+instruction), a span is read in halves of what is left of it instead (`piece_bounds`: 1454, 727,
+364, ... 45 MiB for the 2.84 GiB state of bench/checkpoint.py), `IN_FLIGHT` at a time, each piece
+checksummed in `CRC_BYTES` parts on `CRC_THREADS` threads while the next ones are read.
 
 Lifetime: a loaded tensor keeps its whole span alive (the memory of every tensor of that file is
 freed when the last of them is gone); ``clone()`` a tensor to keep it alone.
@@ -41,6 +48,7 @@ import torch
 
 from .._gather import wait_all
 from .._memory import aligned_buffer, memcpy
+from .._sums import ReadSums, engine_sums
 from ..errors import CheckpointMismatchError, ChecksumError, TensorLayoutError
 from ..file import AsyncFile
 from ..handle import AsyncIOHandle
@@ -52,9 +60,10 @@ __all__ = ["piece_bounds", "placed", "read_file", "read_file_into", "read_header
 
 _ALIGN = 4096
 _FIRST_READ = 64 << 10
-#: The smallest piece a span is cut into (`piece_bounds`; page multiples); None: the handle's
-#: staging pool over `IN_FLIGHT` (32 MiB with `DEFAULT_IO`'s 64 MiB pool), at least one pool
-#: buffer. Spans up to twice this are read in one request.
+#: The smallest piece a span is cut into (`piece_bounds`; page multiples); None: the whole span
+#: in one request where the engine checksums it on the way (or nothing is checksummed), else the
+#: handle's staging pool over `IN_FLIGHT` (32 MiB with `DEFAULT_IO`'s 64 MiB pool), at least one
+#: pool buffer. Spans up to twice this are read in one request.
 PIECE_BYTES: int | None = None
 #: Pieces in flight at once (in file order): the next piece's request is made (its destination
 #: queued for prefaulting) while one is read; a staged read takes every free pool buffer it can
@@ -64,6 +73,9 @@ IN_FLIGHT = 2
 CRC_BYTES = 32 << 20
 #: Checksum threads per load (the ``crc32c`` package releases the GIL).
 CRC_THREADS = 2
+#: Fragments the engine left (a file's unaligned tail page, read buffered on its own) of at most
+#: this many bytes in all are checksummed on the event loop's thread, not handed to a thread.
+INLINE_CRC_BYTES = 256 << 10
 #: `read_file_into`: bytes per bounce buffer (one read request each) and how many buffers: while
 #: one piece is copied out, the next `IN_FLIGHT` are read. Under load (raw reads of 2.84 GiB
 #: through such buffers, bench/results/checkpoint-load-s9-under-load.md): 64 MiB x 3 with 2 reads
@@ -152,8 +164,9 @@ def spans(entries: tuple[TensorEntry, ...]) -> list[list[TensorEntry]]:
     return out
 
 
-class _Sums:
-    """One span's tensors' crc32c, joined from the pieces' (in any order) and checked once whole."""
+class _Joined:
+    """Tensors' crc32c joined from parts checksummed in any order (an in-place load's), each
+    checked once whole."""
 
     def __init__(self, run: list[TensorEntry], sums: dict[str, int], path: str) -> None:
         self.sums, self.path = sums, path
@@ -187,41 +200,105 @@ class _Sums:
             self._check(e.name, got)
 
 
-def _parts(run: list[TensorEntry], lo: int, hi: int) -> Iterator[tuple[TensorEntry, int, int]]:
-    """``(entry, a, b)``: the data bytes ``[a, b)`` of each tensor of ``run`` (in file order) within
-    data bytes ``[lo, hi)``."""
-    # the first tensor ending after lo: not a walk over every tensor per piece
-    for e in run[bisect.bisect_right(run, lo, key=lambda e: e.end) :]:
-        if e.begin >= hi:
-            break
-        a, b = max(lo, e.begin), min(hi, e.end)
-        if a < b:
-            yield e, a, b
+class _Sums:
+    """One span's tensors' crc32c from its fragments' (`_Joined` checks each tensor once whole).
+
+    The span's data is cut into fragments (`ReadSums`): at every tensor's bounds and on the grid of
+    the engine's pieces of each request, so that each fragment lies in one tensor and one piece. The
+    engine checksums the fragments of each piece as it lands (`dsio._sums`); once a request is read,
+    `take` records its fragments, with the checksums of those the engine left (`missing`) computed
+    by the reader."""
+
+    def __init__(
+        self, run: list[TensorEntry], sums: dict[str, int], path: str, ds: int, cuts: list[int]
+    ) -> None:
+        self.joined = _Joined(run, sums, path)
+        self.ds, self.cuts = ds, cuts
+        self.fragments = ReadSums(cuts) if len(cuts) > 1 else None
+        self.owner: list[TensorEntry] = []  # the tensor of each fragment
+        i = 0
+        for j in range(len(cuts) - 1):
+            while ds + run[i].end <= cuts[j]:  # past this tensor (empty ones included)
+                i += 1
+            self.owner.append(run[i])
+
+    def within(self, lo: int, hi: int) -> range:
+        """The fragments inside file bytes ``[lo, hi)`` (a request's: its bounds within the span's
+        data are cuts; it may reach past the data, to whole pages)."""
+        start = bisect.bisect_left(self.cuts, lo)
+        return range(start, max(start, bisect.bisect_right(self.cuts, hi) - 1))
+
+    def missing(self, frags: range) -> list[int]:
+        """Those of ``frags`` the engine did not checksum."""
+        if self.fragments is None or not frags:
+            return []
+        got = self.fragments.values(frags.start, frags.stop)
+        return [j for j, v in zip(frags, got, strict=True) if v is None]
+
+    def take(self, frags: range, mine: dict[int, int]) -> None:
+        """Record ``frags``' checksums (the engine's, or ``mine`` for those it left): each tensor
+        whose bytes are all known is checked (``ChecksumError``)."""
+        if self.fragments is None or not frags:
+            return
+        cuts = self.cuts
+        for j, v in zip(frags, self.fragments.values(frags.start, frags.stop), strict=True):
+            e = self.owner[j]
+            self.joined.add(
+                e, cuts[j] - self.ds - e.begin, mine[j] if v is None else v, cuts[j + 1] - cuts[j]
+            )
+
+    def finish(self) -> None:
+        self.joined.finish()
 
 
-def _piece_sums(
-    base: int, lo: int, hi: int, run: list[TensorEntry]
-) -> list[tuple[TensorEntry, int, int, int]]:
-    """crc32c of each tensor's bytes within data bytes ``[lo, hi)`` of a span (``base``: the address
-    of data byte 0): ``(entry, offset in the tensor, crc32c, bytes)``; runs on a worker thread."""
-    return [(e, a - e.begin, crc_of(base + a, b - a), b - a) for e, a, b in _parts(run, lo, hi)]
+def _cuts(
+    run: list[TensorEntry], ds: int, io_off: int, bounds: list[tuple[int, int]], block: int
+) -> list[int]:
+    """The fragments' bounds (file offsets) of a span read as requests ``bounds`` (offsets in its
+    memory, which holds the file from ``io_off``): every tensor's start and end, and the engine's
+    piece grid of each request (every ``block`` bytes from its start, and where its unaligned tail,
+    read on its own, begins), within the span's data."""
+    lo, hi = ds + run[0].begin, ds + run[-1].end
+    cuts = {ds + e.begin for e in run}
+    cuts.add(hi)
+    for a, b in bounds:
+        start, end = io_off + a, io_off + b
+        cuts.update(range(start, end, block))
+        cuts.update((end, end & ~(_ALIGN - 1)))
+    return sorted(c for c in cuts if lo <= c <= hi)
 
 
-async def _in_parts(
-    ex: concurrent.futures.Executor,
-    fn: Callable[[int, int], list[tuple[TensorEntry, int, int, int]]],
-    lo: int,
-    hi: int,
-    checks: _Sums | None,
+def _crcs(base: int, cuts: list[int], frags: list[int]) -> dict[int, int]:
+    """crc32c of fragments ``frags`` (file offset x at address ``base + x``); on a worker thread."""
+    return {j: crc_of(base + cuts[j], cuts[j + 1] - cuts[j]) for j in frags}
+
+
+async def _checksum_missing(
+    ex: Callable[[], concurrent.futures.Executor], base: int, checks: _Sums, frags: range
 ) -> None:
-    """``fn(a, b)`` over data bytes ``[lo, hi)`` in `CRC_BYTES` parts on ``ex``'s threads; each
-    part's ``(entry, offset in the tensor, crc32c, bytes)`` joined into ``checks``."""
-    loop = asyncio.get_running_loop()
-    parts = [loop.run_in_executor(ex, fn, c, min(c + CRC_BYTES, hi)) for c in range(lo, hi, CRC_BYTES)]
-    for part in await wait_all(parts):
-        if checks is not None:
-            for e, at, crc, n in part:
-                checks.add(e, at, crc, n)
+    """Checksum the fragments of ``frags`` the engine left (none, or a tail page, where it
+    checksums as it reads), in parts of at most `CRC_BYTES` on the checksum threads, and record
+    them all in ``checks``."""
+    todo = checks.missing(frags)
+    mine: dict[int, int] = {}
+    if todo:
+        cuts = checks.cuts
+        parts: list[list[int]] = [[]]
+        size = 0
+        for j in todo:
+            if size >= CRC_BYTES:
+                parts.append([])
+                size = 0
+            parts[-1].append(j)
+            size += cuts[j + 1] - cuts[j]
+        if len(parts) == 1 and size <= INLINE_CRC_BYTES:
+            mine = _crcs(base, cuts, todo)  # a page or so: not worth a thread hand-off
+        else:
+            loop = asyncio.get_running_loop()
+            pool = ex()
+            for part in await wait_all([loop.run_in_executor(pool, _crcs, base, cuts, p) for p in parts]):
+                mine.update(part)
+    checks.take(frags, mine)
 
 
 async def read_file(
@@ -273,42 +350,53 @@ async def read_file(
                         blocks=blocks.get(e.name),
                         block_bytes=block_bytes,
                     )
-        # Every span's memory and its pieces, in file order.
+        # Every span's memory and its requests, in file order. One request per span (the raw
+        # read's shape) unless the checksums are ours to compute after each request: then halves,
+        # so that they overlap the next requests.
         cfg = handle.config
-        piece = PIECE_BYTES or max(cfg.staging_buffer_bytes, cfg.pool_bytes // IN_FLIGHT) // _ALIGN * _ALIGN
-        pieces: list[tuple[torch.Tensor, int, int, int, list[TensorEntry], _Sums | None]] = []
+        halves = sums is not None and not engine_sums()
+        share = max(cfg.staging_buffer_bytes, cfg.pool_bytes // IN_FLIGHT) // _ALIGN * _ALIGN
+        block = cfg.block_size  # the engine's piece size
+        pieces: list[tuple[torch.Tensor, int, int, int, _Sums | None]] = []
         views: list[tuple[list[TensorEntry], torch.Tensor]] = []
         all_checks: list[_Sums] = []
         for run in spans(left):
             begin, end = run[0].begin, run[-1].end
             io, io_off, raw = _enclosed(ds + begin, ds + end, size)
             views.append((run, raw))
-            checks = _Sums(run, sums, path) if sums is not None else None
-            if checks is not None:
+            low = PIECE_BYTES or (share if halves else max(io.numel(), _ALIGN))
+            bounds = piece_bounds(io.numel(), low)
+            checks = None
+            if sums is not None:
+                checks = _Sums(run, sums, path, ds, _cuts(run, ds, io_off, bounds, block))
                 all_checks.append(checks)
-            for a, b in piece_bounds(io.numel(), piece):
-                pieces.append((io, io_off, a, b, run, checks))
-        ex = (
-            concurrent.futures.ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="dsio-ckpt-crc")
-            if sums
-            else None
-        )
+            for a, b in bounds:
+                pieces.append((io, io_off, a, b, checks))
+        pool: list[concurrent.futures.ThreadPoolExecutor] = []
+
+        def executor() -> concurrent.futures.Executor:
+            if not pool:
+                pool.append(
+                    concurrent.futures.ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="dsio-ckpt-crc")
+                )
+            return pool[0]
+
         gate = asyncio.Semaphore(IN_FLIGHT)
         failed: list[BaseException] = []  # once a piece failed, the pieces not yet started are skipped
 
-        async def read_piece(
-            io: torch.Tensor, io_off: int, a: int, b: int, run: list[TensorEntry], checks: _Sums | None
-        ) -> None:
+        async def read_piece(io: torch.Tensor, io_off: int, a: int, b: int, checks: _Sums | None) -> None:
             try:
                 async with gate:
                     if failed:
                         return
-                    await f.pread(io[a:b], io_off + a)
-                if checks is not None and ex is not None:
-                    # data byte d of the file sits at io.data_ptr() + (ds + d - io_off)
-                    base = io.data_ptr() + ds - io_off
-                    lo, hi = io_off + a - ds, io_off + b - ds
-                    await _in_parts(ex, lambda c, d: _piece_sums(base, c, d, run), lo, hi, checks)
+                    if checks is None or checks.fragments is None:
+                        await f.pread(io[a:b], io_off + a)
+                    else:
+                        await f.pread(io[a:b], io_off + a, sums=checks.fragments)
+                if checks is not None:
+                    # file offset x sits at io.data_ptr() + (x - io_off)
+                    frags = checks.within(io_off + a, io_off + b)
+                    await _checksum_missing(executor, io.data_ptr() - io_off, checks, frags)
             except BaseException as err:
                 failed.append(err)
                 raise
@@ -316,14 +404,43 @@ async def read_file(
         try:
             await wait_all([read_piece(*p) for p in pieces], drain=True)
         finally:
-            if ex is not None:
-                ex.shutdown(wait=True)
+            if pool:
+                pool[0].shutdown(wait=True)
         for checks in all_checks:
             checks.finish()
     for run, raw in views:  # typed once read: a tensor misaligned in the file is copied out
         for e in run:
             out[e.name] = _typed(raw[e.begin - run[0].begin : e.end - run[0].begin], e)
     return header, {e.name: out[e.name] for e in header.entries}
+
+
+def _parts(run: list[TensorEntry], lo: int, hi: int) -> Iterator[tuple[TensorEntry, int, int]]:
+    """``(entry, a, b)``: the data bytes ``[a, b)`` of each tensor of ``run`` (in file order) within
+    data bytes ``[lo, hi)``."""
+    # the first tensor ending after lo: not a walk over every tensor per piece
+    for e in run[bisect.bisect_right(run, lo, key=lambda e: e.end) :]:
+        if e.begin >= hi:
+            break
+        a, b = max(lo, e.begin), min(hi, e.end)
+        if a < b:
+            yield e, a, b
+
+
+async def _in_parts(
+    ex: concurrent.futures.Executor,
+    fn: Callable[[int, int], list[tuple[TensorEntry, int, int, int]]],
+    lo: int,
+    hi: int,
+    checks: _Joined | None,
+) -> None:
+    """``fn(a, b)`` over data bytes ``[lo, hi)`` in `CRC_BYTES` parts on ``ex``'s threads; each
+    part's ``(entry, offset in the tensor, crc32c, bytes)`` joined into ``checks``."""
+    loop = asyncio.get_running_loop()
+    parts = [loop.run_in_executor(ex, fn, c, min(c + CRC_BYTES, hi)) for c in range(lo, hi, CRC_BYTES)]
+    for part in await wait_all(parts):
+        if checks is not None:
+            for e, at, crc, n in part:
+                checks.add(e, at, crc, n)
 
 
 def check_targets(header: Header, targets: dict[str, object], path: str) -> dict[str, torch.Tensor]:
@@ -427,7 +544,7 @@ async def read_file_into(
         ds = header.data_start
         sums = parse_checksums(header.metadata, [e.name for e in header.entries], path) if verify else None
         run = sorted((e for e in header.entries if e.nbytes), key=lambda e: e.begin)
-        checks = _Sums(list(header.entries), sums, path) if sums is not None else None
+        checks = _Joined(list(header.entries), sums, path) if sums is not None else None
         addr = {e.name: dst[e.name].data_ptr() for e in run}
         lo = ds & ~(_ALIGN - 1)  # the data section's bytes, read from the page holding its first byte
         piece = min(INTO_PIECE_BYTES, -(-(size - lo) // _ALIGN) * _ALIGN)  # a small file: one small buffer

@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 import torch
 
+import dsio
 from dsio.checkpoint import _integrity
 from dsio.checkpoint._integrity import CRC32C_ENV, crc_continue, crc_of, crc_path, crc_paths
 
 #: What the AVX-512 path needs, as /proc/cpuinfo spells it.
 FAST_FLAGS = ("avx512f", "avx512bw", "avx512vl", "vpclmulqdq", "pclmulqdq", "sse4_2")
-PATHS = ("portable", "avx512")
+PATHS = ("portable", "avx512", "sse42")
 MiB = 1 << 20
 
 
@@ -50,7 +51,7 @@ def _native_built() -> bool:
 def _path(name: str):
     paths = crc_paths()
     if name not in paths:
-        pytest.skip(f"the {name} path does not run here (no AVX-512 + VPCLMULQDQ, or no native core)")
+        pytest.skip(f"the {name} path does not run here (the CPU lacks its instructions, or no native core)")
     return paths[name]
 
 
@@ -131,9 +132,11 @@ def test_paths_agree_with_each_other_on_big_spans(data: np.ndarray) -> None:
 
 def test_fast_path_exactly_where_the_cpu_has_it() -> None:
     """``avx512`` runs (and ``auto`` picks it) iff /proc/cpuinfo lists every flag it needs and the
-    native core is built; otherwise the package's path: an AVX2-only machine runs the fallback."""
+    native core is built; otherwise the package's path: an AVX2-only machine runs the fallback.
+    ``sse42`` (the engine copier's kernel without AVX-512) runs iff the CPU lists sse4_2."""
     expected = _native_built() and set(FAST_FLAGS) <= _cpu_flags()
     assert ("avx512" in crc_paths()) == expected
+    assert ("sse42" in crc_paths()) == (_native_built() and "sse4_2" in _cpu_flags())
     assert "portable" in crc_paths()
     if os.environ.get(CRC32C_ENV, "auto") == "auto":
         assert crc_path() == ("avx512" if expected else "portable")
@@ -199,7 +202,9 @@ def test_env_var_picks_the_path_that_saves_loads_and_detects_corruption(mode: st
 
 def test_checkpoint_save_and_load_checksum_through_the_chosen_path(tmp_path, monkeypatch) -> None:
     """Every checksum of a save and of a verified load goes through `crc_of` / `crc_continue`'s
-    dispatch (a call straight to the package would skip the fast path): count the calls."""
+    dispatch (a call straight to the package would skip the fast path): count the calls. A load's
+    checksums the engine computed as the bytes landed (`dsio._sums`, its own native kernels) are
+    counted from the handle's statistics."""
     pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
     import dsio.checkpoint as C
 
@@ -217,9 +222,15 @@ def test_checkpoint_save_and_load_checksum_through_the_chosen_path(tmp_path, mon
     asyncio.run(C.save(state, path))
     assert calls["bytes"] >= data_bytes  # the save checksummed every byte through the dispatch
     calls["bytes"] = 0
-    back = asyncio.run(C.load(path))
+
+    async def load() -> tuple[dict, int]:
+        async with dsio.AsyncIOHandle(C.DEFAULT_IO) as h:
+            back = await C.load(path, handle=h)
+            return back, h.statistics().engine.checksummed_bytes
+
+    back, by_engine = asyncio.run(load())
     assert torch.equal(back["big"], state["big"])
-    assert calls["bytes"] >= data_bytes  # and so did the load
+    assert calls["bytes"] + by_engine >= data_bytes  # and so did the load
 
 
 def _ticks_while(call: Callable[[], object], *, calls: int, seconds: float) -> tuple[int, int]:

@@ -3,7 +3,8 @@
 What that must keep: a tensor's bytes live as long as the tensor (whatever happened to the other
 views), files whose tensors sit at any byte offset (foreign safetensors files) load exactly, every
 request is page-aligned in memory and in the file (O_DIRECT), and checksums are still checked
-tensor by tensor across the pieces a span is read in.
+tensor by tensor across the pieces a span is read in and the fragments the engine checksums on the
+way (``SWITCHES.engine_sums``; off, the reader checksums each piece after it is read).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ckpt_helpers import flip_byte
 
 import dsio
 import dsio.checkpoint as C
+from dsio._tuning import SWITCHES
 from dsio.checkpoint import _read
 from dsio.file import AsyncFile
 
@@ -105,9 +107,9 @@ def test_every_read_of_a_span_is_page_aligned_and_direct(tmp_path, monkeypatch):
         reads: list[tuple[int, int, int, bool]] = []
         real = AsyncFile.pread
 
-        async def pread(self, tensor, offset=0, _real=real, reads=reads):
+        async def pread(self, tensor, offset=0, _real=real, reads=reads, **kw):
             reads.append((tensor.data_ptr(), offset, tensor.numel(), self.direct))
-            return await _real(self, tensor, offset)
+            return await _real(self, tensor, offset, **kw)
 
         monkeypatch.setattr(AsyncFile, "pread", pread)
 
@@ -165,13 +167,16 @@ def test_a_flipped_byte_in_any_tensor_of_a_span_is_caught(tmp_path, monkeypatch,
     run(C.load(path, verify=False))  # the caller's explicit choice: no check, no error
 
 
+@pytest.mark.parametrize("engine", [True, False], ids=["engine_sums", "reader_sums"])
 @pytest.mark.parametrize("where", ["first_piece_middle", "second_piece", "last_piece", "last_byte"])
 def test_a_piece_checksummed_in_parts_on_several_threads_still_catches_one_flipped_byte(
-    tmp_path, monkeypatch, where
+    tmp_path, monkeypatch, where, engine
 ):
-    """A big piece's checksum is computed in `CRC_BYTES` parts spread over the checksum threads and
-    joined per tensor; a flipped byte in any part of any piece (the last one too: nothing overlaps
-    its check) must raise before load returns, and a clean file loads exactly."""
+    """A big piece's checksum is computed by the engine fragment by fragment, or by the reader in
+    `CRC_BYTES` parts spread over the checksum threads, and joined per tensor; a flipped byte in any
+    part of any piece (the last one too: nothing overlaps its check) must raise before load
+    returns, and a clean file loads exactly."""
+    monkeypatch.setattr(SWITCHES, "engine_sums", engine)
     monkeypatch.setattr(_read, "PIECE_BYTES", 64 << 10)
     monkeypatch.setattr(_read, "CRC_BYTES", 12 << 10)  # not a page multiple: parts cut anywhere
     state = {"a": torch.randn(7), "big": torch.randn(400_003), "z": torch.randn(3)}
@@ -196,20 +201,23 @@ def test_a_piece_checksummed_in_parts_on_several_threads_still_catches_one_flipp
         run(C.load(path))
 
 
-def test_a_reader_that_skips_a_part_of_a_tensor_is_a_bug_not_a_pass(tmp_path, monkeypatch):
-    """`_Sums.finish`: a tensor whose bytes were not all checksummed (a reader's bug) fails the load
-    instead of passing unchecked."""
+@pytest.mark.parametrize("engine", [True, False], ids=["engine_sums", "reader_sums"])
+def test_a_reader_that_skips_a_part_of_a_tensor_is_a_bug_not_a_pass(tmp_path, monkeypatch, engine):
+    """`_Sums.finish`: a tensor whose bytes were not all checksummed (a reader's bug: here the
+    fragments of the second request are never recorded) fails the load instead of passing unchecked."""
+    monkeypatch.setattr(SWITCHES, "engine_sums", engine)
     monkeypatch.setattr(_read, "PIECE_BYTES", 64 << 10)
     path = str(tmp_path / "s.safetensors")
     run(C.save({"big": torch.randn(200_000)}, path))
-    real = _read._piece_sums
+    real = _read._Sums.take
     calls = []
 
-    def skipping(base, lo, hi, run_):
-        calls.append(lo)
-        return [] if len(calls) == 2 else real(base, lo, hi, run_)
+    def skipping(self, frags, mine):
+        calls.append(frags)
+        if len(calls) != 2:
+            real(self, frags, mine)
 
-    monkeypatch.setattr(_read, "_piece_sums", skipping)
+    monkeypatch.setattr(_read._Sums, "take", skipping)
     with pytest.raises(RuntimeError, match="unverified"):
         run(C.load(path))
 
@@ -230,11 +238,11 @@ def test_reads_stop_once_a_piece_fails_its_check(tmp_path, monkeypatch):
     offsets = []
     real = AsyncFile.pread
 
-    async def pread(self, tensor, offset=0):
+    async def pread(self, tensor, offset=0, **kw):
         offsets.append(offset)
         if len(offsets) > 2:  # every piece after the first: time for the first one's check (a thread)
             await asyncio.sleep(0.2)
-        return await real(self, tensor, offset)
+        return await real(self, tensor, offset, **kw)
 
     monkeypatch.setattr(AsyncFile, "pread", pread)
     with pytest.raises(C.ChecksumError):
@@ -242,35 +250,44 @@ def test_reads_stop_once_a_piece_fails_its_check(tmp_path, monkeypatch):
     assert len(offsets) <= 1 + 1 + _read.IN_FLIGHT < 1 + pieces  # the header, the pieces in flight
 
 
-def test_a_span_is_read_in_halves_of_what_is_left_down_to_the_pools_share(tmp_path, monkeypatch):
-    """Each request of a span is half of what is left of it, at least the handle's staging pool over
-    `IN_FLIGHT` (32 MiB with DEFAULT_IO's 64 MiB pool): few requests, and a small last one."""
+@pytest.mark.parametrize("engine", [True, False], ids=["engine_sums", "reader_sums"])
+def test_a_span_is_one_request_where_the_engine_checksums_else_halves(tmp_path, monkeypatch, engine):
+    """With the engine checksumming on the way (or nothing to checksum: verify=False) a span is ONE
+    request, the raw read's shape. With the checksums the reader's (the switch off), each request
+    is half of what is left of the span, at least the handle's staging pool over `IN_FLIGHT`
+    (32 MiB with DEFAULT_IO's 64 MiB pool), so that each one's checksum overlaps the next reads."""
+    monkeypatch.setattr(SWITCHES, "engine_sums", engine)
     path = str(tmp_path / "s.safetensors")
     run(C.save({"w": torch.randn(10 << 20)}, path))  # 40 MiB of data
     sizes: list[int] = []
     real = AsyncFile.pread
 
-    async def pread(self, tensor, offset=0):
+    async def pread(self, tensor, offset=0, **kw):
         sizes.append(tensor.numel())
-        return await real(self, tensor, offset)
+        return await real(self, tensor, offset, **kw)
 
     monkeypatch.setattr(AsyncFile, "pread", pread)
     small = dsio.IOConfig(
         block_size=1 << 20, queue_depth=8, pool_bytes=16 << 20, staging_buffer_bytes=4 << 20
     )
     for config, low in ((C.DEFAULT_IO, C.DEFAULT_IO.pool_bytes // _read.IN_FLIGHT), (small, 8 << 20)):
-        sizes.clear()
+        for verify in (True, False):
+            sizes.clear()
 
-        async def load(config=config):
-            async with dsio.AsyncIOHandle(config) as h:
-                return await C.load(path, handle=h)
+            async def load(config=config, verify=verify):
+                async with dsio.AsyncIOHandle(config) as h:
+                    return await C.load(path, handle=h, verify=verify)
 
-        back = run(load())
-        assert back["w"].numel() == 10 << 20
-        got = sizes[1:]  # sizes[0]: the header's first read
-        total = sum(got)
-        assert total >= 40 << 20
-        assert got == [b - a for a, b in _read.piece_bounds(total, low)], (config, got)
+            back = run(load())
+            assert back["w"].numel() == 10 << 20
+            got = sizes[1:]  # sizes[0]: the header's first read
+            total = sum(got)
+            assert total >= 40 << 20
+            if engine or not verify:
+                assert got == [total], (config, verify, got)
+            else:
+                assert got == [b - a for a, b in _read.piece_bounds(total, low)], (config, got)
+                assert len(got) > 1 or config is C.DEFAULT_IO  # 40 MiB <= 2 x 32 MiB: one there
 
 
 def test_piece_bounds_tile_the_span_in_halves():
