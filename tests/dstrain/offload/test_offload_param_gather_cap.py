@@ -32,11 +32,11 @@ import dstrain  # noqa: E402
 DEPTH, STEPS = 8, 3
 
 
-def _config(root: str, cap: int | None, *, bf16: bool = False) -> dict[str, Any]:
+def _config(root: str, cap: int | None, *, bf16: bool = False, sub_group: int = 4096) -> dict[str, Any]:
     zero: dict[str, Any] = {
         "stage": 3,
         "stage3_param_persistence_threshold": 0,
-        "sub_group_size": 4096,
+        "sub_group_size": sub_group,
         "offload_param": {
             "device": "nvme",
             "nvme_path": root,
@@ -71,7 +71,9 @@ def _train(
         base = torch.cuda.memory_allocated()
     torch.manual_seed(0)
     engine, _, _, _ = dstrain.initialize(
-        model=TanhStack(width, depth).to(device), config=_config(root, cap, bf16=bf16)
+        # (a sub-group of about a unit: the optimizer's steps stay few on the wide model)
+        model=TanhStack(width, depth).to(device),
+        config=_config(root, cap, bf16=bf16, sub_group=max(4096, width * width)),
     )
     try:
         store, units = engine.zero.store, engine.zero.units
