@@ -8,6 +8,7 @@ over a large span (another Python thread runs meanwhile)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import os
 import random
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import _forkserver
 import crc32c
 import numpy as np
 import pytest
@@ -142,14 +144,24 @@ def test_fast_path_exactly_where_the_cpu_has_it() -> None:
         assert crc_path() == ("avx512" if expected else "portable")
 
 
+def _first_use(code: str, args: list[str]) -> None:
+    """``python -c CODE ARGS`` in a process forked from the fork server, where dsio is imported but no
+    crc32c path chosen yet: the child's first checksum reads `CRC32C_ENV`, as a new interpreter's does."""
+    if _integrity._chosen is not None:
+        sys.exit(f"the crc32c path was chosen before the child ran: {_integrity._chosen[0]}")
+    sys.argv = ["-c", *args]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+
+
 def _child(code: str, mode: str | None, *args: str) -> subprocess.CompletedProcess[str]:
-    """``code`` run in a fresh interpreter with `CRC32C_ENV` set to ``mode`` (None: unset)."""
+    """``code`` run in a fresh process (forked: tests/_forkserver.py, no new interpreter's ~2 CPU-s of
+    imports) with `CRC32C_ENV` set to ``mode`` (None: unset)."""
     env = dict(os.environ)
     env.pop(CRC32C_ENV, None)
     if mode is not None:
         env[CRC32C_ENV] = mode
     cmd = [sys.executable, "-c", code, *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return _forkserver.run(functools.partial(_first_use, code, list(args)), cmd, env=env, timeout=300)
 
 
 def test_unknown_env_value_is_a_config_error() -> None:
