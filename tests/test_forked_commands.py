@@ -199,3 +199,49 @@ def test_a_forked_module_runs_as_python_m_runs_it(tmp_path: Path, monkeypatch: p
         assert results[-1] == (
             f"name=__main__ argv={[str(d / 'probe_mod.py'), 'a', 'b']} path0={d} cwd={d} probe=from the caller"
         ), r.stdout + r.stderr[-2000:]
+
+
+CODE = textwrap.dedent(
+    """
+    import os, sys, time
+    print("to stderr", file=sys.stderr, flush=True)  # before the line the caller waits for
+    print(f"name={__name__} argv={sys.argv} path0={sys.path[0]!r} cwd={os.getcwd()} "
+          f"probe={os.environ.get('FORKED_PROBE')}", flush=True)
+    if sys.argv[1] == "wait":
+        time.sleep(120)  # killed here
+    sys.exit(4)
+    """
+)
+
+
+def test_a_forked_popen_reads_and_is_killed_as_a_popen_of_python_c(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_forkserver.popen` + `_forkserver.code` (tests/dstrain/offload/_offload_helpers.kill_at): its
+    stdout is read while it runs; SIGKILLed it ends -SIGKILL; left alone, its stdout ends and its status
+    is its exit code; stderr apart. Both as ``subprocess.Popen([python, "-c", CODE, ...])``."""
+    for forked in (True, False):
+        if forked:
+            monkeypatch.delenv("DSTRAIN_TESTS_SPAWN_ONLY", raising=False)
+        else:
+            monkeypatch.setenv("DSTRAIN_TESTS_SPAWN_ONLY", "1")
+        env = dict(os.environ, FORKED_PROBE="from the caller")
+        for how in ("wait", "exit"):
+            call = functools.partial(_forkserver.code, CODE, [how])
+            child = _forkserver.popen(call, [sys.executable, "-c", CODE, how], cwd=tmp_path, env=env)
+            try:
+                first = child.stdout.readline().strip()
+                assert first == (
+                    f"name=__main__ argv={['-c', how]} path0='' cwd={tmp_path} probe=from the caller"
+                ), (forked, first, child.stderr())
+                if how == "wait":
+                    assert child.poll() is None
+                    child.send_signal(signal.SIGKILL)
+                    assert child.wait(timeout=60) == -signal.SIGKILL
+                else:
+                    assert child.stdout.read() == ""  # end of file: it has ended
+                    assert child.wait(timeout=60) == 4
+                assert child.returncode is not None and child.returncode == child.poll()
+                assert child.stderr().strip() == "to stderr", (forked, child.stderr())
+            finally:
+                child.close()

@@ -149,8 +149,7 @@ def _first_use(code: str, args: list[str]) -> None:
     crc32c path chosen yet: the child's first checksum reads `CRC32C_ENV`, as a new interpreter's does."""
     if _integrity._chosen is not None:
         sys.exit(f"the crc32c path was chosen before the child ran: {_integrity._chosen[0]}")
-    sys.argv = ["-c", *args]
-    exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+    _forkserver.code(code, args)
 
 
 def _child(code: str, mode: str | None, *args: str) -> subprocess.CompletedProcess[str]:

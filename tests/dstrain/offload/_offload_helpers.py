@@ -4,10 +4,10 @@ parameterised parity run (once _offload_device_helpers.py)."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import signal
-import subprocess
 import sys
 import time
 from typing import Any
@@ -17,20 +17,25 @@ from _dstrain_helpers import base_config, engine_losses, make_model, world_rank
 
 
 def kill_at(code: str, line: str, *, after: float = 0.0) -> None:
-    """Run ``code`` in a new interpreter (OMP_NUM_THREADS=1, this environment otherwise), wait until it
-    prints ``line``, SIGKILL it ``after`` seconds later, and check that the kill is what ended it."""
+    """Run ``code`` as ``python -c`` would (OMP_NUM_THREADS=1, this environment otherwise) in a process
+    forked from the fork server (tests/_forkserver.py: what is killed is the save, not a new interpreter's
+    start), wait until it prints ``line``, SIGKILL it ``after`` seconds later, and check that the kill is
+    what ended it."""
+    import _forkserver  # here: the children import this module, with tests/ not on their path
+
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env, text=True)
+    call = functools.partial(_forkserver.code, code, [])
+    child = _forkserver.popen(call, [sys.executable, "-c", code], env=env)
     try:
-        assert child.stdout is not None
         got = child.stdout.readline()
-        assert got.strip() == line, f"the child printed {got!r}, not {line!r}"
+        assert got.strip() == line, (
+            f"the child printed {got!r}, not {line!r}; stderr:\n{child.stderr()[-3000:]}"
+        )
         time.sleep(after)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=60)
     finally:
-        if child.poll() is None:
-            child.kill()
+        child.close()
     assert child.returncode == -signal.SIGKILL, f"the child ended with {child.returncode}, not the kill"
 
 
