@@ -7,6 +7,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "copy.hpp"
 #include "crc32c.hpp"
 #include "cuda.hpp"
 #include "engine.hpp"
@@ -172,6 +173,17 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("ptr"), py::arg("nbytes"), py::arg("value"),
       "crc32c of nbytes at ptr continuing value, three interleaved crc32 instruction streams");
+  m.def(
+      "copy_crc32c",
+      [](uintptr_t dst, uintptr_t src, size_t nbytes, uint32_t value) {
+        static const bool supported = crc32c_hw_supported();
+        if (!supported) throw std::runtime_error("copy_crc32c: this CPU has no crc32c instruction");
+        py::gil_scoped_release nogil;
+        return copy_crc32c(reinterpret_cast<char*>(dst), reinterpret_cast<const char*>(src), nbytes, value);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("value"),
+      "Copy nbytes from src to dst (streaming stores) and return their crc32c continuing value, in one pass "
+      "(64 KiB steps: each checksummed, then copied from the cache); GIL released");
   m.def("crc32c_hw_supported", &crc32c_hw_supported,
         "True if the engine's copier can checksum reads here (AVX-512 folds or the SSE4.2 instruction)");
   m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),

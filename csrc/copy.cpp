@@ -1,5 +1,7 @@
 #include "copy.hpp"
 
+#include "crc32c.hpp"
+
 #include <immintrin.h>
 
 #include <cstdint>
@@ -42,6 +44,19 @@ void copy_stream(char* dst, const char* src, size_t n) {
     stream_avx2(dst, src, n);
   else
     std::memcpy(dst, src, n);
+}
+
+uint32_t copy_crc32c(char* dst, const char* src, size_t n, uint32_t value, bool streaming) {
+  for (size_t a = 0; a < n; a += kCopySumStep) {
+    size_t k = n - a < kCopySumStep ? n - a : kCopySumStep;
+    value = crc32c_hw(reinterpret_cast<const uint8_t*>(src + a), k, value);
+    if (dst == nullptr) continue;
+    if (streaming)
+      copy_stream(dst + a, src + a, k);
+    else
+      std::memcpy(dst + a, src + a, k);
+  }
+  return value;
 }
 
 }  // namespace dsio

@@ -62,14 +62,6 @@ void Engine::set_copy_threads(unsigned n) {
   kcv_.notify_all();
 }
 
-namespace {
-
-// Checksummed pieces are copied in steps of this many bytes, each step's crc32c computed just
-// before its copy: the copy then reads what the checksum brought into L1/L2 (one pass over memory).
-constexpr uint64_t kSumStep = 64 << 10;
-
-}  // namespace
-
 void Engine::copy_out(const Slot& s, int thread) {
   const Request& r = *s.req;
   char* dst = r.copy_dst != nullptr ? r.copy_dst + s.pos : nullptr;
@@ -103,6 +95,7 @@ void Engine::sum_piece(const Request& r, const char* src, char* dst, uint64_t of
     else
       std::memcpy(dst + at, src + at, len);
   };
+  // A whole fragment: checksummed and copied in one pass (copy_crc32c's steps).
   const uint64_t end = off + n;
   uint64_t j = static_cast<uint64_t>(std::upper_bound(cuts, cuts + m, off) - cuts);  // cuts[j] > off
   uint64_t p = off;
@@ -110,12 +103,7 @@ void Engine::sum_piece(const Request& r, const char* src, char* dst, uint64_t of
   while (p < end) {
     uint64_t q = j < m ? std::min(end, cuts[j]) : end;
     if (j > 0 && j < m && cuts[j - 1] == p && cuts[j] <= end) {  // fragment j - 1, whole, here
-      uint32_t crc = 0;
-      for (uint64_t a = p; a < q; a += kSumStep) {
-        uint64_t k = std::min(kSumStep, q - a);
-        crc = crc32c_hw(reinterpret_cast<const uint8_t*>(src + (a - off)), k, crc);
-        copy(a - off, k);
-      }
+      uint32_t crc = copy_crc32c(dst == nullptr ? nullptr : dst + (p - off), src + (p - off), q - p, 0, streaming);
       r.sum_out[j - 1] = (uint64_t{1} << 32) | crc;
       bytes += q - p;
       ++frags;

@@ -212,21 +212,26 @@ def test_env_var_picks_the_path_that_saves_loads_and_detects_corruption(mode: st
 
 
 def test_checkpoint_save_and_load_checksum_through_the_chosen_path(tmp_path, monkeypatch) -> None:
-    """Every checksum of a save and of a verified load goes through `crc_of` / `crc_continue`'s
-    dispatch (a call straight to the package would skip the fast path): count the calls. A load's
+    """Every checksum of a save and of a verified load goes through `crc_of` / `crc_continue` /
+    `copy_crc`'s dispatch (a call straight to the package would skip the fast path): count the
+    calls. A load's
     checksums the engine computed as the bytes landed (`dsio._sums`, its own native kernels) are
     counted from the handle's statistics."""
     pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
     import dsio.checkpoint as C
 
-    name, fn = _integrity._choose()
+    name, fn, copy_fn = _integrity._choose()
     calls = {"bytes": 0}
 
     def counting(ptr: int, nbytes: int, value: int) -> int:
         calls["bytes"] += nbytes
         return fn(ptr, nbytes, value)
 
-    monkeypatch.setattr(_integrity, "_chosen", (name, counting))
+    def counting_copy(dst: int, src: int, nbytes: int) -> int:  # a save's staging: copy + crc32c
+        calls["bytes"] += nbytes
+        return copy_fn(dst, src, nbytes)
+
+    monkeypatch.setattr(_integrity, "_chosen", (name, counting, counting_copy))
     state = {"big": torch.randn(3 << 18), "small": torch.arange(10)}
     data_bytes = sum(t.numel() * t.element_size() for t in state.values())
     path = str(tmp_path / "m.safetensors")
@@ -316,3 +321,27 @@ def test_every_path_releases_the_gil_over_a_large_span(name: str, big: np.ndarra
     assert call() == crc32c.crc32c(memoryview(big))
     ticks, made = _ticks_while(call, calls=10**6, seconds=60)
     assert ticks > 0, f"no other thread ran during {made} calls of {n} bytes"
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["native_fused", "copy_then_crc"])
+def test_copy_crc_copies_exactly_and_returns_the_bytes_crc32c(fused: bool, data: np.ndarray) -> None:
+    """A staging copy's one pass (`copy_crc`: the native copy_crc32c on the avx512 path, else memcpy
+    then the path's crc32c): at every length around its 64 KiB steps and the streaming stores'
+    32-byte alignment, from and to odd addresses, the destination holds the source's bytes and the
+    result is their crc32c."""
+    pytest.importorskip("dsio._C", reason="dsio's native core is not built here")
+    from dsio._native import native
+
+    if fused and not native().crc32c_hw_supported():
+        pytest.skip("no crc32c instruction here: the fused kernel does not run")
+    fn = _integrity._copy_crc_fused if fused else _integrity._copy_then_crc(_integrity._crc_portable)
+    out = np.zeros(2 * MiB + 256, dtype=np.uint8)
+    rng = random.Random(4)
+    for n in (0, 1, 31, 32, 4095, 4096, 4097, 65_535, 65_536, 65_537, 3 * 65_536 + 5, MiB + 3, 2 * MiB):
+        s, d = rng.randrange(64), rng.randrange(64)
+        src = data[s : s + n]
+        out[:] = 0
+        got = fn(_ptr(out) + d, _ptr(src), n)
+        assert got == crc32c.crc32c(src.tobytes()), n
+        assert out[d : d + n].tobytes() == src.tobytes(), n
+        assert not out[:d].any() and not out[d + n :].any(), n  # nothing written outside
