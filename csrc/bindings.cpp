@@ -43,6 +43,17 @@ py::dict op_stats(const OpStats& s) {
   return d;
 }
 
+// One crc32c kernel called from Python: refused where this CPU lacks it, the GIL released for
+// spans of 32 KiB and more (below, the hand-off costs more than the checksum).
+uint32_t crc_kernel(uint32_t (*fn)(const uint8_t*, size_t, uint32_t), bool supported, const char* refusal,
+                    uintptr_t ptr, size_t nbytes, uint32_t value) {
+  if (!supported) throw std::runtime_error(refusal);
+  const auto* p = reinterpret_cast<const uint8_t*>(ptr);
+  if (nbytes < (size_t{1} << 15)) return fn(p, nbytes, value);
+  py::gil_scoped_release nogil;
+  return fn(p, nbytes, value);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -152,11 +163,8 @@ PYBIND11_MODULE(_C, m) {
       "crc32c_avx512",
       [](uintptr_t ptr, size_t nbytes, uint32_t value) {
         static const bool supported = crc32c_avx512_supported();
-        if (!supported) throw std::runtime_error("crc32c_avx512: this CPU lacks AVX-512 + VPCLMULQDQ");
-        const auto* p = reinterpret_cast<const uint8_t*>(ptr);
-        if (nbytes < (size_t{1} << 15)) return crc32c_avx512(p, nbytes, value);  // the GIL hand-off costs more
-        py::gil_scoped_release nogil;
-        return crc32c_avx512(p, nbytes, value);
+        return crc_kernel(crc32c_avx512, supported, "crc32c_avx512: this CPU lacks AVX-512 + VPCLMULQDQ", ptr,
+                          nbytes, value);
       },
       py::arg("ptr"), py::arg("nbytes"), py::arg("value"),
       "crc32c of nbytes at ptr continuing value (the crc32c package's convention); GIL released for >= 32 KiB");
@@ -165,11 +173,7 @@ PYBIND11_MODULE(_C, m) {
       "crc32c_sse42",
       [](uintptr_t ptr, size_t nbytes, uint32_t value) {
         static const bool supported = crc32c_sse42_supported();
-        if (!supported) throw std::runtime_error("crc32c_sse42: this CPU lacks SSE4.2");
-        const auto* p = reinterpret_cast<const uint8_t*>(ptr);
-        if (nbytes < (size_t{1} << 15)) return crc32c_sse42(p, nbytes, value);
-        py::gil_scoped_release nogil;
-        return crc32c_sse42(p, nbytes, value);
+        return crc_kernel(crc32c_sse42, supported, "crc32c_sse42: this CPU lacks SSE4.2", ptr, nbytes, value);
       },
       py::arg("ptr"), py::arg("nbytes"), py::arg("value"),
       "crc32c of nbytes at ptr continuing value, three interleaved crc32 instruction streams");
