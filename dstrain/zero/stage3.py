@@ -11,6 +11,7 @@ another module's parameter gathers it too when registered (``register_external_p
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -201,11 +202,20 @@ class Stage3Zero(ZeroStrategy):
     # -- gradients ---------------------------------------------------------------------------
 
     def _grad_hook(self, unit: Unit):
+        # Held weakly: the hook lives in the parameter's hook dict, which torch's garbage collector
+        # does not traverse, so a strong reference here would keep this strategy, its units, the store
+        # (and what listens to it: an offloading optimizer, its pinned buffers and step thread) alive
+        # for good once an engine is dropped without close().
+        zero, of = weakref.ref(self), weakref.ref(unit)
+
         def hook(p: torch.Tensor) -> None:
-            unit.grads_ready += 1
-            if unit.grads_ready == len(unit.params):
-                self._reduce(unit)
-                unit.release()
+            me, u = zero(), of()
+            if me is None or u is None:  # dropped: its hooks go with it
+                return
+            u.grads_ready += 1
+            if u.grads_ready == len(u.params):
+                me._reduce(u)
+                u.release()
 
         return hook
 

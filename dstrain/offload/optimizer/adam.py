@@ -581,6 +581,9 @@ class OffloadAdam(torch.optim.Optimizer):
                 self.swapped.swapper = None
 
     def __del__(self) -> None:
+        thread = self.__dict__.get("_thread")
+        if thread is not None:  # nothing is queued there (a queued step would hold this optimizer)
+            thread.stop()
         state = self.__dict__.get("swapped")  # absent when __init__ raised before making it
         sw = state.swapper if state is not None else None
         if sw is not None:

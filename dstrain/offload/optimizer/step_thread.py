@@ -18,7 +18,7 @@ backward goes on (torch's CPU kernels release the GIL: the overlap is real on tw
   nothing waits for a thread that is gone.
 - `join` (at the end of every optimizer step's early part) waits until every job handed over is done;
   `close` joins, then ends the worker. The worker is a daemon: a process that never calls close()
-  still exits. At exit the jobs handed over first run to their end (bounded, `EXIT_WAIT_S`), before
+  still exits; an optimizer dropped without close() ends it at collection (`stop`). At exit the jobs handed over first run to their end (bounded, `EXIT_WAIT_S`), before
   dsio's exit hook drains its loop: a job holds swap buffers and hands them back with the writes it
   submits, so a read waiting for one of those buffers would otherwise keep that drain waiting for
   its whole timeout (a minute), and the job's writes would find the loop closed.
@@ -111,6 +111,13 @@ class StepThread:
         if error is not None:
             log.warning("a sub-group step on the step thread failed and was never raised: %r", error)
 
+    def stop(self) -> None:
+        """Let the worker end once nothing is queued, without waiting for it (its owner was dropped
+        without `close`); a later `submit` raises `StepThreadError`."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
     def _finish(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the jobs handed over (never raises: at exit)."""
         deadline = time.monotonic() + timeout
@@ -149,6 +156,10 @@ class StepThread:
                 except Exception as e:  # kept for the caller; what is queued behind it is dropped
                     self._failed(e)
                     continue
+                finally:
+                    # the worker waits holding nothing of the job: its closure holds the optimizer,
+                    # which a caller that drops it without close() expects to be collected
+                    del job
                 with self._cond:
                     self.jobs_done += 1
                     self._busy -= 1

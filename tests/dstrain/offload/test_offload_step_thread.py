@@ -499,3 +499,31 @@ def test_steps_dropped_behind_a_failure_on_the_thread_hand_their_buffers_back(mo
         assert handed["n"] >= 2  # one failed, one dropped behind it
         opt.drain()  # the writes in flight
         assert opt.statistics().swapper.buffers_in_use == len(opt.swapped.reads.ahead)
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_an_engine_dropped_without_close_takes_its_optimizer_and_step_thread(tmp_path, optimizer) -> None:
+    """An offloading engine dropped without ``close()`` after steps on the thread: at garbage collection
+    its `OffloadAdam` goes (with its swap buffers) and so does the step thread. Its worker kept the last
+    job, whose closure holds the optimizer, while waiting for the next, and nothing ended the worker:
+    one thread (and one optimizer's pinned buffers) per engine dropped, for good."""
+    import gc
+    import weakref
+
+    def trained_and_dropped() -> weakref.ref[Any]:
+        engine, opt = dstrain.initialize(
+            model=make_model(), config=_config(tmp_path, optimizer, False, True)
+        )[:2]
+        engine_losses(engine, 2, hook=lambda step, micro: opt.drain())
+        assert opt.statistics().stepped_on_thread > 0
+        assert len(_step_threads()) == before + 1
+        return weakref.ref(opt)  # engine and optimizer dropped here, never closed
+
+    before = len(_step_threads())
+    dropped = trained_and_dropped()
+    gc.collect()
+    assert dropped() is None
+    deadline = time.monotonic() + 30  # the worker ends on its own once told (nothing is queued)
+    while len(_step_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_step_threads()) == before

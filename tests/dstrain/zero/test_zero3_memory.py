@@ -171,3 +171,24 @@ def test_stage3_world1_what_a_caller_takes_between_steps_is_a_copy(persistent: b
         assert torch.equal(block_view, block_values)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_engine_dropped_without_close_is_collected_with_its_zero_strategy(stage: int) -> None:
+    """A training script that drops an engine without ``close()`` (a search loop building one a trial)
+    gets its memory back at garbage collection: the strategy, the model and the optimizer go. Stage 3's
+    post-accumulate-grad hooks live in the parameters' hook dicts, which torch's collector does not
+    traverse: a hook holding the strategy strongly kept all of it alive for good."""
+    import gc
+    import weakref
+
+    from _dstrain_helpers import base_config, engine_losses, make_model
+
+    import dstrain
+
+    engine = dstrain.initialize(model=make_model(), config=base_config(stage, world=1))[0]
+    engine_losses(engine, 2)
+    dropped = [weakref.ref(x) for x in (engine, engine.zero, engine.module, engine.stepper)]
+    del engine
+    gc.collect()
+    assert [ref() is None for ref in dropped] == [True] * 4
