@@ -2,37 +2,26 @@
 
 The tensors to read (all of them, or those a lazy load does not leave in the file) are read as
 spans: each run of tensors that lie back to back in the file gets ONE fresh allocation, placed so
-that its address has the same offset within a 4096-byte page as its first byte in the file, and
-the tensors are views of it (one span instead of 329 separately staged tensors: 1.90 vs 2.32 s,
-quiet). A span is read with dsio's raw read path (fresh page-aligned memory: staged through the
-handle's pool on huge pages, the copier threads faulting the destination in behind the disk) as ONE
-request, the raw read's shape. Its checksums are computed by the engine's copier as each 1 MiB piece
-lands (`dsio._sums`): each 64 KiB step's crc32c, then its copy out, while the step is in the cache,
-so they cost no pass over memory of their own and overlap the disk like the copies. For that the
-span's bytes are cut into fragments at every tensor's bounds and on the engine's piece grid
-(`_cuts`); each tensor's crc32c is joined from its fragments' (`crc_extend`) and checked before
-`read_file` returns. Whatever the engine left (the file's unaligned tail page, read buffered on its
-own; all of it on a CPU without a crc32c instruction) is checksummed here once its request is read.
-Under load 4-5.6 (bench/results/checkpoint-2026-12-02-load-s10-under-load.md, 4 interleaved reps,
-medians): verified load 1.66 s / 1.72 CPU s, verify=False 1.50 s / 1.61, the raw read 1.57 s / 1.62;
-checksummed after each read instead (the former way, `SWITCHES.engine_sums=False`) 1.59 s / 1.84.
-
-Where the checksums are this reader's to compute (``SWITCHES.engine_sums`` off, or no crc32c
-instruction), a span is read in halves of what is left of it instead (`piece_bounds`: 1454, 727,
-364, ... 45 MiB for the 2.84 GiB state of bench/checkpoint.py), `IN_FLIGHT` at a time, each piece
-checksummed in `CRC_BYTES` parts on `CRC_THREADS` threads while the next ones are read.
+that its address has the same offset within a 4096-byte page as its first byte in the file, and the
+tensors are views of it (329 tensors staged one by one were slower). A span is read with dsio's raw
+read path (fresh page-aligned memory: staged through the handle's pool on huge pages, the copier
+threads faulting the destination in behind the disk) as ONE request, the raw read's shape. Its
+checksums are computed by the engine's copier as each 1 MiB piece lands (`dsio._sums`): each 64 KiB
+step's crc32c, then its copy out, while the step is in the cache, so they cost no pass over memory
+of their own and overlap the disk like the copies. For that the span's bytes are cut into fragments
+at every tensor's bounds and on the engine's piece grid (`_cuts`); each tensor's crc32c is joined
+from its fragments' (`crc_extend`) and checked before `read_file` returns. Whatever the engine left
+(the file's unaligned tail page, read buffered on its own; all of it on a CPU without a crc32c
+instruction) is checksummed here once its request is read. Measured:
+bench/results/checkpoint-2026-12-02-load-s10-under-load.md (``SWITCHES.engine_sums=False``:
+checksummed after each read instead, the former way). Where the checksums are this reader's to
+compute, a span is read in halves instead (`piece_bounds`).
 
 Lifetime: a loaded tensor keeps its whole span alive (the memory of every tensor of that file is
 freed when the last of them is gone); ``clone()`` a tensor to keep it alone.
 
-`read_file_into` fills existing tensors instead (a resume's ``load(into=state)``): no fresh
-memory at all. The data section goes through `INTO_BUFFERS` reused bounce buffers of
-`INTO_PIECE_BYTES` (huge pages where the kernel gives them, faulted in once per load), each read
-straight from the disk (O_DIRECT into resident memory, `IN_FLIGHT` at a time), then on the
-checksum threads each tensor's part is checksummed in the bounce buffer and copied into its
-tensor while the next pieces are read. The destinations are the caller's tensors, at whatever
-address within a page their allocator chose, so they cannot take the file's pages directly; the
-copy (~12 GB/s a core) costs less CPU than faulting fresh memory in (~4.7 GB/s a core here).
+`read_file_into` fills existing tensors instead (a resume's ``load(into=state)``: no fresh memory
+at all; its docstring says how).
 """
 
 from __future__ import annotations
@@ -142,7 +131,12 @@ def piece_bounds(nbytes: int, low: int) -> list[tuple[int, int]]:
     """``nbytes`` (of a span's page-aligned memory) cut into requests ``[(a, b), ...]`` in order:
     each half of what is left (rounded down to a page), at least ``low`` (a page multiple), the
     last one the rest once at most ``2 * low`` is left. So a span takes about log2(nbytes / low)
-    requests and its last piece, whose checksum nothing overlaps, is small."""
+    requests and its last piece, whose checksum nothing overlaps, is small.
+
+    Used where the checksums are this reader's to compute (``SWITCHES.engine_sums`` off, or no crc32c
+    instruction): 1454, 727, 364, ... 45 MiB for the 2.84 GiB state of bench/checkpoint.py, `IN_FLIGHT`
+    at a time, each piece checksummed in `CRC_BYTES` parts on `CRC_THREADS` threads while the next
+    ones are read."""
     out, a = [], 0
     while nbytes - a > 2 * low:
         k = max(low, (nbytes - a) // 2 // _ALIGN * _ALIGN)
@@ -535,7 +529,15 @@ async def read_file_into(
     Every tensor's checksum is checked before this returns; on any error (``ChecksumError``
     included) the targets hold unspecified contents (some of their bytes may be the file's,
     verified or not) and nothing is still reading into or copying into them. ``fd``: as
-    `read_file`'s."""
+    `read_file`'s.
+
+    The data section goes through `INTO_BUFFERS` reused bounce buffers of `INTO_PIECE_BYTES` (huge
+    pages where the kernel gives them, faulted in once per load), each read straight from the disk
+    (O_DIRECT into resident memory, `IN_FLIGHT` at a time), then on the checksum threads each
+    tensor's part is checksummed in the bounce buffer and copied into its tensor while the next
+    pieces are read. The destinations are the caller's tensors, at whatever address within a page
+    their allocator chose, so they cannot take the file's pages directly; the copy (~12 GB/s a core)
+    costs less CPU than faulting fresh memory in (~4.7 GB/s a core here)."""
     path = os.fspath(path)
     async with handle.open(path if fd is None else f"/proc/self/fd/{fd}", "r") as f:
         size = f.size
