@@ -19,6 +19,7 @@ tensors, never storage that holds no bytes.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -44,14 +45,17 @@ __all__ = [
     "whole_shape",
 ]
 
-_owner: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> the Unit it is a view of
+# Parameter -> (a weak reference to) the Unit it is a view of: a Unit holds its parameters, so a strong
+# value would keep its key, and so the unit, its store and shards, alive for good
+_owner: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _shape: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Parameter -> its whole shape (empty while released)
 _stored: WeakIdKeyDictionary = WeakIdKeyDictionary()  # emptied optimizer view -> its StoredView
 
 
 def unit_of(param: torch.Tensor) -> Unit | None:
     """The stage-3 `Unit` that holds ``param`` (None for a parameter no engine partitioned)."""
-    return _owner.get(param)
+    ref = _owner.get(param)
+    return ref() if ref is not None else None
 
 
 def whole_shape(param: torch.Tensor) -> torch.Size:
@@ -264,7 +268,7 @@ class Unit:
         else:
             self.shard = self.full[self.layout.lo : self.layout.hi].clone()
         for p, shape, numel in zip(params, self.layout.shapes, self.layout.numels, strict=True):
-            _owner[p] = self
+            _owner[p] = weakref.ref(self)
             _shape[p] = shape
             # DeepSpeed's names for the whole shape of a partitioned parameter (users' code reads them)
             setattr(p, "ds_shape", shape)  # noqa: B010 (Parameter declares no such attribute)

@@ -173,12 +173,15 @@ def test_stage3_world1_what_a_caller_takes_between_steps_is_a_copy(persistent: b
         engine.close()
 
 
+@pytest.mark.parametrize("close", [False, True])
 @pytest.mark.parametrize("stage", [1, 3])
-def test_an_engine_dropped_without_close_is_collected_with_its_zero_strategy(stage: int) -> None:
-    """A training script that drops an engine without ``close()`` (a search loop building one a trial)
-    gets its memory back at garbage collection: the strategy, the model and the optimizer go. Stage 3's
-    post-accumulate-grad hooks live in the parameters' hook dicts, which torch's collector does not
-    traverse: a hook holding the strategy strongly kept all of it alive for good."""
+def test_an_engine_dropped_is_collected_with_its_zero_strategy(stage: int, close: bool) -> None:
+    """A training script that drops an engine, closed or not (a search loop building one a trial), gets
+    its memory back at garbage collection: the strategy, its units, store and shards, the model and the
+    optimizer go. Stage 3's post-accumulate-grad hooks live in the parameters' hook dicts, which torch's
+    collector does not traverse: a hook holding the strategy strongly kept all of it alive for good;
+    and `unit_of`'s map (parameter -> unit, weak keys) held each unit strongly, which holds its
+    parameters: no entry ever went, closed engines' shards included."""
     import gc
     import weakref
 
@@ -186,9 +189,16 @@ def test_an_engine_dropped_without_close_is_collected_with_its_zero_strategy(sta
 
     import dstrain
 
-    engine = dstrain.initialize(model=make_model(), config=base_config(stage, world=1))[0]
-    engine_losses(engine, 2)
-    dropped = [weakref.ref(x) for x in (engine, engine.zero, engine.module, engine.stepper)]
-    del engine
+    def trained() -> list[weakref.ref[Any]]:
+        engine = dstrain.initialize(model=make_model(), config=base_config(stage, world=1))[0]
+        engine_losses(engine, 2)
+        parts: list[Any] = [engine, engine.zero, engine.module, engine.stepper]
+        if stage == 3:
+            parts += [engine.zero.store, engine.zero.units[0], engine.zero.groups[0].shards]
+        if close:
+            engine.close()
+        return [weakref.ref(x) for x in parts]
+
+    dropped = trained()
     gc.collect()
-    assert [ref() is None for ref in dropped] == [True] * 4
+    assert [ref() is None for ref in dropped] == [True] * len(dropped)
