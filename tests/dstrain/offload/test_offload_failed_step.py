@@ -105,46 +105,60 @@ def test_a_failed_steps_buffers_all_go_back_when_one_give_back_raises() -> None:
     assert back == ["grad", "master", "m, v"]
 
 
-def test_a_sub_group_whose_state_read_failed_makes_the_step_incomplete(monkeypatch, tmp_path) -> None:
-    """A sub-group's step can fail before it is marked stepped (its m, v read failed: the disk's EIO).
-    The step's counters are already counted and earlier sub-groups stepped, so a later ``engine.step()``
-    refuses with `IncompleteStepError` (cause: the read's error) rather than re-running the step."""
-    import concurrent.futures
-    import errno
-
-    from dsio.errors import IOFailedError
-
+def _nvme_engine_after_one_step(tmp_path: Any) -> tuple[Any, Any]:
+    """AdamW with m, v on NVMe, sub-groups stepped inline in ``step()`` only, after one step."""
     cfg = offload_config(3, "nvme", str(tmp_path), sub_group=256)
     cfg["optimizer"]["type"] = "AdamW"
     section = cfg["zero_optimization"]["offload_optimizer"]
     section["step_thread"] = False
     section["step_in_backward"] = False
     engine, opt = dstrain.initialize(model=make_model(), config=cfg)[:2]
+    engine_losses(engine, 1)
+    return engine, opt
+
+
+def _fail_read(monkeypatch: Any, opt: Any, n: int) -> dict[str, int]:
+    """Hand the optimizer's read-ahead back, and make the ``n``-th m, v read submitted from now on fail
+    as the disk's EIO would (its future raises `IOFailedError`); counts the reads."""
+    import concurrent.futures
+    import errno
+
+    from dsio.errors import IOFailedError
+
+    swapper = opt.swapped.swapper
+    real = swapper.fetch
+    calls = {"n": 0}
+
+    def fetch(key: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] != n:
+            return real(key)
+        failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        failed.set_exception(IOFailedError(errno.EIO, swapper.path, 0))
+        return failed
+
+    opt.swapped.cancel_ahead()  # the next step's reads, submitted again (through ``fetch``)
+    monkeypatch.setattr(swapper, "fetch", fetch)
+    return calls
+
+
+def test_a_sub_group_whose_state_read_failed_makes_the_step_incomplete(monkeypatch, tmp_path) -> None:
+    """A sub-group's step can fail before it is marked stepped (its m, v read failed: the disk's EIO).
+    The step's counters are already counted and earlier sub-groups stepped, so a later ``engine.step()``
+    refuses with `IncompleteStepError` (cause: the read's error) rather than re-running the step."""
+    from dsio.errors import IOFailedError
+
+    engine, opt = _nvme_engine_after_one_step(tmp_path)
     try:
-        engine_losses(engine, 1)
-        stats = opt.statistics()
-        assert stats.sub_groups >= 3
-        swapper = opt.swapped.swapper
-        real = swapper.fetch
-        calls = {"n": 0}
-
-        def fetch(key: Any) -> Any:  # the third m, v read from here on fails, as the disk's EIO would
-            calls["n"] += 1
-            if calls["n"] != 3:
-                return real(key)
-            failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            failed.set_exception(IOFailedError(errno.EIO, swapper.path, 0))
-            return failed
-
-        opt.swapped.cancel_ahead()  # the next step's reads, submitted again below
-        monkeypatch.setattr(swapper, "fetch", fetch)
+        assert opt.statistics().sub_groups >= 3
+        _fail_read(monkeypatch, opt, 3)  # the third sub-group's: two step, then one fails
         idx, targets = global_batch(1, engine.config.train_batch_size)
         engine.backward(engine(idx, targets))
         seen = _fail_call(monkeypatch, 0)  # counts the kernel's calls
         with pytest.raises(IOFailedError):
             engine.step()
         stepped = seen["calls"]
-        assert 0 < stepped < stats.sub_groups  # some stepped, the failed one and some others not
+        assert 0 < stepped < opt.statistics().sub_groups  # some stepped, the failed one and some others not
         for _ in range(2):
             with pytest.raises(IncompleteStepError) as info:
                 engine.step()
@@ -159,32 +173,9 @@ def test_a_failed_read_ahead_never_taken_is_dropped_with_the_others(monkeypatch,
     """A read ahead that failed and was never taken (the read-ahead is handed back first: a state_dict
     between backward and step, or close) does not raise there, and every other buffer read ahead goes
     back to its pool: the reads start afresh and the step completes."""
-    import concurrent.futures
-    import errno
-
-    from dsio.errors import IOFailedError
-
-    cfg = offload_config(3, "nvme", str(tmp_path), sub_group=256)
-    section = cfg["zero_optimization"]["offload_optimizer"]
-    section["step_thread"] = False
-    section["step_in_backward"] = False
-    engine, opt = dstrain.initialize(model=make_model(), config=cfg)[:2]
+    engine, opt = _nvme_engine_after_one_step(tmp_path)
     try:
-        engine_losses(engine, 1)
-        swapper = opt.swapped.swapper
-        real = swapper.fetch
-        calls = {"n": 0}
-
-        def fetch(key: Any) -> Any:  # the first m, v read from here on fails
-            calls["n"] += 1
-            if calls["n"] != 1:
-                return real(key)
-            failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            failed.set_exception(IOFailedError(errno.EIO, swapper.path, 0))
-            return failed
-
-        opt.swapped.cancel_ahead()
-        monkeypatch.setattr(swapper, "fetch", fetch)
+        calls = _fail_read(monkeypatch, opt, 1)
         idx, targets = global_batch(1, engine.config.train_batch_size)
         engine.backward(engine(idx, targets))  # reads the step's state ahead: the first read fails
         assert calls["n"] >= 2
