@@ -192,7 +192,9 @@ class IncompleteStepError(DstrainError, RuntimeError):
     step under way failed, or could not start (its state's read failed, an async save's gate raised)
     (``__cause__``: its error, raised when it happened): the step is counted, some sub-groups are
     stepped, that one may be half-updated and others are not, so the step can be neither finished nor
-    re-run. Load a checkpoint into a new engine to go on."""
+    re-run, and its state neither saved nor replaced (the optimizer's ``state_dict``,
+    ``checkpoint_state`` and ``load_state_dict`` raise it too). Load a checkpoint into a new engine to
+    go on."""
 
 
 class StepThreadError(IncompleteStepError):

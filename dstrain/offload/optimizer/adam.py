@@ -462,6 +462,12 @@ class OffloadAdam(torch.optim.Optimizer):
             self.swapped.swapper.drain()
 
     def _between_steps(self, what: str) -> None:
+        failed = self._failed if self._failed is not None else self._thread_failed
+        if failed is not None:  # counted, maybe partly stepped: neither the last step's state nor the next's
+            raise IncompleteStepError(
+                f"{what} after a failed optimizer step: its state is neither that of the step before "
+                "nor of the next one; load a checkpoint into a new engine to go on"
+            ) from failed
         if self._stepped:
             raise EarlyStepError(
                 f"{what} between backward and step: {len(self._stepped)} sub-group(s) are already "

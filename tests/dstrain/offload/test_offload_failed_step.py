@@ -219,3 +219,29 @@ def test_a_take_whose_state_read_failed_hands_its_master_and_gradient_buffers_ba
     with pytest.raises(IOFailedError):
         reads.take(sg)  # type: ignore[arg-type]
     assert sorted(back) == ["grad gb", "master mb"]
+
+
+@pytest.mark.parametrize("read", [1, 3])
+def test_the_state_of_an_incomplete_step_is_neither_saved_nor_replaced(monkeypatch, tmp_path, read) -> None:
+    """After a failed optimizer step the state is neither the last step's nor the next's (its count is
+    taken, some sub-groups may be stepped: ``read=1`` fails the first sub-group's read, none stepped;
+    ``read=3`` the third): `state_dict`, `checkpoint_state` (a checkpoint save) and `load_state_dict`
+    raise `IncompleteStepError` (cause: the failure) instead of saving a state whose step count is one
+    ahead of its m, v, or loading into an optimizer whose step can never finish."""
+    from dsio.errors import IOFailedError
+
+    engine, opt = _nvme_engine_after_one_step(tmp_path)
+    try:
+        good = opt.state_dict()
+        _fail_read(monkeypatch, opt, read)
+        idx, targets = global_batch(1, engine.config.train_batch_size)
+        engine.backward(engine(idx, targets))
+        with pytest.raises(IOFailedError):
+            engine.step()
+        for call in (opt.state_dict, opt.checkpoint_state, lambda: opt.load_state_dict(good)):
+            with pytest.raises(IncompleteStepError) as info:
+                call()
+            assert isinstance(info.value.__cause__, IOFailedError)
+    finally:
+        monkeypatch.undo()
+        engine.close()
