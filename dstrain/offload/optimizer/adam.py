@@ -176,6 +176,18 @@ class OffloadAdam(torch.optim.Optimizer):
 
         register_offload(self)  # dstrain_offload_* on dsio's metrics exporter (read at scrape time)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, while constructing only: the sub-groups and their state (m, v in host memory or
+        swap slots) are planned over the groups given to the constructor, so a group added later would
+        never be stepped; after construction it raises `NotImplementedConfigError`."""
+        if "swapped" in self.__dict__:
+            raise NotImplementedConfigError(
+                "zero_optimization.offload_optimizer",
+                "OffloadAdam plans its sub-groups and their state at construction: pass every param "
+                "group to it (add_param_group afterwards would leave the new group's parameters unstepped)",
+            )
+        super().add_param_group(param_group)
+
     # -- swap helpers -------------------------------------------------------------------------
 
     def _initialize_files(self) -> None:

@@ -359,3 +359,27 @@ def test_swap_buffers_are_on_huge_pages(tmp_path) -> None:
         assert st.hugepages and st.buffers == 2
     finally:
         sw.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_a_param_group_added_after_construction_is_refused(tmp_path, device: str) -> None:
+    """torch's ``add_param_group`` after construction: the sub-groups and their state are planned at
+    construction, so the new group's parameters would never be stepped (they stayed as they were while
+    the others trained): refused, typed, and the optimizer is unchanged."""
+    from dstrain.errors import NotImplementedConfigError
+
+    _, grad, views = _views(5000, 5000)
+    extra = torch.zeros(2048, requires_grad=True)
+    extra.grad = torch.ones(2048)
+    off = OffloadAdam(views, device=device, nvme_path=str(tmp_path), lr=0.1)
+    try:
+        with pytest.raises(NotImplementedConfigError):
+            off.add_param_group({"params": [extra]})
+        assert len(off.param_groups) == 1
+    finally:
+        off.close()
+    two = OffloadAdam([{"params": views}, {"params": [extra], "lr": 0.5}], device="cpu")  # at construction
+    grad.fill_(1.0)
+    two.step()
+    assert extra.abs().sum() > 0
+    two.close()
