@@ -42,6 +42,39 @@ log = logging.getLogger(__name__)
 _F32 = 4
 
 
+def _check_arguments(
+    device: str,
+    nvme_path: str | None,
+    lr: float,
+    betas: tuple[float, ...],
+    eps: float,
+    weight_decay: float,
+    sub_group_size: int,
+    buffer_count: int,
+) -> None:
+    """`OffloadAdam`'s arguments as torch's Adam checks its own (``ConfigError`` is a ValueError),
+    naming the dstrain key each comes from."""
+    if device == "nvme" and not nvme_path:
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.nvme_path",
+            "device 'nvme' needs a directory for the swap file",
+        )
+    for key, ok, want, got in (
+        ("lr", lr >= 0, "a value >= 0", lr),
+        ("betas", len(betas) == 2 and all(0 <= b < 1 for b in betas), "two values in [0, 1)", betas),
+        ("eps", eps >= 0, "a value >= 0", eps),
+        ("weight_decay", weight_decay >= 0, "a value >= 0", weight_decay),
+    ):
+        if not ok:
+            raise ConfigError(f"optimizer.params.{key}", f"expected {want}, got {got!r}")
+    if sub_group_size < 1:
+        raise ConfigError("zero_optimization.sub_group_size", f"expected >= 1, got {sub_group_size!r}")
+    if buffer_count < 1:
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.buffer_count", f"expected >= 1, got {buffer_count!r}"
+        )
+
+
 class OffloadAdam(torch.optim.Optimizer):
     """Adam / AdamW (torch's fused kernel of the masters' device) over master views, state on ``device``.
 
@@ -76,6 +109,7 @@ class OffloadAdam(torch.optim.Optimizer):
             raise ConfigError(
                 "zero_optimization.offload_optimizer.device", f"expected 'cpu' or 'nvme', got {device!r}"
             )
+        _check_arguments(device, nvme_path, lr, tuple(betas), eps, weight_decay, sub_group_size, buffer_count)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         for g in self.param_groups:
@@ -126,7 +160,7 @@ class OffloadAdam(torch.optim.Optimizer):
         swapper: Swapper | None = None
         self._closed_stats: SwapperStatistics | None = None
         if device == "nvme":
-            assert nvme_path is not None
+            assert nvme_path is not None  # (`_check_arguments`)
             swapper = Swapper(
                 nvme_path,
                 "optimizer",

@@ -383,3 +383,28 @@ def test_a_param_group_added_after_construction_is_refused(tmp_path, device: str
     two.step()
     assert extra.abs().sum() > 0
     two.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"device": "nvme", "nvme_path": None},
+        {"lr": -1.0},
+        {"betas": (1.5, 0.999)},
+        {"betas": (0.9, -0.1)},
+        {"eps": -1e-8},
+        {"weight_decay": -0.1},
+        {"sub_group_size": 0},
+        {"buffer_count": 0},
+    ],
+)
+def test_bad_arguments_are_refused_typed(tmp_path, bad: dict) -> None:
+    """A hand-built `OffloadAdam`'s arguments are checked as torch's Adam checks its own: `ConfigError`
+    (a ValueError, naming the key), not an AssertionError or a run that trains with a negative learning
+    rate."""
+    from dstrain.errors import ConfigError
+
+    _, _, views = _views(5000, 5000)
+    kwargs: dict = {"device": "cpu", "nvme_path": str(tmp_path), **bad}
+    with pytest.raises(ConfigError):
+        OffloadAdam(views, **kwargs).close()
