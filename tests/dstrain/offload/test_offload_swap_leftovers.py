@@ -3,13 +3,15 @@ starts; a live run's are never touched (a lock per run directory: dstrain/offloa
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+import _forkserver
 
 from dstrain.offload.swap import Swapper
 
@@ -26,11 +28,13 @@ HOLD = textwrap.dedent(
 )
 
 
-def _start_run(nvme: Path) -> tuple[subprocess.Popen[str], Path]:
-    p = subprocess.Popen([sys.executable, "-c", HOLD, str(nvme)], stdout=subprocess.PIPE, text=True)
-    assert p.stdout is not None
+def _start_run(nvme: Path) -> tuple[_forkserver.Started, Path]:
+    """A run holding its swap directory: a process of its own (forked from the fork server: tests/
+    _forkserver.py, no new interpreter's imports), until killed."""
+    cmd = [sys.executable, "-c", HOLD, str(nvme)]
+    p = _forkserver.popen(functools.partial(_forkserver.code, HOLD, [str(nvme)]), cmd)
     line = p.stdout.readline().strip()
-    assert line, "the run printed no swap path"
+    assert line, f"the run printed no swap path; stderr:\n{p.stderr()[-3000:]}"
     return p, Path(line).parent
 
 
@@ -54,8 +58,8 @@ def test_a_killed_runs_directory_goes_a_live_runs_stays(tmp_path: Path) -> None:
             s.close()
         assert _swap_dirs(tmp_path) == {live_dir.name}  # closing removes only its own
     finally:
-        live.kill()
-        live.wait(30)
+        killed.close()
+        live.close()  # kills it
 
 
 def test_a_directory_without_a_lock_is_left_alone(tmp_path: Path) -> None:
