@@ -527,3 +527,41 @@ def test_an_engine_dropped_without_close_takes_its_optimizer_and_step_thread(tmp
     while len(_step_threads()) > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(_step_threads()) == before
+
+
+@pytest.mark.timeout(120)
+def test_steps_dropped_behind_a_failure_raised_by_the_step_hand_their_buffers_back(
+    monkeypatch, tmp_path
+) -> None:
+    """The twin of the test above where the failure surfaces in ``engine.step()``'s join, not at a
+    hand-over during backward: backward hands every sub-group step over and returns while the first one
+    still runs; it fails after, the others are dropped unrun, and their m, v buffers go back to the pool
+    (else it holds more than its read-ahead from then on)."""
+    from _dstrain_helpers import global_batch
+
+    monkeypatch.setattr(compose, "StepThread", lambda: StepThread(depth=1 << 20))  # room for every step
+    cfg = _config(tmp_path, "nvme", False, True)
+    cfg["optimizer"]["type"] = "AdamW"
+    engine, opt = dstrain.initialize(model=make_model(), config=cfg)[:2]
+    with _torn_down(engine, monkeypatch):
+        engine_losses(engine, 1, hook=lambda step, micro: opt.drain())  # the first armed pass records
+        backward_done = threading.Event()
+        real_kernel = torch._fused_adamw_
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name == NAME:
+                backward_done.wait(30)
+                raise RuntimeError("injected failure on the step thread")
+            return real_kernel(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "_fused_adamw_", kernel)
+        idx, targets = global_batch(1, engine.config.train_batch_size)
+        assert engine.config.gradient_accumulation_steps == 1
+        opt.drain()  # the reads done: on NVMe the sub-groups step during backward
+        engine.backward(engine(idx, targets))  # hands them all over, returns
+        assert opt.statistics().stepped_in_backward >= 2  # one to fail, one (at least) dropped behind it
+        backward_done.set()
+        with pytest.raises(StepThreadError):
+            engine.step()
+        opt.drain()  # the writes in flight
+        assert opt.statistics().swapper.buffers_in_use == len(opt.swapped.reads.ahead)
