@@ -4,13 +4,16 @@ Every route a read takes (staged through the pool into fresh memory, O_DIRECT st
 resident memory, buffered; with an unaligned head and tail) must checksum exactly the fragments
 lying wholly inside one of its pieces, with the crc32c of the bytes the file holds there, leave every
 other fragment unmarked (the caller's to checksum), still deliver the bytes, and count what it
-checksummed; with ``SWITCHES.engine_sums`` off nothing is marked.
+checksummed; so with any piece size (below and above the 64 KiB crc step), any number of copier
+threads and concurrent requests sharing one `ReadSums`; a read cut short marks no fragment past what it
+read; with ``SWITCHES.engine_sums`` off nothing is marked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import random
 
 import crc32c
 import pytest
@@ -152,3 +155,93 @@ def test_native_combine_agrees_with_the_matrix_products():
     for reg in (1, 0x80000000, 0xDEADBEEF):
         for length in (1, 3, 1000, (1 << 20) + 1, 1 << 33):
             assert native().crc32c_combine(reg, 0, length) == _advance(reg, length), (reg, length)
+
+
+def _grid_inside(a: int, b: int, block: int, eof: int) -> bool:
+    """Whether fragment ``[a, b)`` lies wholly inside one engine piece of an aligned read that the
+    engine cuts every ``block`` bytes from offset 0, the file ending at ``eof``."""
+    return a // block == (b - 1) // block and b <= eof
+
+
+async def _read_in_quarters(
+    cfg: dsio.IOConfig, path: str, data: bytes, sums: ReadSums, copiers: int, resident: bool
+) -> int:
+    """``path`` read whole as 4 concurrent requests sharing ``sums``, with ``copiers`` copier threads;
+    the bytes checked; returns the engine's checksummed bytes."""
+    n = len(data)
+    async with dsio.AsyncIOHandle(cfg) as h:
+        h._engine.copy_threads = copiers
+        async with h.open(path, "r") as f:
+            out = _memory(n, resident=resident)
+            q = n // 4
+            await asyncio.gather(*(f.pread(out[i : i + q], i, sums=sums) for i in range(0, n, q)))
+            assert out.numpy().tobytes() == data
+        return h.statistics().engine.checksummed_bytes
+
+
+async def _read_while_it_shrinks(cfg: dsio.IOConfig, path: str, n: int, sums: ReadSums, cut_to: int) -> None:
+    """A read of ``n`` bytes of ``path`` with ``sums``, the file truncated to ``cut_to`` once open."""
+    async with dsio.AsyncIOHandle(cfg) as h, h.open(path, "r") as f:
+        os.truncate(path, cut_to)
+        with pytest.raises(dsio.errors.ShortIOError):
+            await f.pread(_memory(n, resident=True), 0, sums=sums)
+
+
+@pytest.mark.parametrize("block", [4096, 16 << 10, MiB])  # below, at and above a 64 KiB crc step
+def test_random_fragments_shared_by_concurrent_reads_on_every_copier_count(backend, data_dir, block):
+    """Hundreds of random fragments (tiny ones, ones spanning many pieces) over one 4 MiB file, read
+    as 4 concurrent requests that share one `ReadSums` (a span read in parts), with 0 (the reaping
+    worker), 1 and 3 copier threads, into fresh and resident memory: exactly the fragments inside one
+    piece are marked, each with the file's crc32c, and the engine counts exactly their bytes."""
+    _engine_sums_here()
+    n = 4 * MiB
+    data = os.urandom(n)
+    path = os.path.join(data_dir, "f.bin")
+    with open(path, "wb") as f:
+        f.write(data)
+    rng = random.Random(block)
+    for copiers, resident in ((0, True), (1, False), (3, False), (3, True)):
+        cuts = sorted({0, n} | {rng.randrange(n) for _ in range(rng.randrange(50, 400))})
+        sums = ReadSums(cuts)
+        cfg = dsio.IOConfig(
+            backend=backend, block_size=block, queue_depth=4, intra_op_parallelism=2, pool_bytes=8 * MiB
+        )
+        counted = asyncio.run(_read_in_quarters(cfg, path, data, sums, copiers, resident))
+        summed = 0
+        for (a, b), got in zip(zip(cuts, cuts[1:]), sums.values(), strict=True):
+            if _grid_inside(a, b, block, n):
+                assert got == crc32c.crc32c(data[a:b]), (copiers, resident, a, b)
+                summed += b - a
+            else:
+                assert got is None, (copiers, resident, a, b)
+        assert counted == summed, (copiers, resident)
+
+
+@pytest.mark.parametrize("block", [4096, MiB])
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_a_read_cut_short_marks_no_fragment_past_the_bytes_it_read(tmp_path, monkeypatch, block, direct):
+    """The file shrinks under a read (after the size check): the read is ``ShortIOError``, and no
+    fragment reaching past what the file still holds is marked (its bytes were never read); those
+    marked before the cut have the file's crc32c."""
+    _engine_sums_here()
+    from dsio import _op
+
+    n = 3 * MiB
+    data = os.urandom(n)
+    path = str(tmp_path / "f.bin")
+    monkeypatch.setattr(_op, "check_readable", lambda *a: None)  # the shrink comes after the check
+    rng = random.Random(7)
+    for cut_to in (MiB + 12_345, 2 * MiB, n - 1):
+        with open(path, "wb") as f:
+            f.write(data)
+        cuts = sorted({0, n} | {rng.randrange(n) for _ in range(200)} | {cut_to - 5, cut_to, cut_to + 5})
+        sums = ReadSums(cuts)
+        cfg = dsio.IOConfig(block_size=block, queue_depth=4, intra_op_parallelism=2, o_direct=direct)
+        asyncio.run(_read_while_it_shrinks(cfg, path, n, sums, cut_to))
+        marked = 0
+        for (a, b), got in zip(zip(cuts, cuts[1:]), sums.values(), strict=True):
+            if got is not None:
+                assert b <= cut_to, (cut_to, a, b)
+                assert got == crc32c.crc32c(data[a:b]), (cut_to, a, b)
+                marked += 1
+        assert marked, cut_to  # pieces before the cut were read in full and checksummed
