@@ -54,6 +54,12 @@ if paramopt:
     for _ in range(5):  # until the interpreter exits with a step on the thread (the first time, mostly)
         opt.drain()
         engine.backward(engine(x, y))  # its sub-group steps go to the thread
+        # the thread may not have reached a step's kernel yet when backward returns (a loaded
+        # machine: the root fresh-clone run of 2026-12-02 01:30 left 5 passes with none in flight):
+        # give it up to 3 s to start one (each then takes 1 s)
+        deadline = time.monotonic() + 3.0
+        while started[0] <= opt.statistics().stepped_on_thread - before and time.monotonic() < deadline:
+            time.sleep(0.005)
         if started[0] > opt.statistics().stepped_on_thread - before:
             break
         engine.step()

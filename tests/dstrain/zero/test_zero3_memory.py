@@ -173,15 +173,8 @@ def test_stage3_world1_what_a_caller_takes_between_steps_is_a_copy(persistent: b
         engine.close()
 
 
-@pytest.mark.parametrize("close", [False, True])
-@pytest.mark.parametrize("stage", [1, 3])
-def test_an_engine_dropped_is_collected_with_its_zero_strategy(stage: int, close: bool) -> None:
-    """A training script that drops an engine, closed or not (a search loop building one a trial), gets
-    its memory back at garbage collection: the strategy, its units, store and shards, the model and the
-    optimizer go. Stage 3's post-accumulate-grad hooks live in the parameters' hook dicts, which torch's
-    collector does not traverse: a hook holding the strategy strongly kept all of it alive for good;
-    and `unit_of`'s map (parameter -> unit, weak keys) held each unit strongly, which holds its
-    parameters: no entry ever went, closed engines' shards included."""
+def _dropped_engine_parts_alive(stage: int, close: bool) -> list[bool]:
+    """Train an engine, drop it (closed or not), collect: which of its parts are still alive."""
     import gc
     import weakref
 
@@ -201,4 +194,25 @@ def test_an_engine_dropped_is_collected_with_its_zero_strategy(stage: int, close
 
     dropped = trained()
     gc.collect()
-    assert [ref() is None for ref in dropped] == [True] * len(dropped)
+    return [ref() is not None for ref in dropped]
+
+
+@pytest.mark.parametrize("close", [False, True])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_engine_dropped_is_collected_with_its_zero_strategy(stage: int, close: bool) -> None:
+    """A training script that drops an engine, closed or not (a search loop building one a trial), gets
+    its memory back at garbage collection: the strategy, its units, store and shards, the model and the
+    optimizer go. Stage 3's post-accumulate-grad hooks live in the parameters' hook dicts, which torch's
+    collector does not traverse: a hook holding the strategy strongly kept all of it alive for good;
+    and `unit_of`'s map (parameter -> unit, weak keys) held each unit strongly, which holds its
+    parameters: no entry ever went, closed engines' shards included.
+
+    In a process of its own, as a script is: in a long-lived xdist worker of the whole suite (root
+    fresh-clone run, 2026-12-02 01:30) the dropped stage-3 model was once still referenced after a
+    collection by something an earlier test of that worker left (not reproduced in one process over
+    tests/dstrain/{zero,checkpoint,checkpointing,integrations} and the offload step-thread / metrics
+    files)."""
+    from _dstrain_helpers import spawn
+
+    alive = spawn(_dropped_engine_parts_alive, stage, close, world=1, start_method="forkserver")[0]
+    assert alive == [False] * len(alive)
